@@ -1,0 +1,78 @@
+"""The one exception tree of forgerl.
+
+Everything forgerl raises on purpose derives from :class:`ForgeError`. Errors a user
+can fix themselves (a bad config, an unknown backend, a missing extra, an unreadable
+file, an unreachable server) set ``user_fixable = True``: the CLI prints them as one
+line that says what to do and exits with status 2, without a traceback (``--debug``
+shows it). Everything else is a bug or an environment failure and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class ForgeError(Exception):
+    """Root of every error forgerl raises on purpose."""
+
+    user_fixable: bool = False
+
+
+class UserError(ForgeError):
+    """Something the user can fix; printed as one line, exit status 2."""
+
+    user_fixable = True
+
+
+class ConfigError(UserError):
+    """A config file, flag or ``--set`` value is invalid."""
+
+
+class PluginError(ForgeError):
+    """A plugin is broken: it failed to import, or misdeclares its hooks or backends."""
+
+
+class DuplicateBackend(PluginError, UserError):
+    """Two installed plugins claim the same backend name."""
+
+
+class UnknownBackend(UserError):
+    """A backend name was selected that no installed plugin provides."""
+
+
+class BackendUnavailable(UserError):
+    """A backend exists but cannot run here: its extra is not installed, or it is not built yet."""
+
+
+class SchedulerError(ForgeError):
+    """A scheduler failed to submit, watch or cancel a job."""
+
+
+class JobNotFound(UserError):
+    """``forge status|logs|cancel`` was given a job id the scheduler does not know."""
+
+
+class GeneratorError(ForgeError):
+    """A generator failed to produce completions or to load weights."""
+
+
+class GeneratorUnreachable(GeneratorError, UserError):
+    """No generator replica answered (server down, wrong address)."""
+
+
+class TransportError(ForgeError):
+    """Moving weights from the trainer to the generators failed."""
+
+
+class TransportTimeout(TransportError):
+    """A weight transfer did not complete within its configured timeout."""
+
+
+class RewardError(ForgeError):
+    """A reward function failed; the loop scores that sample as failed and goes on."""
+
+
+class CheckpointError(ForgeError):
+    """A checkpoint could not be written, or a run directory cannot be resumed."""
+
+
+class ResumeError(CheckpointError, UserError):
+    """``--resume`` points at something that is not a resumable run directory."""
