@@ -234,7 +234,7 @@ def build_config(
     for path, value in parse_set(sets):
         apply_set(data, path, value)
     for key, value in (flags or {}).items():
-        if value is None or value == ():
+        if value is None or (isinstance(value, (list, tuple)) and not value):
             continue
         if key in SINGLE_BACKEND_FIELDS:
             section = data.setdefault(key, {})

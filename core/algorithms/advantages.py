@@ -52,6 +52,13 @@ def _group_stats(flat: Tensor, index: Tensor, n_groups: int) -> tuple[Tensor, Te
     return count, mean, var.sqrt()
 
 
+def _group_range(flat: Tensor, index: Tensor, n_groups: int) -> Tensor:
+    """Per-group max - min, [G]."""
+    gmax = flat.new_full((n_groups,), -torch.inf).scatter_reduce(0, index, flat, reduce="amax")
+    gmin = flat.new_full((n_groups,), torch.inf).scatter_reduce(0, index, flat, reduce="amin")
+    return gmax - gmin
+
+
 def group_advantages(
     rewards: Tensor,
     group_ids: Tensor | None = None,
@@ -73,7 +80,11 @@ def group_advantages(
     flat64 = flat.to(torch.float64)
     assert torch.isfinite(flat64).all(), "rewards must be finite (a failed reward should have a finite failure score)"
     _, mean, std = _group_stats(flat64, index, n_groups)
-    centred = flat64 - mean[index]
+    # sum/count rounds: five copies of 0.1 have a mean that is not exactly 0.1, and the
+    # ~1e-17 residue divided by (0 + eps) becomes ~1e-11. A group whose rewards are all
+    # equal must give exactly 0 (no gradient at all), so set it explicitly.
+    flat_group = _group_range(flat64, index, n_groups) == 0
+    centred = torch.where(flat_group[index], 0.0, flat64 - mean[index])
     if std_normalize == "group":
         adv = centred / (std[index] + eps)
     elif std_normalize == "batch":
@@ -104,11 +115,6 @@ def zero_variance_groups(rewards: Tensor, group_ids: Tensor | None = None, *, at
     if rewards.numel() == 0:
         return ZeroVarianceGroups(torch.ones_like(rewards, dtype=torch.bool), 0, 0)
     flat, index, n_groups = _flatten_groups(rewards, group_ids)
-    flat64 = flat.to(torch.float64)
-    gmax = torch.full((n_groups,), -torch.inf, dtype=torch.float64, device=flat.device)
-    gmin = torch.full((n_groups,), torch.inf, dtype=torch.float64, device=flat.device)
-    gmax = gmax.scatter_reduce(0, index, flat64, reduce="amax")
-    gmin = gmin.scatter_reduce(0, index, flat64, reduce="amin")
-    flat_group = (gmax - gmin) <= atol
+    flat_group = _group_range(flat.to(torch.float64), index, n_groups) <= atol
     keep = (~flat_group[index]).reshape(rewards.shape)
     return ZeroVarianceGroups(keep, int(flat_group.sum().item()), n_groups)

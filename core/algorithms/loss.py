@@ -47,9 +47,11 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 
 def _masked_max(x: Tensor, mask: Tensor) -> Tensor:
-    if not bool(mask.any()):
+    """Max of ``x`` over ``mask`` (0 when the mask is empty), without a host sync."""
+    if x.numel() == 0:
         return x.new_zeros(())
-    return torch.where(mask, x, torch.full((), -torch.inf, dtype=x.dtype, device=x.device)).max()
+    mx = torch.where(mask, x, torch.full((), -torch.inf, dtype=x.dtype, device=x.device)).max()
+    return torch.where(mask.any(), mx, torch.zeros_like(mx))
 
 
 class Surrogate(NamedTuple):
@@ -97,7 +99,11 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: Literal["k1",
     k1 = -log r (unbiased, high variance, can be negative); k2 = (log r)^2 / 2 (biased,
     low variance); k3 = (r - 1) - log r (unbiased, low variance, always >= 0).
     """
-    log_r = ref_logprobs - logprobs
+    return kl_from_log_ratio(ref_logprobs - logprobs, estimator)
+
+
+def kl_from_log_ratio(log_r: Tensor, estimator: Literal["k1", "k2", "k3"]) -> Tensor:
+    """:func:`kl_estimate` given ``log r = log pi_ref - log pi_theta`` directly."""
     if estimator == "k1":
         return -log_r
     if estimator == "k2":
@@ -239,8 +245,8 @@ def policy_loss(
         assert ref_logprobs is not None, "kl_coef > 0 needs ref_logprobs (set kl_coef: 0 to run without a reference model)"
     if ref_logprobs is not None:
         # Mask the difference, not the estimate: exp() of garbage would be inf.
-        diff = _masked(ref_logprobs.detach() - logprobs, m)
-        kl_tok = _masked(kl_estimate(torch.zeros_like(diff), diff, config.kl_estimator), m)
+        log_r = _masked(ref_logprobs.detach() - logprobs, m)
+        kl_tok = _masked(kl_from_log_ratio(log_r, config.kl_estimator), m)
         kl_ref = masked_mean(kl_tok.detach(), m)
         if config.kl_coef > 0:
             loss_kl = config.kl_coef * aggregate_loss(kl_tok, m, config.loss_agg, config.loss_norm_constant, global_count)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from forgerl.backends import RewardBackend
 from forgerl.hookspecs import hookimpl
@@ -11,7 +13,11 @@ from forgerl.hookspecs import hookimpl
 class MathAnswerOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    tag: str | None = Field("answer", description="Read the answer inside <tag></tag>; None: the whole text.")
+    tag: str | None = Field(
+        "answer",
+        pattern=r"^[A-Za-z_][\w-]*$",
+        description="Read the answer inside the last <tag></tag>; None: the whole text.",
+    )
     fallback_last_number: bool = Field(
         True, description="Without a tagged answer, compare the last number in the text."
     )
@@ -23,8 +29,20 @@ class MathAnswerOptions(BaseModel):
 class FormatOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    pattern: str = Field(r"<answer>.*?</answer>", description="Regular expression the completion should match.")
-    mode: str = Field("search", pattern="^(search|fullmatch)$")
+    # Non-empty content: "<answer></answer>" alone must not earn the format reward.
+    pattern: str = Field(
+        r"<answer>\s*[^<\s][^<]*</answer>", description="Regular expression the completion should match."
+    )
+    mode: str = Field("search", pattern="^(search|fullmatch)$", description="re.search or re.fullmatch.")
+
+    @field_validator("pattern")
+    @classmethod
+    def _compiles(cls, pattern: str) -> str:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise ValueError(f"not a valid regular expression: {exc}") from None
+        return pattern
 
 
 @hookimpl

@@ -17,7 +17,10 @@ class FSDPTrainerOptions(BaseModel):
     max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping (None: off).")
     micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward on each rank.")
     autocast_bf16: bool = Field(False, description="bfloat16 autocast for forward/backward (fp32 master weights).")
-    logprob_chunk_size: int = Field(1024, ge=1, description="Rows per chunk when computing token logprobs.")
+    logprob_chunk_size: int = Field(
+        1024, ge=1, description="Tokens per block when computing token logprobs (bounds the fp32 scratch memory)."
+    )
+    log_entropy: bool = Field(True, description="Report the mean token entropy (one more pass over the logits).")
     backend: str | None = Field(None, description="torch.distributed backend (default: nccl on GPU, gloo on CPU).")
 
 

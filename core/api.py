@@ -1,0 +1,119 @@
+"""The embedding API: build a registry, load a config, run or submit it from Python.
+
+See docs/embedding.md for a runnable example.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from forgerl import runs
+from forgerl.config import RunConfig, build_config, resolve
+from forgerl.interfaces import Scheduler
+from forgerl.plugins import Registry, build_registry
+from forgerl.types import JobHandle, JobSpec, JobStatus
+
+
+def load_config(
+    file: str | Path | None = None,
+    *,
+    sets: Iterable[str] = (),
+    flags: Mapping[str, Any] | None = None,
+    registry: Registry | None = None,
+    base: Mapping[str, Any] | None = None,
+    check_available: bool = False,
+) -> RunConfig:
+    """Defaults < ``base`` < ``file`` < ``sets`` (``"dotted.key=value"``) < ``flags``,
+    validated, with every backend's options checked and filled in by the backend."""
+    registry = registry or build_registry()
+    config = build_config(file, sets=sets, flags=flags, base=base)
+    return resolve(config, registry, check_available=check_available)
+
+
+@dataclass
+class Submission:
+    """A submitted run: its directory, its scheduler and the scheduler's handle."""
+
+    run_dir: Path
+    handle: JobHandle
+    scheduler: Scheduler
+    job: JobSpec
+
+    def wait(self, timeout: float | None = None) -> JobStatus:
+        return self.scheduler.wait(self.handle, timeout)
+
+    def summary(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.run_dir / runs.SUMMARY_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+
+
+@dataclass
+class Plan:
+    """What a run would do, before anything starts: for ``--dry-run`` and for submit."""
+
+    config: RunConfig
+    run_dir: Path
+    job: JobSpec
+    scheduler: Scheduler
+    resumed: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        return self.scheduler.render(self.job)
+
+
+def plan(
+    config: RunConfig,
+    *,
+    registry: Registry | None = None,
+    resume_dir: str | Path | None = None,
+    create: bool = True,
+) -> Plan:
+    """Resolve backends (they must be available here), choose the run directory and
+    build the job. With ``create`` the run directory is created and config.yaml written."""
+    registry = registry or build_registry()
+    config = resolve(config, registry, check_available=True)
+    if resume_dir is not None:
+        run_dir = runs.existing_run_dir(resume_dir)
+        config = config.model_copy(update={"output": str(run_dir)})
+    elif create:
+        run_dir = runs.new_run_dir(config)
+        config = config.model_copy(update={"output": str(run_dir)})
+    else:
+        run_dir = (Path(config.output) if config.output else runs.default_run_dir()).resolve()
+    if create:
+        runs.write_config(run_dir, config)
+    job = runs.build_job(config, registry, run_dir)
+    scheduler = registry.require("scheduler", config.scheduler.name).create(config.scheduler.options)
+    return Plan(config, run_dir, job, scheduler, resumed=resume_dir is not None)
+
+
+def submit(
+    config: RunConfig,
+    *,
+    registry: Registry | None = None,
+    resume_dir: str | Path | None = None,
+) -> Submission:
+    """Start the run through its scheduler and return at once (the local scheduler's
+    processes run until :meth:`Submission.wait` supervises them)."""
+    p = plan(config, registry=registry, resume_dir=resume_dir)
+    handle = p.scheduler.submit(p.job)
+    runs.write_submission(p.run_dir, handle)
+    return Submission(p.run_dir, handle, p.scheduler, p.job)
+
+
+def run(
+    config: RunConfig,
+    *,
+    registry: Registry | None = None,
+    resume_dir: str | Path | None = None,
+    timeout: float | None = None,
+) -> tuple[JobStatus, Submission]:
+    """Submit the run and wait for it to end; returns the final status and the submission."""
+    sub = submit(config, registry=registry, resume_dir=resume_dir)
+    return sub.wait(timeout), sub

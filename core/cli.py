@@ -1,0 +1,326 @@
+"""The ``forge`` command.
+
+Errors a user can fix are printed as one line (``forge: error: ...``) with exit status 2;
+``--debug`` (or FORGE_DEBUG=1) shows the traceback instead. Nothing heavy is imported
+until a command needs it: ``forge --help`` and ``forge plugins list`` never import torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from forgerl import __version__
+from forgerl.errors import ForgeError, JobNotFound
+
+EXIT_USER_ERROR = 2
+
+
+class _State:
+    debug = False
+    registry = None
+
+
+def _registry():
+    """The plugin registry, built once per command (plugins load once, hooks trace once)."""
+    if _State.registry is None:
+        from forgerl.plugins import build_registry
+
+        _State.registry = build_registry()
+    return _State.registry
+
+
+def _fail(message: str) -> None:
+    click.echo(f"forge: error: {message}", err=True)
+
+
+# ----------------------------------------------------------------------------- root
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
+@click.version_option(__version__, prog_name="forge")
+def cli(debug: bool) -> None:
+    """forgerl: reinforcement-learning post-training for language models.
+
+    \b
+    forge run                       the default demo (SmolLM2-135M on arithmetic, CPU)
+    forge run --model tiny --steps 3
+    forge run run.yaml --generator vllm --scheduler slurm
+    forge plugins list              backends and whether they can run here
+    """
+    _State.debug = _State.debug or debug
+
+
+# ------------------------------------------------------------------------------ run
+
+_BACKEND_FLAGS = ("generator", "trainer", "transport", "scheduler", "task")
+
+
+def _config_options(f):
+    """Options shared by `forge run` and `forge config show`."""
+    opts = [
+        click.argument("config_file", required=False, type=click.Path(dir_okay=False)),
+        click.option("--generator", help="Generator backend (vllm, sglang, hf, ...)."),
+        click.option("--trainer", help="Trainer backend (fsdp, torchtitan, ...)."),
+        click.option("--transport", help="Weight transport (shm, nccl, rdma, ...)."),
+        click.option("--scheduler", help="Scheduler (local, slurm, kubernetes, ...)."),
+        click.option("--task", help="Task, the source of prompts (arithmetic, file, ...)."),
+        click.option("--reward", "rewards", multiple=True, help="Reward (repeatable; replaces the configured list)."),
+        click.option("--model", help="Named model (tiny, smollm2-135m-instruct), local folder or hub id."),
+        click.option("--steps", type=click.IntRange(min=0), help="Training steps."),
+        click.option("--output", help="Run directory (default runs/<timestamp>)."),
+        click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Set any config key, e.g. loop.group_size=8."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def _flags(kwargs: dict[str, Any]) -> dict[str, Any]:
+    flags = {k: kwargs.get(k) for k in (*_BACKEND_FLAGS, "model", "steps", "output")}
+    flags["rewards"] = list(kwargs.get("rewards") or ())
+    return flags
+
+
+@cli.command()
+@_config_options
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), help="Continue the run in this directory.")
+@click.option("--dry-run", is_flag=True, help="Print what would be started or submitted; start nothing.")
+@click.option("--wait/--no-wait", default=None, help="Follow a submitted job to its end (default for local runs).")
+def run(config_file, sets, resume_dir, dry_run, wait, **kwargs) -> None:
+    """Run (or submit) a post-training run."""
+    from forgerl import api, runs
+    from forgerl.config import read_yaml
+    registry = _registry()
+    base = None
+    if resume_dir:
+        base = read_yaml(runs.existing_run_dir(resume_dir) / runs.CONFIG_FILE)
+        base.pop("output", None)
+    config = api.load_config(config_file, sets=sets, flags=_flags(kwargs), registry=registry, base=base)
+    plan = api.plan(config, registry=registry, resume_dir=resume_dir, create=not dry_run)
+    if dry_run:
+        click.echo(f"# run directory: {plan.run_dir}  (nothing was created)")
+        click.echo(f"# scheduler: {plan.config.scheduler.name}")
+        click.echo(plan.render())
+        return
+    from forgerl.progress import follow_run
+
+    handle = plan.scheduler.submit(plan.job)
+    runs.write_submission(plan.run_dir, handle)
+    if plan.scheduler.detached and not wait:
+        click.echo(f"submitted {handle.job_id} to {handle.scheduler}; run directory {plan.run_dir}")
+        click.echo(f"follow it with `forge status {plan.run_dir}` and `forge logs {plan.run_dir}`")
+        return
+    click.echo(f"run directory: {plan.run_dir}", err=True)
+    status = follow_run(plan.scheduler, handle, plan.run_dir, plan.config, progress=plan.config.logging.progress)
+    sys.exit(0 if status.exit_code in (0, None) and status.state.value == "completed" else (status.exit_code or 1))
+
+
+# -------------------------------------------------------------------------- plugins
+
+
+@cli.group()
+def plugins() -> None:
+    """Installed plugins and their backends."""
+
+
+@plugins.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def plugins_list(as_json: bool) -> None:
+    """Every plugin: distribution, version, hooks, backends and whether each can run here."""
+    registry = _registry()
+    rows = []
+    for info in sorted(registry.plugins.values(), key=lambda i: (not i.first_party, i.name)):
+        rows.append(
+            {
+                "name": info.name,
+                "distribution": info.distribution,
+                "version": info.version,
+                "status": info.status,
+                "error": info.error,
+                "hooks": info.hooks,
+                "backends": [
+                    {
+                        "kind": b.kind,
+                        "name": b.name,
+                        "description": b.description,
+                        "available": b.unavailable_reason() is None,
+                        "reason": b.unavailable_reason(),
+                    }
+                    for b in info.backends
+                ],
+            }
+        )
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    for row in rows:
+        head = f"{row['name']}  ({row['distribution']} {row['version']})"
+        if row["status"] != "loaded":
+            head += f"  [{row['status']}{': ' + row['error'] if row['error'] else ''}]"
+        click.echo(head)
+        for b in row["backends"]:
+            mark = "ok " if b["available"] else "-- "
+            why = "" if b["available"] else f"  (unavailable: {b['reason']})"
+            click.echo(f"  {mark}{b['kind']:<10} {b['name']:<22} {b['description']}{why}")
+        other = [h for h in row["hooks"] if not h.startswith("forge_") or h[6:] not in _REGISTRATION]
+        if other:
+            click.echo(f"     hooks: {', '.join(other)}")
+
+
+_REGISTRATION = {"generators", "trainers", "rewards", "transports", "schedulers", "tasks", "models"}
+
+
+# --------------------------------------------------------------------------- config
+
+
+@cli.group("config")
+def config_group() -> None:
+    """Show, validate and describe run configurations."""
+
+
+@config_group.command("show")
+@_config_options
+def config_show(config_file, sets, **kwargs) -> None:
+    """Print the resolved config (defaults < file < --set < flags), backend options filled in."""
+    from forgerl import api
+
+    config = api.load_config(config_file, sets=sets, flags=_flags(kwargs), registry=_registry())
+    click.echo(config.to_yaml(), nl=False)
+
+
+@config_group.command("schema")
+def config_schema() -> None:
+    """Print the JSON schema of the run config."""
+    from forgerl.config import config_schema as schema
+
+    click.echo(json.dumps(schema(), indent=2))
+
+
+@config_group.command("validate")
+@click.argument("config_file", type=click.Path(dir_okay=False))
+def config_validate(config_file: str) -> None:
+    """Check a config file: structure, backend names and every backend's options."""
+    from forgerl import api
+
+    api.load_config(config_file, registry=_registry())
+    click.echo(f"{config_file}: ok")
+
+
+# ------------------------------------------------------------------- jobs: status/logs/cancel
+
+
+def _job_scheduler(job: str, scheduler_name: str | None):
+    """A job is a run directory (any scheduler; read from submission.json) or a
+    scheduler's own job id together with --scheduler."""
+    from forgerl import runs
+
+    registry = _registry()
+    job_id = job
+    if Path(job).is_dir():
+        sub = runs.read_submission(Path(job))
+        if sub is None:
+            raise JobNotFound(f"{job!r} has no {runs.SUBMISSION_FILE}: it was never submitted")
+        scheduler_name = scheduler_name or sub["scheduler"]
+        job_id = sub["job_id"]
+    if scheduler_name is None:
+        raise JobNotFound(f"{job!r} is not a run directory; give the scheduler too, e.g. `--scheduler slurm`")
+    backend = registry.require("scheduler", scheduler_name)
+    from forgerl.config import RunConfig
+
+    options: dict[str, Any] = {}
+    if Path(job).is_dir():
+        try:
+            cfg = RunConfig.model_validate(__import__("yaml").safe_load((Path(job) / runs.CONFIG_FILE).read_text()))
+            if cfg.scheduler.name == scheduler_name:
+                options = cfg.scheduler.options
+        except Exception:  # noqa: BLE001 - the job id alone is enough for status
+            options = {}
+    return backend.create(options), job_id
+
+
+_scheduler_option = click.option("--scheduler", "scheduler_name", help="Scheduler of a bare job id.")
+
+
+@cli.command()
+@click.argument("job")
+@_scheduler_option
+def status(job: str, scheduler_name: str | None) -> None:
+    """State of a submitted run (a run directory, or a job id with --scheduler)."""
+    scheduler, job_id = _job_scheduler(job, scheduler_name)
+    st = scheduler.status(job_id)
+    line = f"{job_id}: {st.state.value}"
+    if st.exit_code is not None:
+        line += f" (exit {st.exit_code})"
+    if st.detail:
+        line += f" - {st.detail}"
+    click.echo(line)
+
+
+@cli.command()
+@click.argument("job")
+@_scheduler_option
+@click.option("--role", help="Only this role's logs.")
+def logs(job: str, scheduler_name: str | None, role: str | None) -> None:
+    """Logs of a submitted run."""
+    scheduler, job_id = _job_scheduler(job, scheduler_name)
+    for line in scheduler.logs(job_id, role=role):
+        click.echo(line.rstrip("\n"))
+
+
+@cli.command()
+@click.argument("job")
+@_scheduler_option
+def cancel(job: str, scheduler_name: str | None) -> None:
+    """Stop a submitted run."""
+    scheduler, job_id = _job_scheduler(job, scheduler_name)
+    scheduler.cancel(job_id)
+    click.echo(f"cancelled {job_id}")
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def _add_plugin_commands() -> None:
+    # Loading plugins is cheap (registration modules import no backend), and plugins
+    # may add subcommands, so it happens before the command line is parsed.
+    try:
+        _registry().hooks.commands(cli)
+    except ForgeError:
+        # A broken plugin set must not make `forge --help` unusable; the command that
+        # needs the registry reports the error itself.
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    _State.debug = "--debug" in args or os.environ.get("FORGE_DEBUG", "") not in ("", "0")
+    try:
+        _add_plugin_commands()
+        cli.main(args=args, prog_name="forge", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(EXIT_USER_ERROR if exc.exit_code == 2 else exc.exit_code)
+    except click.exceptions.Abort:
+        _fail("aborted")
+        sys.exit(130)
+    except ForgeError as exc:
+        if _State.debug or not exc.user_fixable:
+            raise
+        _fail(str(exc))
+        sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt:
+        _fail("interrupted")
+        sys.exit(130)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

@@ -1,0 +1,395 @@
+"""The RL loop, driven by trainer rank 0.
+
+Per step ``k``: take rollout batch ``k`` (made by :mod:`forgerl.rollout` in a thread,
+overlapping training), drop samples staler than ``loop.max_staleness``, compute
+group-relative advantages, train on all ranks, export the new weights (version ``k+1``)
+and push them through the transport into the generator, evaluate and checkpoint when due,
+write one row of metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from forgerl import checkpoint as ckpt
+from forgerl import runs
+from forgerl.batching import prepare_batch
+from forgerl.config import RunConfig
+from forgerl.interfaces import Generator, RunContext, Task
+from forgerl.metrics import MetricsWriter
+from forgerl.plugins import Registry
+from forgerl.rollout import RolloutBatch, RolloutBuffer, RolloutProducer, Tokenizing, sampling_seed
+from forgerl.spmd import TrainerDriver
+from forgerl.types import GenerationRequest, RewardInput, SamplingParams
+
+log = logging.getLogger("forgerl.loop")
+
+PHASES = ("generate", "reward", "train", "sync", "eval", "checkpoint")
+
+
+class Interrupted(Exception):
+    """SIGTERM/SIGINT arrived; the loop checkpoints and stops at the step boundary."""
+
+
+class Loop:
+    def __init__(
+        self,
+        config: RunConfig,
+        registry: Registry,
+        ctx: RunContext,
+        driver: TrainerDriver,
+        generator: Generator,
+        task: Task,
+        rewards: Any,
+        sender: Any,
+        tokenizer: Any,
+    ):
+        self.config = config
+        self.registry = registry
+        self.ctx = ctx
+        self.run_dir = ctx.run_dir
+        self.driver = driver
+        self.generator = generator
+        self.task = task
+        self.rewards = rewards
+        self.sender = sender
+        self.tokenizing = Tokenizing(tokenizer)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.step = 0  # completed steps
+        self.policy_version = 0
+        self.time_totals = {p: 0.0 for p in PHASES}
+        self.eval_start: float | None = None
+        self.eval_last: float | None = None
+        self.stop_requested = threading.Event()
+        self.last_batch_task_state: dict[str, Any] = {}
+
+    # -------------------------------------------------------------------- state
+
+    def loop_state(self, buffer: RolloutBuffer, task_state: dict[str, Any]) -> dict[str, Any]:
+        import numpy as np
+        import torch
+
+        return {
+            "step": self.step,
+            "policy_version": self.policy_version,
+            "task_state": task_state,
+            "next_rollout_index": buffer.next_index,
+            "time_totals": self.time_totals,
+            "eval_start": self.eval_start,
+            "eval_last": self.eval_last,
+            "rng": {
+                "python": _encode(random.getstate()),
+                "numpy": _encode(np.random.get_state()),
+                "torch": _encode(torch.get_rng_state()),
+            },
+        }
+
+    def restore(self, path: Path) -> list[RolloutBatch]:
+        import numpy as np
+        import torch
+
+        state, pending = ckpt.load_loop_state(path)
+        self.driver.call("load", path / "trainer")
+        self.step = state["step"]
+        self.policy_version = state["policy_version"]
+        self.task.load_state_dict(state["task_state"])
+        self.time_totals.update(state.get("time_totals", {}))
+        self.eval_start = state.get("eval_start")
+        self.eval_last = state.get("eval_last")
+        # Task state after the last batch that exists (trained or pending): the producer
+        # continues from there.
+        self.last_batch_task_state = state["task_state"]
+        random.setstate(_decode(state["rng"]["python"]))
+        np.random.set_state(_decode(state["rng"]["numpy"]))
+        torch.set_rng_state(_decode(state["rng"]["torch"]))
+        return pending
+
+    # -------------------------------------------------------------------- run
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        steps = cfg.loop.steps
+        S = cfg.loop.max_staleness
+        resume_from = ckpt.latest(self.run_dir)
+        ckpt.clean_staging(self.run_dir)
+        pending: list[RolloutBatch] = []
+        if resume_from is not None:
+            pending = self.restore(resume_from)
+            log.info("resumed from %s at step %d (policy version %d)", resume_from, self.step, self.policy_version)
+        metrics = MetricsWriter(
+            self.run_dir,
+            hooks=self.registry.hooks,
+            tensorboard=cfg.logging.tensorboard,
+            resume_step=self.step if resume_from is not None else None,
+        )
+        self.registry.hooks.run_start(config=cfg, run_dir=self.run_dir)
+        if resume_from is not None and self.policy_version > 0:
+            # A fresh generator serves the base model (version 0): bring it to the
+            # checkpoint's weights before it makes a single rollout.
+            self.sync_weights(self.policy_version)
+
+        next_index = self.step + len(pending)
+        buffer = RolloutBuffer(S, next_index=next_index, version=self.generator.policy_version)
+        for b in pending:
+            buffer.ready[b.index] = b
+        if not resume_from:
+            self.last_batch_task_state = self.task.state_dict()
+        producer = RolloutProducer(
+            buffer=buffer,
+            generator=self.generator,
+            task=self.task,
+            score=self.rewards.score,
+            tokenizing=self.tokenizing,
+            prompts_per_step=cfg.loop.prompts_per_step,
+            group_size=cfg.loop.group_size,
+            sampling=SamplingParams(
+                max_tokens=cfg.loop.sampling.max_tokens,
+                temperature=cfg.loop.sampling.temperature,
+                top_p=cfg.loop.sampling.top_p,
+                top_k=cfg.loop.sampling.top_k,
+            ),
+            seed=cfg.loop.seed,
+            start=next_index,
+            last=steps - 1,
+        )
+        status = "completed"
+        try:
+            if self.step < steps:
+                if cfg.loop.eval_at_start and self.step == 0 and self.eval_start is None:
+                    row = self.evaluate()
+                    self.eval_start = row["eval/accuracy"]
+                    self.eval_last = self.eval_start
+                producer.start()
+            while self.step < steps:
+                if self.stop_requested.is_set():
+                    raise Interrupted()
+                row, self.last_batch_task_state = self.train_one(buffer)
+                due_eval = cfg.loop.eval_every and self.step % cfg.loop.eval_every == 0
+                if due_eval or self.step == steps:
+                    row.update(self.evaluate())
+                    self.eval_last = row["eval/accuracy"]
+                if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or self.step == steps:
+                    t = time.perf_counter()
+                    self.save(buffer, producer)
+                    self.time_totals["checkpoint"] += time.perf_counter() - t
+                metrics.write(self.step, row)
+        except Interrupted:
+            status = "interrupted"
+            buffer.stop()
+            t = time.perf_counter()
+            self.save(buffer, producer)
+            self.time_totals["checkpoint"] += time.perf_counter() - t
+        except BaseException:
+            status = "failed"
+            raise
+        finally:
+            buffer.stop()
+            summary = self.summary(status)
+            runs.atomic_write_text(self.run_dir / runs.SUMMARY_FILE, json.dumps(summary, indent=2))
+            self.registry.hooks.run_end(summary=summary, run_dir=self.run_dir)
+            metrics.close()
+        return summary
+
+    def train_one(self, buffer: RolloutBuffer) -> tuple[dict[str, Any], dict[str, Any]]:
+        cfg = self.config
+        S = cfg.loop.max_staleness
+        k = self.step
+        t_step = time.perf_counter()
+        rollouts = buffer.get(k)
+        wait_s = time.perf_counter() - t_step
+        fresh = [e for e in rollouts.episodes if self.policy_version - e.completion.policy_version <= S]
+        dropped = len(rollouts.episodes) - len(fresh)
+        prepared = prepare_batch(
+            fresh, cfg.algorithm, max_tokens=cfg.loop.sampling.max_tokens, pad_id=self.pad_id
+        )
+        t = time.perf_counter()
+        train_metrics: dict[str, float] = {}
+        if prepared.batch is not None:
+            train_metrics = self.driver.call("train_step", prepared.batch)
+        train_s = time.perf_counter() - t
+        self.step += 1
+        t = time.perf_counter()
+        # Every batch meant for the current version must be made before it changes.
+        buffer.wait_done_through(min(self.step - 1 + S, cfg.loop.steps - 1))
+        self.sync_weights(self.step)
+        buffer.set_version(self.generator.policy_version)
+        sync_s = time.perf_counter() - t
+        for name, secs in (("generate", rollouts.gen_seconds), ("reward", rollouts.reward_seconds),
+                           ("train", train_s), ("sync", sync_s)):
+            self.time_totals[name] += secs
+        eps = rollouts.episodes
+        row: dict[str, Any] = {
+            "step": self.step,
+            "policy_version": self.policy_version,
+            "reward/mean": _mean(e.reward for e in eps),
+            "reward/failed": rollouts.rewards_failed,
+        }
+        for name in sorted({n for e in eps for n in e.reward_components}):
+            row[f"reward/{name}"] = _mean(e.reward_components.get(name, 0.0) for e in eps)
+        staleness = [self.policy_version - 1 - e.completion.policy_version for e in eps]
+        row.update(
+            {
+                "staleness/mean": _mean(staleness),
+                "samples/dropped_stale": dropped,
+                "samples/trained": len(prepared.episodes),
+                "groups/filtered_zero_variance": prepared.filtered_groups,
+                "completion/mean_tokens": _mean(len(e.completion.token_ids) for e in eps),
+                "completion/truncated_frac": _mean(e.completion.finish_reason == "length" for e in eps),
+                "time/step": time.perf_counter() - t_step,
+                "time/wait_rollouts": wait_s,
+                "time/generate": rollouts.gen_seconds,
+                "time/reward": rollouts.reward_seconds,
+                "time/train": train_s,
+                "time/sync": sync_s,
+                "throughput/gen_tokens_per_s": rollouts.gen_tokens / max(rollouts.gen_seconds, 1e-9),
+            }
+        )
+        train_tokens = float(prepared.batch.attention_mask.sum()) if prepared.batch is not None else 0.0
+        row["throughput/train_tokens_per_s"] = train_tokens / max(train_s, 1e-9)
+        row.update(train_metrics)
+        return row, rollouts.task_state
+
+    # -------------------------------------------------------------------- weights
+
+    def sync_weights(self, version: int) -> None:
+        """Export the trainer's weights as ``version`` and load them into the generator."""
+        weights = self.driver.call("export_weights", version)
+        timeout = self.config.transport.timeout
+        errors: list[BaseException] = []
+
+        def receive() -> None:
+            try:
+                self.generator.update_weights(version)
+            except BaseException as exc:  # noqa: BLE001 - re-raised below
+                errors.append(exc)
+
+        receiver = threading.Thread(target=receive, name="forge-weight-update", daemon=True)
+        receiver.start()
+        self.sender.send(weights, timeout=timeout)
+        receiver.join(timeout + 5)
+        if receiver.is_alive():
+            from forgerl.errors import TransportTimeout
+
+            raise TransportTimeout(f"the generator did not load weight version {version} within {timeout} s")
+        if errors:
+            raise errors[0]
+        self.policy_version = version
+
+    # -------------------------------------------------------------------- eval
+
+    def evaluate(self) -> dict[str, float]:
+        cfg = self.config
+        t = time.perf_counter()
+        problems = self.task.eval_problems()
+        if cfg.loop.eval_size:
+            problems = problems[: cfg.loop.eval_size]
+        sampling = SamplingParams(
+            max_tokens=cfg.loop.sampling.max_tokens,
+            temperature=cfg.loop.eval_temperature,
+            top_p=cfg.loop.sampling.top_p,
+            top_k=cfg.loop.sampling.top_k,
+        )
+        requests = [
+            GenerationRequest(
+                request_id=f"eval-{i}",
+                prompt_token_ids=self.tokenizing.prompt_ids(p),
+                n=1,
+                sampling=_replace(sampling, seed=sampling_seed(cfg.loop.seed + 1, -1, i)),
+            )
+            for i, p in enumerate(problems)
+        ]
+
+        async def go():
+            results = await self.generator.generate(requests)
+            inputs = [RewardInput(p, r[0].text, r[0].finish_reason) for p, r in zip(problems, results)]
+            return await self.rewards.score(inputs)
+
+        scores = asyncio.run(go())
+        correct = [_is_correct(s, cfg) for s in scores]
+        self.time_totals["eval"] += time.perf_counter() - t
+        return {
+            "eval/accuracy": _mean(correct),
+            "eval/reward": _mean(s.value for s in scores),
+            "eval/samples": len(scores),
+        }
+
+    # -------------------------------------------------------------------- checkpoint
+
+    def save(self, buffer: RolloutBuffer, producer: RolloutProducer) -> None:
+        """Checkpoint at a step boundary: trainer state on all ranks, then the loop state,
+        including rollouts already made for later steps (they were sampled from older
+        weights than the checkpoint holds, so they cannot be made again after resume)."""
+        pending = [b for b in buffer.pending() if b.index >= self.step]
+        # The producer may be consuming the task right now: use the state recorded with
+        # the last finished batch, never the live one.
+        task_state = pending[-1].task_state if pending else self.last_batch_task_state
+        path = ckpt.prepare(self.run_dir, self.step)
+        self.driver.call("save", path / "trainer")
+        state = self.loop_state(buffer, task_state)
+        state["next_rollout_index"] = self.step + len(pending)
+        ckpt.commit(self.run_dir, self.step, state, pending, keep=self.config.checkpoint.keep)
+
+    def summary(self, status: str) -> dict[str, Any]:
+        return {
+            "status": status,
+            "steps": self.step,
+            "policy_version": self.policy_version,
+            "eval_accuracy_start": self.eval_start,
+            "eval_accuracy_end": self.eval_last,
+            "time": {k: round(v, 3) for k, v in self.time_totals.items()},
+            "run_dir": str(self.run_dir),
+        }
+
+
+def _is_correct(score: Any, cfg: RunConfig) -> float:
+    """A held-out sample is correct when the primary (first) reward says so: its
+    ``correct`` sub-component where it reports one, else a full score."""
+    primary = cfg.rewards[0].name
+    comps = score.components
+    if f"{primary}/correct" in comps:
+        return float(comps[f"{primary}/correct"])
+    return float(comps.get(primary, 0.0) >= 1.0)
+
+
+def _mean(xs) -> float:
+    xs = [float(x) for x in xs]
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _replace(params: SamplingParams, **kw: Any) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, **kw)
+
+
+def _encode(obj: Any) -> str:
+    import base64
+    import pickle
+
+    return base64.b64encode(pickle.dumps(obj)).decode()
+
+
+def _decode(s: str) -> Any:
+    import base64
+    import pickle
+
+    return pickle.loads(base64.b64decode(s))
+
+
+def install_stop_handlers(loop: Loop | None) -> None:
+    """SIGTERM/SIGINT ask for a checkpoint and a clean stop at the next step boundary."""
+
+    def handler(signum, frame):  # noqa: ARG001
+        if loop is not None:
+            loop.stop_requested.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

@@ -1,0 +1,109 @@
+"""What every trainer rank runs: ``python -m forgerl.worker --run-dir DIR``.
+
+The scheduler starts it with the torch.distributed environment (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT). Every rank builds the trainer; rank 0 also builds the task,
+rewards, transport and generator and drives the loop; other ranks follow rank 0.
+Exit status: 0 completed, 2 a user-fixable error (one line on stderr), 143 stopped by
+SIGTERM/SIGINT after checkpointing, 1 anything else (with a traceback in the log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import yaml
+
+from forgerl.errors import ForgeError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="forgerl.worker")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    try:
+        return run_worker(args.run_dir.resolve())
+    except ForgeError as exc:
+        if not exc.user_fixable or os.environ.get("FORGE_DEBUG"):
+            raise
+        print(f"forge: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def run_worker(run_dir: Path) -> int:
+    from forgerl import runs
+    from forgerl.config import validate_config
+
+    config = validate_config(yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text()), source=str(run_dir))
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    logging.basicConfig(
+        level=config.logging.level.upper(),
+        format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("forgerl.worker")
+
+    import torch
+
+    # Ranks share the machine's cores; without this each rank starts one thread per core.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.manual_seed(config.loop.seed)
+
+    from forgerl.interfaces import RunContext
+    from forgerl.models import resolve_model
+    from forgerl.plugins import build_registry
+    from forgerl.spmd import TrainerDriver, follow
+
+    registry = build_registry()
+    model_path = resolve_model(config.model, registry)
+    ctx = RunContext(config=config, run_dir=run_dir, model_path=model_path, rank=rank, world_size=world)
+    log.info("model %s; trainer %s on %d rank(s)", model_path, config.trainer.name, world)
+    trainer = registry.require("trainer", config.trainer.name).create(config.trainer.options, ctx)
+
+    if rank != 0:
+        # Rank 0 decides when to stop (after checkpointing): ignore the scheduler's
+        # SIGTERM here so that the checkpoint's collectives can finish.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            follow(trainer)
+        finally:
+            trainer.close()
+        return 0
+
+    from transformers import AutoTokenizer
+
+    from forgerl.loop import Loop, install_stop_handlers
+    from forgerl.rewarding import RewardSet
+
+    driver = TrainerDriver(trainer, world)
+    generator = sender = None
+    try:
+        task = registry.require("task", config.task.name).create(config.task.options, config.loop.seed)
+        rewards = RewardSet.from_config(config, registry)
+        transport = registry.require("transport", config.transport.name).create(config.transport.options, ctx)
+        ctx.extras["transport"] = transport
+        sender = transport.sender()
+        generator = registry.require("generator", config.generator.name).create(config.generator.options, ctx)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer)
+        install_stop_handlers(loop)
+        summary = loop.run()
+    finally:
+        driver.stop()
+        for part in (generator, sender, trainer):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:  # noqa: BLE001 - closing must not hide the real error
+                    log.exception("closing %s failed", type(part).__name__)
+    return 143 if summary["status"] == "interrupted" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
