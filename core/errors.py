@@ -34,6 +34,10 @@ class DuplicateBackend(PluginError, UserError):
     """Two installed plugins claim the same backend name."""
 
 
+class PluginLoadError(PluginError, UserError):
+    """A plugin the user named explicitly (FORGE_PLUGINS, an import path) cannot be imported."""
+
+
 class UnknownBackend(UserError):
     """A backend name was selected that no installed plugin provides."""
 

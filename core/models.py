@@ -77,13 +77,15 @@ def _from_hub(name: str) -> Path:
     try:
         from huggingface_hub import snapshot_download
     except ImportError:
-        raise ConfigError(f"{prefix}: huggingface_hub is not installed (pip install huggingface_hub)") from None
+        raise ConfigError(
+            f"{prefix}: huggingface_hub is not installed (pip install huggingface_hub)"
+        ) from None
     offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
     try:
         folder = Path(snapshot_download(repo_id=name, allow_patterns=HUB_PATTERNS, local_files_only=offline))
     except Exception as exc:  # noqa: BLE001 - network, auth, validation: all one user-facing line
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        if offline:
+        if offline and "LocalEntryNotFound" in type(exc).__name__:
             reason += " (HF_HUB_OFFLINE is set: only models already in the hub cache can be used)"
         raise ConfigError(f"{prefix}: {type(exc).__name__}: {reason}") from None
     if not (folder / "config.json").is_file():

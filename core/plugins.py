@@ -6,10 +6,13 @@ when embedding, from objects passed in. Environment switches:
 - ``FORGE_DISABLE_PLUGINS=a,b``  never load these plugins (entry-point names)
 - ``FORGE_STRICT_PLUGINS=1``     a plugin that fails to load is an error, not a warning
 - ``FORGE_TRACE_HOOKS=1``        print every hook call to stderr
+- ``FORGE_PLUGINS=pkg.mod,...``  also load these modules as plugins (set for a run's
+  processes when the embedding code passed plugins by import path)
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 from dataclasses import dataclass, field
@@ -20,7 +23,7 @@ import pluggy
 
 from forgerl import hookspecs
 from forgerl.backends import BACKEND_KINDS, Backend
-from forgerl.errors import BackendUnavailable, DuplicateBackend, PluginError, UnknownBackend
+from forgerl.errors import BackendUnavailable, DuplicateBackend, PluginError, PluginLoadError, UnknownBackend
 
 ENTRY_POINT_GROUP = "forgerl"
 FIRST_PARTY_DIST = "forgerl"
@@ -58,6 +61,10 @@ def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
 
+def _env_list_ordered(name: str) -> list[str]:
+    return [p.strip() for p in os.environ.get(name, "").split(",") if p.strip()]
+
+
 def _env_list(name: str) -> set[str]:
     return {p.strip() for p in os.environ.get(name, "").split(",") if p.strip()}
 
@@ -72,9 +79,11 @@ class Registry:
     Build it with :func:`build_registry`. Backends are collected once, when built.
     """
 
-    def __init__(self, pm: pluggy.PluginManager, plugins: dict[str, PluginInfo]):
+    def __init__(self, pm: pluggy.PluginManager, plugins: dict[str, PluginInfo], refs: list[str] | None = None):
         self.pm = pm
         self.plugins = plugins
+        #: Plugins given by import path: a run's processes load them too (FORGE_PLUGINS).
+        self.plugin_refs = list(refs or [])
         self._backends: dict[str, dict[str, Backend]] = {kind: {} for kind in _KIND_HOOKS}
         self._owner: dict[tuple[str, str], PluginInfo] = {}
         self._collect()
@@ -188,9 +197,11 @@ def build_registry(
 ) -> Registry:
     """Load plugins and collect their backends.
 
-    ``plugins`` are extra plugin objects (modules or instances) to register, e.g. when
-    embedding forgerl; a plugin's name is its ``__name__`` or ``forge_plugin_name``
-    attribute. ``disabled``/``strict``/``trace`` default to the environment switches.
+    ``plugins`` are extra plugins to register when embedding forgerl: import paths
+    (``"pkg.module"``), which a run's processes load too, or objects (modules or
+    instances), which exist in this process only. A plugin's name is its import path, or
+    its ``forge_plugin_name``/``__name__``. ``disabled``/``strict``/``trace`` default to
+    the environment switches.
     """
     disabled = set(disabled) if disabled is not None else _env_list("FORGE_DISABLE_PLUGINS")
     strict = _env_flag("FORGE_STRICT_PLUGINS") if strict is None else strict
@@ -225,7 +236,23 @@ def build_registry(
                 continue
             pm.register(obj, name=ep.name)
 
-    for obj in plugins:
+    refs = [r for r in _env_list_ordered("FORGE_PLUGINS")]
+    refs += [p for p in plugins if isinstance(p, str) and p not in refs]
+    for ref in refs:
+        info = infos[ref] = PluginInfo(ref, "<FORGE_PLUGINS>", "")
+        if ref in disabled:
+            info.status = "blocked"
+            continue
+        try:
+            obj = importlib.import_module(ref)
+        except Exception as exc:  # noqa: BLE001 - any import failure of a plugin
+            # Named explicitly by the user: failing to load it is always an error.
+            raise PluginLoadError(
+                f"plugin {ref!r} failed to load: {type(exc).__name__}: {exc}; check the import path"
+            ) from exc
+        pm.register(obj, name=ref)
+    objects = [p for p in plugins if not isinstance(p, str)]
+    for obj in objects:
         name = getattr(obj, "forge_plugin_name", None) or getattr(obj, "__name__", None) or type(obj).__name__
         if name in disabled:
             infos[name] = PluginInfo(name, "<embedded>", "", status="blocked")
@@ -238,7 +265,7 @@ def build_registry(
         plugin = pm.get_plugin(name)
         if plugin is not None:
             info.hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or ())
-    return Registry(pm, infos)
+    return Registry(pm, infos, refs)
 
 
 def _broken(info: PluginInfo, why: str, strict: bool, exc: BaseException | None = None) -> None:

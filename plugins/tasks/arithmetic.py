@@ -60,7 +60,8 @@ class ArithmeticTask(Task):
         if "seed" in state and int(state["seed"]) != self.seed:
             # The position means nothing in another seed's stream.
             raise ConfigError(
-                f"task arithmetic: the saved state is for seed {state['seed']}, this run uses seed {self.seed}"
+                f"task arithmetic: the saved state is for seed {state['seed']}, "
+                f"this run uses seed {self.seed}"
             )
         self.position = int(state["position"])
 
@@ -100,9 +101,7 @@ class ArithmeticTask(Task):
     def _problem(self, key: Key, problem_id: str) -> Problem:
         a, op, b = key
         tag = self.options.tag
-        prompt = (
-            f"What is {a} {op} {b}? Think briefly, then give the final answer inside <{tag}></{tag}>."
-        )
+        prompt = f"What is {a} {op} {b}? Think briefly, then give the final answer inside <{tag}></{tag}>."
         return Problem(
             id=problem_id,
             prompt=[{"role": "user", "content": prompt}],

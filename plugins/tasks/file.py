@@ -106,7 +106,9 @@ class FileTask(Task):
                     "set task.options.answer_field, or answer_field: null for rewards that need no answer"
                 )
             answer = str(row[o.answer_field])
-        problem_id = str(row[o.id_field]) if row.get(o.id_field) is not None else f"{Path(source).name}:{index}"
+        problem_id = (
+            str(row[o.id_field]) if row.get(o.id_field) is not None else f"{Path(source).name}:{index}"
+        )
         used = {o.prompt_field, o.answer_field, o.id_field}
         metadata = {k: v for k, v in row.items() if k not in used}
         return Problem(id=problem_id, prompt=prompt, answer=answer, metadata=metadata)
@@ -118,9 +120,13 @@ def _chat(value: Any, system_prompt: str | None, where: str, field: str) -> list
     elif isinstance(value, list) and value:
         messages = []
         for m in value:
-            if not (isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            if not (
+                isinstance(m, Mapping)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+            ):
                 raise ConfigError(
-                    f"{where}: {field!r} must be a string or a list of {{\"role\", \"content\"}} messages; "
+                    f'{where}: {field!r} must be a string or a list of {{"role", "content"}} messages; '
                     f"got the item {m!r}"
                 )
             messages.append({"role": m["role"], "content": m["content"]})
@@ -175,7 +181,11 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as exc:
-                    hint = " (expected JSON Lines: one object per line)" if path.suffix.lower() == ".json" else ""
+                    hint = (
+                        " (expected JSON Lines: one object per line)"
+                        if path.suffix.lower() == ".json"
+                        else ""
+                    )
                     raise ConfigError(f"{path}:{lineno}: not valid JSON: {exc.msg}{hint}") from None
                 if not isinstance(row, dict):
                     raise ConfigError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")

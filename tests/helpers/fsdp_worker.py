@@ -19,12 +19,11 @@ from typing import Any
 
 #: name -> (batch rows, micro-batch size, steps, algorithm overrides)
 SCENARIOS: dict[str, tuple[int, int, int, dict[str, Any]]] = {
-    # 5 rows on 2 ranks: 3 + 2 rows, micro-batches of 2 -> rank 1 runs a padding micro-batch.
-    "uneven": (5, 2, 2, {"loss_agg": "token_mean"}),
+    # 5 rows on 2 ranks: 3 + 2 rows in micro-batches of 2, so rank 1 runs a padding
+    # micro-batch; with a (sharded) reference model, KL term, recomputed old logprobs.
+    "uneven": (5, 2, 2, {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1, "ratio": "old"}),
     # 1 row on 2 ranks: rank 1 has no rows at all and must still join every collective.
     "empty_rank": (1, 1, 2, {"loss_agg": "token_mean"}),
-    # Reference model (sharded too), KL term, recomputed old logprobs, per-sequence means.
-    "kl_old": (3, 1, 2, {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1, "ratio": "old"}),
 }
 
 TEMPERATURE = 0.7
@@ -88,7 +87,7 @@ def make_trainer(model_dir: Path, run_dir: Path, micro_batch_size: int, algorith
     from forgerl_plugins.trainers.fsdp import FSDPTrainerOptions
     from forgerl_plugins.trainers.fsdp.trainer import FSDPTrainer
 
-    opts = FSDPTrainerOptions(**{"lr": 1e-3, "micro_batch_size": micro_batch_size, "max_grad_norm": 1e6, **options})
+    opts = FSDPTrainerOptions(**{"lr": 1e-4, "micro_batch_size": micro_batch_size, **options})
     return FSDPTrainer(opts, make_context(model_dir, run_dir, algorithm, rank, world_size))
 
 
@@ -121,7 +120,7 @@ def main() -> None:
         trainers.append(trainer)
         if rank == 0:
             assert weights is not None, "rank 0 must receive the exported weights"
-            save_file({k: v.contiguous() for k, v in weights.tensors.items()}, args.out / f"{name}.safetensors")
+            save_file({k: v.clone() for k, v in weights.tensors.items()}, args.out / f"{name}.safetensors")
             (args.out / f"{name}.json").write_text(json.dumps(metrics))
         else:
             assert weights is None, f"rank {rank} got weights; only rank 0 should"

@@ -12,7 +12,14 @@ class HFGeneratorOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     batch_size: int = Field(16, ge=1, description="Sequences generated together in one forward pass.")
-    dtype: str | None = Field(None, description="Override the model dtype for generation (float32, bfloat16).")
+    dtype: str | None = Field(
+        None,
+        pattern="^(float32|bfloat16|float16)$",
+        description="Override the model dtype for generation (default: model.dtype of the run).",
+    )
+    device: str | None = Field(
+        None, description="torch device to generate on (default: cuda when available, else cpu)."
+    )
 
 
 @hookimpl
@@ -22,7 +29,7 @@ def forge_generators():
             name="hf",
             factory="forgerl_plugins.generators.hf.generator:HFGenerator",
             options=HFGeneratorOptions,
-            description="transformers generate, in the trainer's process",
+            description="transformers forward passes with a KV cache, in the trainer's process",
             requires=("torch", "transformers"),
         )
     ]

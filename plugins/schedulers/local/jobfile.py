@@ -20,8 +20,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from forgerl.errors import JobNotFound
 from forgerl.types import JobSpec, RoleSpec
@@ -72,7 +73,7 @@ def process_env(
 
 def resolve_job_dir(job_id: str) -> Path:
     """The run directory a job id names; JobNotFound when it holds no local job."""
-    run_dir = Path(job_id).expanduser().absolute()
+    run_dir = Path(job_id).expanduser().resolve()
     if not (run_dir / JOB_FILE).is_file():
         raise JobNotFound(
             f"no local job {job_id!r}: {run_dir / JOB_FILE} does not exist "

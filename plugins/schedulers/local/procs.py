@@ -17,8 +17,8 @@ import signal
 import socket
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
 
 _PR_SET_PDEATHSIG = 1
 
@@ -73,6 +73,12 @@ def is_alive(pid: int, starttime: int | None = None) -> bool:
     if stat.zombie:
         return False
     return starttime is None or stat.starttime == starttime
+
+
+def pid_reused(pid: int, starttime: int | None) -> bool:
+    """Whether a live process now holds ``pid`` but is not the one started at ``starttime``."""
+    stat = proc_stat(pid)
+    return stat is not None and not stat.zombie and starttime is not None and stat.starttime != starttime
 
 
 def _all_stats() -> list[ProcStat]:

@@ -8,13 +8,15 @@ when the job ends, and keeps ``job.json`` current for other processes.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from forgerl.types import JobSpec, JobState, JobStatus, RoleSpec
 
@@ -109,7 +111,9 @@ class LiveJob:
         with self._lock:
             self._write()
             n = sum(r.ranks_per_replica * r.replicas for r in self.spec.roles)
-            jobfile.log_event(self.run_dir, f"job {self.spec.name!r}: starting {n} processes (supervisor pid {os.getpid()})")
+            jobfile.log_event(
+                self.run_dir, f"job {self.spec.name!r}: starting {n} processes (supervisor pid {os.getpid()})"
+            )
             try:
                 ports = procs.free_ports(self.master_addr, len(self.replicas))
             except OSError as e:
@@ -132,13 +136,18 @@ class LiveJob:
             rep.procs.append(proc)
             env = dict(os.environ)
             env.update(
-                jobfile.process_env(self.spec, role, rep.index, rank, self.run_dir, self.master_addr, rep.port)
+                jobfile.process_env(
+                    self.spec, role, rep.index, rank, self.run_dir, self.master_addr, rep.port
+                )
             )
             try:
                 with open(log, "ab") as out:
-                    if out.tell() > 0:  # a restart, or a run directory used again
+                    if rep.restarts or out.tell() > 0:  # a restart, or a run directory used again
                         stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-                        out.write(f"----- forge local: {proc.label} started again at {stamp} -----\n".encode())
+                        why = f"restart {rep.restarts}" if rep.restarts else "new job in this run directory"
+                        out.write(
+                            f"----- forge local: {proc.label} started again at {stamp} ({why}) -----\n".encode()
+                        )
                         out.flush()
                     proc.popen = subprocess.Popen(
                         list(role.command),
@@ -147,7 +156,8 @@ class LiveJob:
                         stdout=out,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,
-                        preexec_fn=procs.die_with_parent(),
+                        # Only a libc call runs in the child; glibc's fork handlers keep that safe.
+                        preexec_fn=procs.die_with_parent(),  # noqa: PLW1509
                     )
             except OSError as e:
                 # 127/126: what a shell reports for "not found" / "cannot execute".
@@ -160,7 +170,10 @@ class LiveJob:
                 self._finish(JobState.FAILED, proc.exit_code, f"{proc.describe()}: {why}; log: {log}")
                 return False
             proc.starttime = procs.start_time(proc.popen.pid)
-            jobfile.log_event(self.run_dir, f"started {proc.label} pid {proc.pid} port {rep.port}: {' '.join(role.command)}")
+            jobfile.log_event(
+                self.run_dir,
+                f"started {proc.label} pid {proc.pid} port {rep.port}: {shlex.join(role.command)}",
+            )
         return True
 
     # ------------------------------------------------------------------ supervising
@@ -186,11 +199,15 @@ class LiveJob:
                         jobfile.log_event(self.run_dir, f"supervisor received {name}: stopping every process")
                         self._stop_all(hurry=lambda: len(caught) > 1)
                         return self._finish(
-                            JobState.CANCELLED, 128 + sig, f"stopped by {name} to the supervising process {os.getpid()}"
+                            JobState.CANCELLED,
+                            128 + sig,
+                            f"stopped by {name} to the supervising process {os.getpid()}",
                         )
                     if jobfile.cancel_requested(self.run_dir):
                         self._stop_all(hurry=lambda: bool(caught))
-                        return self._finish(JobState.CANCELLED, 128 + signal.SIGTERM, "cancelled on request (forge cancel)")
+                        return self._finish(
+                            JobState.CANCELLED, 128 + signal.SIGTERM, "cancelled on request (forge cancel)"
+                        )
                     outcome = self._step(hurry=lambda: bool(caught))
                     if outcome is not None:
                         return outcome
@@ -215,7 +232,9 @@ class LiveJob:
                 if rc is not None:
                     p.exit_code = procs.exit_code(rc)
                     exited.append(p)
-                    jobfile.log_event(self.run_dir, f"{p.label} pid {p.pid} exited with {procs.describe_exit(p.exit_code)}")
+                    jobfile.log_event(
+                        self.run_dir, f"{p.label} pid {p.pid} exited with {procs.describe_exit(p.exit_code)}"
+                    )
         if not exited:
             return None
         primaries = [p for p in self.all_procs() if p.role.name in self.primary_roles]
@@ -263,7 +282,9 @@ class LiveJob:
         after = f" after {rep.restarts} restart{'s' * (rep.restarts != 1)}" if rep.restarts else ""
         last = jobfile.last_line(p.log)
         said = f" (last log line: {last})" if last else ""
-        return f"{p.describe()} exited with {procs.describe_exit(p.exit_code or 0)}{after}{said}; log: {p.log}"
+        return (
+            f"{p.describe()} exited with {procs.describe_exit(p.exit_code or 0)}{after}{said}; log: {p.log}"
+        )
 
     # ------------------------------------------------------------------ stopping
 
@@ -275,6 +296,9 @@ class LiveJob:
                     if rc is not None:
                         p.exit_code = procs.exit_code(rc)
 
+        running = [p.label for p in targets if p.popen is not None and p.exit_code is None]
+        if running:
+            jobfile.log_event(self.run_dir, f"stopping {', '.join(running)}")
         # Exited leaders too: their groups may still hold grandchildren.
         leaders = [p.pid for p in targets if p.pid is not None]
         killed = procs.stop_trees(leaders, self.stop_timeout, reap=reap, hurry=hurry)

@@ -84,8 +84,9 @@ class FSDPTrainer(Trainer):
             model.requires_grad_(False)
         # One FSDP unit per decoder layer (parameters gathered layer by layer), then the
         # root for embeddings, final norm and head (tied embeddings stay in one unit).
+        # Bottom-up (reversed pre-order), as fully_shard requires for nested units.
         block_names = set(getattr(model, "_no_split_modules", None) or ())
-        for module in list(model.modules()):
+        for module in reversed(list(model.modules())):
             if type(module).__name__ in block_names:
                 fully_shard(module, mesh=self.mesh)
         fully_shard(model, mesh=self.mesh)

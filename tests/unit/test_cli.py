@@ -1,0 +1,148 @@
+"""The `forge` command as a user runs it: a real subprocess, exit codes, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FORGE = [sys.executable, "-m", "forgerl.cli"]
+
+
+def forge(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("FORGE_DEBUG", None)
+    return subprocess.run([*FORGE, *args], capture_output=True, text=True, cwd=cwd, env=full_env, timeout=60)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("forge: error: "), lines
+    assert "Traceback" not in proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+
+
+def test_help_and_plugins_list_do_not_import_torch():
+    code = (
+        "import sys\n"
+        "from forgerl.cli import main\n"
+        "for args in (['--help'], ['plugins', 'list'], ['config', 'schema']):\n"
+        "    try:\n"
+        "        main(args)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in out.stdout, out.stdout[-500:] + out.stderr[-2000:]
+
+
+def test_unknown_key_in_file(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("loop:\n  stepz: 3\n")
+    assert_one_line_error(forge("config", "validate", str(cfg)), "loop.stepz", "unknown key")
+
+
+def test_wrong_type_in_file(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("loop:\n  group_size: many\n")
+    assert_one_line_error(forge("config", "validate", str(cfg)), "loop.group_size", "'many'")
+
+
+def test_out_of_range_flag():
+    assert_one_line_error(forge("config", "show", "--set", "loop.max_staleness=-1"), "loop.max_staleness", "-1")
+
+
+def test_backend_options_are_validated_by_the_backend():
+    proc = forge("config", "show", "--set", "trainer.options.lr=-3")
+    assert_one_line_error(proc, "trainer.options.lr")
+    proc = forge("config", "show", "--set", "transport.options.bogus=1")
+    assert_one_line_error(proc, "transport.options.bogus", "unknown key")
+
+
+def test_unreadable_file_and_bad_yaml(tmp_path):
+    assert_one_line_error(forge("config", "validate", str(tmp_path / "missing.yaml")), "cannot read config file")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("loop: [unclosed\n")
+    assert_one_line_error(forge("config", "validate", str(bad)), "not valid YAML")
+
+
+def test_unknown_backend_lists_installed():
+    assert_one_line_error(forge("run", "--trainer", "nope", "--dry-run"), "no trainer 'nope'", "fsdp", "forge plugins list")
+
+
+def test_unimplemented_backend_says_so():
+    assert_one_line_error(forge("run", "--trainer", "torchtitan", "--dry-run"), "torchtitan", "not implemented yet")
+
+
+def test_debug_shows_the_traceback():
+    proc = forge("--debug", "run", "--trainer", "nope", "--dry-run")
+    assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_precedence_defaults_file_set_flags(tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("loop:\n  steps: 7\n  group_size: 6\nmodel:\n  name: tiny\n")
+    proc = forge("config", "show", str(cfg), "--set", "loop.steps=9", "--set", "loop.prompts_per_step=3", "--steps", "11")
+    assert proc.returncode == 0, proc.stderr
+    import yaml
+
+    shown = yaml.safe_load(proc.stdout)
+    assert shown["loop"]["steps"] == 11  # flag beats --set beats file
+    assert shown["loop"]["group_size"] == 6  # file beats default
+    assert shown["loop"]["prompts_per_step"] == 3  # --set beats default
+    assert shown["loop"]["max_staleness"] == 0  # default
+    assert shown["trainer"]["options"]["lr"] > 0  # backend defaults filled in
+    assert shown["generator"]["name"] in ("hf", "vllm")  # `auto` resolved
+
+
+def test_shown_config_validates_and_reproduces(tmp_path):
+    proc = forge("config", "show", "--model", "tiny", "--reward", "format", "--steps", "2")
+    assert proc.returncode == 0, proc.stderr
+    cfg = tmp_path / "shown.yaml"
+    cfg.write_text(proc.stdout)
+    assert forge("config", "validate", str(cfg)).returncode == 0
+    assert forge("config", "show", str(cfg)).stdout == proc.stdout
+
+
+def test_schema_is_json_schema():
+    proc = forge("config", "schema")
+    schema = json.loads(proc.stdout)
+    assert {"model", "task", "generator", "trainer", "transport", "scheduler", "rewards", "algorithm", "loop",
+            "checkpoint", "logging"} <= set(schema["properties"])
+
+
+def test_plugins_list_json_reports_availability():
+    rows = json.loads(forge("plugins", "list", "--json").stdout)
+    by_name = {r["name"]: r for r in rows}
+    assert by_name["hf"]["distribution"] == "forgerl"
+    tt = by_name["torchtitan"]["backends"][0]
+    assert tt["available"] is False and tt["reason"] == "not implemented yet"
+    assert by_name["local"]["backends"][0]["available"] is True
+
+
+def test_plugin_can_add_a_command(tmp_path):
+    from .fakedist import COMMAND, make_dist
+
+    site = make_dist(tmp_path / "site", "fake-cmd", "1.0", {"cmd": COMMAND})
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = forge("hello", env=env)
+    assert proc.returncode == 0 and "hello from a plugin" in proc.stdout
+    assert "Say hello" in forge("--help", env=env).stdout
+
+
+def test_status_of_something_that_is_not_a_job(tmp_path):
+    assert_one_line_error(forge("status", str(tmp_path)), "never submitted")
+    assert_one_line_error(forge("status", "12345"), "--scheduler")
+
+
+def test_resume_of_a_non_run_directory(tmp_path):
+    assert_one_line_error(forge("run", "--resume", str(tmp_path)), "not a run directory")
