@@ -26,7 +26,7 @@ def load_config(
     base: Mapping[str, Any] | None = None,
     check_available: bool = False,
 ) -> RunConfig:
-    """Defaults < ``base`` < ``file`` < ``sets`` (``"dotted.key=value"``) < ``flags``,
+    """Defaults < ``base`` < ``file`` < ``flags`` < ``sets`` (``"dotted.key=value"``),
     validated, with every backend's options checked and filled in by the backend."""
     registry = registry or build_registry()
     config = build_config(file, sets=sets, flags=flags, base=base)

@@ -188,7 +188,7 @@ def config_group() -> None:
 @config_group.command("show")
 @_config_options
 def config_show(config_file, sets, **kwargs) -> None:
-    """Print the resolved config (defaults < file < --set < flags), backend options filled in."""
+    """Print the resolved config (defaults < file < flags < --set), backend options filled in."""
     from forgerl import api
 
     config = api.load_config(config_file, sets=sets, flags=_flags(kwargs), registry=_registry())
@@ -196,8 +196,14 @@ def config_show(config_file, sets, **kwargs) -> None:
 
 
 @config_group.command("schema")
-def config_schema() -> None:
+@click.option("--markdown", is_flag=True, help="The config reference (docs/config.md) instead.")
+def config_schema(markdown: bool) -> None:
     """Print the JSON schema of the run config."""
+    if markdown:
+        from forgerl.configdoc import render_markdown
+
+        click.echo(render_markdown(_registry()), nl=False)
+        return
     from forgerl.config import config_schema as schema
 
     click.echo(json.dumps(schema(), indent=2))

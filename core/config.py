@@ -2,8 +2,9 @@
 
 One :class:`RunConfig` describes a run. Each backend choice names the backend and carries
 its options block, which the backend's own options model validates (unknown keys
-refused, ranges checked) in :func:`resolve`. Precedence: defaults < YAML file < ``--set``
-values < named flags (``--generator``, ``--steps``, ...).
+refused, ranges checked) in :func:`resolve`. Precedence: defaults < YAML file < named
+flags (``--generator``, ``--steps``, ...) < ``--set`` values (applied last, so they can
+refine what a flag selected).
 """
 
 from __future__ import annotations
@@ -39,21 +40,21 @@ class GeneratorChoice(BackendChoice):
 
 
 class TrainerChoice(BackendChoice):
-    name: str = "fsdp"
+    name: str = Field("fsdp", description="Trainer backend.")
     ranks: int = Field(1, ge=1, description="Trainer processes (torch.distributed ranks).")
 
 
 class TransportChoice(BackendChoice):
-    name: str = "shm"
+    name: str = Field("shm", description="Weight transport from trainer to generators.")
     timeout: float = Field(120.0, gt=0, description="Seconds a weight transfer may take before it fails.")
 
 
 class SchedulerChoice(BackendChoice):
-    name: str = "local"
+    name: str = Field("local", description="Where the run's processes run.")
 
 
 class TaskChoice(BackendChoice):
-    name: str = "arithmetic"
+    name: str = Field("arithmetic", description="Source of prompts and reference answers.")
 
 
 class RewardChoice(BackendChoice):
@@ -118,7 +119,9 @@ class RunConfig(_Strict):
     trainer: TrainerChoice = Field(default_factory=TrainerChoice)
     transport: TransportChoice = Field(default_factory=TransportChoice)
     scheduler: SchedulerChoice = Field(default_factory=SchedulerChoice)
-    rewards: list[RewardChoice] = Field(default_factory=_default_rewards, min_length=1)
+    rewards: list[RewardChoice] = Field(
+        default_factory=_default_rewards, min_length=1, description="Rewards, summed with their weights."
+    )
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
@@ -217,7 +220,7 @@ def build_config(
     flags: Mapping[str, Any] | None = None,
     base: Mapping[str, Any] | None = None,
 ) -> RunConfig:
-    """Merge defaults < ``base`` < file < ``sets`` < ``flags`` and validate the structure.
+    """Merge defaults < ``base`` < file < ``flags`` < ``sets`` and validate the structure.
 
     ``flags`` uses the CLI's names: generator, trainer, transport, scheduler, task (backend
     names), rewards (list of names), model, steps, output.
@@ -231,8 +234,6 @@ def build_config(
     # The CLI default rewards apply only when neither file nor flags name any.
     if not data.get("rewards"):
         data["rewards"] = [r.model_dump() for r in _default_rewards()]
-    for path, value in parse_set(sets):
-        apply_set(data, path, value)
     for key, value in (flags or {}).items():
         if value is None or (isinstance(value, (list, tuple)) and not value):
             continue
@@ -254,6 +255,10 @@ def build_config(
             data["output"] = value
         else:
             raise ConfigError(f"unknown flag {key!r}")
+    # --set comes last so it can refine what a flag selected, e.g.
+    # `--reward format --set rewards.0.options.pattern=...`.
+    for path, value in parse_set(sets):
+        apply_set(data, path, value)
     return validate_config(data, source=source)
 
 

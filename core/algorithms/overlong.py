@@ -55,7 +55,10 @@ def soft_overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: f
     ``lengths`` are completion lengths in tokens; ``max_len`` is the generation limit
     (DAPO: 20480 with buffer 4096, i.e. an expected length of 16384).
     """
-    assert 0 <= buffer < max_len, f"need 0 <= overlong_buffer < max_len, got buffer={buffer}, max_len={max_len}"
+    assert 0 <= buffer < max_len, (
+        f"overlong_buffer ({buffer}) must be >= 0 and below the max completion length ({max_len}): "
+        "lower algorithm.overlong_buffer (DAPO used 4096 with 20480-token completions) or raise max_tokens"
+    )
     assert penalty >= 0, f"penalty must be >= 0, got {penalty}"
     lengths = lengths.to(torch.float64)
     if buffer == 0:

@@ -40,7 +40,7 @@ def test_listed_by_forge_plugins_list(installed):
 def test_used_by_forge_run(installed, tmp_path):
     out = tmp_path / "run"
     proc = subprocess.run(
-        [*FORGE, "run", "--model", "tiny", "--task", "countdown", "--reward", "countdown", "--steps", "1",
+        [*FORGE, "run", "--model", "tiny", "--generator", "hf", "--task", "countdown", "--reward", "countdown", "--steps", "1",
          "--output", str(out), "--set", "loop.prompts_per_step=2", "--set", "loop.sampling.max_tokens=8",
          "--set", "task.options.eval_size=2"],
         capture_output=True, text=True, env=installed, timeout=300,

@@ -1,5 +1,6 @@
-"""The ``fsdp`` trainer on the tiny model: learning signal, logprobs, weight export,
-checkpoints, the reference model, micro-batching, and 2 gloo ranks against 1."""
+"""The ``fsdp`` trainer: how batches are split over ranks, then on the tiny model: learning
+signal, logprobs, weight export, checkpoints, the reference model, micro-batching, bf16
+autocast, and 2 gloo ranks against 1."""
 
 from __future__ import annotations
 
@@ -18,9 +19,48 @@ pytest.importorskip("transformers")
 
 from tests.helpers import fsdp_worker as worker  # noqa: E402
 
-pytestmark = pytest.mark.integration
+integration = pytest.mark.integration
 
 WORKER = Path(worker.__file__)
+
+
+# ------------------------------------------------------------ batching (no processes)
+
+
+def test_rows_are_split_contiguously_and_completely() -> None:
+    from forgerl_plugins.trainers.fsdp.batching import rank_rows
+
+    for size in range(0, 9):
+        for world in range(1, 5):
+            shares = [rank_rows(size, world, r) for r in range(world)]
+            assert [i for share in shares for i in share] == list(range(size)), (size, world, shares)
+            assert max(map(len, shares)) - min(map(len, shares)) <= 1, (size, world, shares)
+
+
+def test_every_rank_runs_the_same_number_of_micro_batches() -> None:
+    from forgerl_plugins.trainers.fsdp.batching import micro_batches
+
+    # 5 rows, 2 ranks, micro-batches of 2: rank 0 has 3 rows (2 + 1), rank 1 has 2 (2 + padding).
+    assert [mb.rows for mb in micro_batches(5, 2, 0, 2)] == [[0, 1], [2]]
+    assert [(mb.rows, mb.padding) for mb in micro_batches(5, 2, 1, 2)] == [([3, 4], False), ([0], True)]
+    # 1 row, 2 ranks: rank 1 has nothing but still runs one (padding) micro-batch.
+    assert [(mb.rows, mb.padding) for mb in micro_batches(1, 2, 1, 4)] == [([0], True)]
+    for size, world, micro in [(7, 3, 2), (2, 4, 1), (16, 2, 3)]:
+        counts = {len(micro_batches(size, world, r, micro)) for r in range(world)}
+        assert len(counts) == 1, f"B={size} W={world} mbs={micro}: micro-batch counts {counts}"
+
+
+def test_global_count_matches_the_loss_aggregation() -> None:
+    from forgerl_plugins.trainers.fsdp.batching import global_count
+
+    mask = torch.tensor([[0, 1, 1, 1], [0, 0, 0, 0], [0, 0, 1, 0]])
+    assert global_count(mask, "token_mean") == 4.0
+    for mode in ("seq_mean_token_mean", "seq_mean_token_sum", "constant_norm"):
+        assert global_count(mask, mode) == 2.0, mode  # the all-masked row is no sequence
+    assert global_count(torch.zeros(2, 3), "token_mean") == 1.0, "an empty mask must not divide by 0"
+
+
+# ------------------------------------------------------------- trainer (tiny model)
 
 
 def _vocab_and_pad(model_dir: Path) -> tuple[int, int]:
@@ -63,6 +103,7 @@ def _completion_mean_logprob(logprobs: torch.Tensor, batch, row: int) -> float:
     return float(logprobs[row][mask].mean())
 
 
+@integration
 def test_rewarded_completion_becomes_more_likely(tiny_model_dir: Path, tmp_path: Path) -> None:
     trainer = worker.make_trainer(tiny_model_dir, tmp_path, micro_batch_size=2)
     try:
@@ -86,6 +127,7 @@ def test_rewarded_completion_becomes_more_likely(tiny_model_dir: Path, tmp_path:
     assert metrics["train/tokens"] == float((batch.loss_mask[:, 1:] != 0).sum())
 
 
+@integration
 def test_logprobs_match_a_plain_transformers_forward(tiny_model_dir: Path, tmp_path: Path) -> None:
     # 4 rows in micro-batches of 3: the second micro-batch is cut to its own length.
     trainer = worker.make_trainer(tiny_model_dir, tmp_path, micro_batch_size=3)
@@ -102,6 +144,7 @@ def test_logprobs_match_a_plain_transformers_forward(tiny_model_dir: Path, tmp_p
     assert (ours[:, 0] == 0).all() and (ours[:, 1:][~attended] == 0).all(), "position 0 and padding must be 0"
 
 
+@integration
 def test_exported_weights_are_hugging_face_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
     original = _hf_model(tiny_model_dir).state_dict()
     trainer = worker.make_trainer(tiny_model_dir, tmp_path, micro_batch_size=4)
@@ -135,6 +178,7 @@ def test_exported_weights_are_hugging_face_weights(tiny_model_dir: Path, tmp_pat
     assert diff < 1e-5, f"exported weights give logprobs {diff} away from the trainer's"
 
 
+@integration
 def test_checkpoint_resumes_bit_identically(tiny_model_dir: Path, tmp_path: Path) -> None:
     trainer = worker.make_trainer(tiny_model_dir, tmp_path, micro_batch_size=2)
     try:
@@ -165,6 +209,7 @@ def test_checkpoint_resumes_bit_identically(tiny_model_dir: Path, tmp_path: Path
     assert diff == 0.0, f"a fresh trainer resumed from the checkpoint differs at {name} by {diff}"
 
 
+@integration
 def test_checkpoint_load_refuses_a_folder_without_one(tiny_model_dir: Path, tmp_path: Path) -> None:
     from forgerl.errors import CheckpointError
 
@@ -176,6 +221,7 @@ def test_checkpoint_load_refuses_a_folder_without_one(tiny_model_dir: Path, tmp_
         trainer.close()
 
 
+@integration
 def test_reference_model_only_with_a_kl_term(tiny_model_dir: Path, tmp_path: Path) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -205,6 +251,7 @@ def test_reference_model_only_with_a_kl_term(tiny_model_dir: Path, tmp_path: Pat
     assert _max_diff(dict(ref_after), ref_before)[0] == 0.0, "the reference model changed"
 
 
+@integration
 def test_micro_batch_size_does_not_change_the_update(tiny_model_dir: Path, tmp_path: Path) -> None:
     results = []
     for micro in (1, 8):
@@ -226,39 +273,68 @@ def test_micro_batch_size_does_not_change_the_update(tiny_model_dir: Path, tmp_p
     assert diff < 1e-5, f"micro-batches of 1 and of 8 update {name} differently by {diff}"
 
 
+@integration
+def test_bf16_autocast_tracks_fp32(tiny_model_dir: Path, tmp_path: Path) -> None:
+    batch = _batch(tiny_model_dir, rows=3, seed=8)
+    fp32 = worker.make_trainer(tiny_model_dir, tmp_path, micro_batch_size=2)
+    try:
+        expected = fp32.logprobs(batch)
+    finally:
+        fp32.close()
+    bf16 = worker.make_trainer(tiny_model_dir, tmp_path, micro_batch_size=2, autocast_bf16=True)
+    try:
+        got = bf16.logprobs(batch)
+        metrics = bf16.train_step(dataclasses.replace(batch, behaviour_logprobs=got * batch.loss_mask))
+        weights = _weights(bf16)
+    finally:
+        bf16.close()
+    attended = batch.attention_mask[:, 1:] != 0
+    err = ((got - expected).abs() / (expected.abs() + 1))[:, 1:][attended].max().item()
+    assert err < 0.02, f"bf16 autocast logprobs are {err:.3f} (relative) away from fp32"
+    assert all(v.dtype == torch.float32 for v in weights.values()), "autocast must keep fp32 master weights"
+    assert all(map(torch.isfinite, map(torch.tensor, metrics.values()))), metrics
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+@integration
+@pytest.mark.slow
 def test_two_gloo_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     out = tmp_path / "two_ranks"
     out.mkdir()
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        str(WORKER), "--model", str(tiny_model_dir), "--out", str(out),
+    args = [sys.executable, str(WORKER), "--model", str(tiny_model_dir), "--out", str(out)]
+    for name in worker.SCENARIOS:
+        args += ["--scenario", name]
+    # The environment torchrun, srun and the local scheduler give each rank (starting the
+    # ranks directly spares a third process importing torch on a 2-core machine).
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
+                  "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+    ranks = [
+        subprocess.Popen(args, env={**os.environ, **rendezvous, "RANK": str(r), "LOCAL_RANK": str(r)},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for r in range(2)
     ]
-    for name in worker.SCENARIOS:
-        cmd += ["--scenario", name]
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    # The one-rank runs go meanwhile, in this process.
-    one_rank = {}
-    for name in worker.SCENARIOS:
-        trainer, metrics, weights = worker.run_scenario(name, tiny_model_dir, tmp_path)
-        trainer.close()
-        one_rank[name] = (metrics, dict(weights.tensors))
     try:
-        log, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        log, _ = proc.communicate()
-        pytest.fail(f"2-rank run timed out:\n{log[-4000:]}")
-    assert proc.returncode == 0, f"2-rank run failed ({proc.returncode}):\n{log[-4000:]}"
+        # The one-rank runs go meanwhile, in this process.
+        one_rank = {}
+        for name in worker.SCENARIOS:
+            trainer, metrics, weights = worker.run_scenario(name, tiny_model_dir, tmp_path)
+            trainer.close()
+            one_rank[name] = (metrics, dict(weights.tensors))
+        logs = [proc.communicate(timeout=150)[0] for proc in ranks]
+    finally:
+        for proc in ranks:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for r, (proc, log) in enumerate(zip(ranks, logs)):
+        assert proc.returncode == 0, f"rank {r} of 2 failed ({proc.returncode}):\n{log[-4000:]}"
 
     for name, (metrics, weights) in one_rank.items():
         two_metrics = json.loads((out / f"{name}.json").read_text())

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from forgerl.config import RunConfig
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext
@@ -74,7 +73,10 @@ def reference(model_dir: Path):
 def prompts(generator: HFGenerator) -> list[list[int]]:
     def chat(question: str) -> list[int]:
         ids = generator.tokenizer.apply_chat_template(
-            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True, return_dict=False
+            [{"role": "user", "content": question}],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
         )
         return [int(i) for i in ids]
 
@@ -126,7 +128,9 @@ def test_logprobs_equal_a_teacher_forced_forward(generator, reference, prompts):
         for c in completions:
             assert c.token_ids, f"{request.request_id}: empty completion"
             gap = _max_gap(reference, list(request.prompt_token_ids), c, request.sampling.temperature)
-            assert gap < ATOL, f"{request.request_id}: logprob gap {gap:.2e} at T={request.sampling.temperature}"
+            assert gap < ATOL, (
+                f"{request.request_id}: logprob gap {gap:.2e} at T={request.sampling.temperature}"
+            )
             assert c.policy_version == 0
 
 
@@ -152,7 +156,13 @@ def test_finish_reasons_eos_and_length(generator, prompts):
 def test_same_seed_same_completions_different_seed_different(generator, prompts):
     def run(seed: int) -> list[list[Completion]]:
         sampling = SamplingParams(max_tokens=16, temperature=1.0, seed=seed)
-        return _generate(generator, [GenerationRequest("a", prompts[0], 4, sampling), GenerationRequest("b", prompts[1], 2, sampling)])
+        return _generate(
+            generator,
+            [
+                GenerationRequest("a", prompts[0], 4, sampling),
+                GenerationRequest("b", prompts[1], 2, sampling),
+            ],
+        )
 
     first, again, other = run(123), run(123), run(124)
     assert _tokens(first) == _tokens(again)
@@ -163,7 +173,10 @@ def test_same_seed_same_completions_different_seed_different(generator, prompts)
 
 
 def test_greedy_is_deterministic_and_the_argmax(generator, reference, prompts):
-    requests = [GenerationRequest(f"g{j}", p, 2, SamplingParams(max_tokens=16, temperature=0.0)) for j, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(f"g{j}", p, 2, SamplingParams(max_tokens=16, temperature=0.0))
+        for j, p in enumerate(prompts)
+    ]
     first, again = _generate(generator, requests), _generate(generator, requests)
     assert _tokens(first) == _tokens(again)
     for request, cs in zip(requests, first):
@@ -175,9 +188,15 @@ def test_greedy_is_deterministic_and_the_argmax(generator, reference, prompts):
 
 
 def test_top_k_1_and_tiny_top_p_sample_the_greedy_tokens(generator, prompts):
-    greedy = _generate(generator, [GenerationRequest("g", prompts[1], 1, SamplingParams(max_tokens=16, temperature=0.0))])
-    top_k = _generate(generator, [GenerationRequest("k", prompts[1], 2, SamplingParams(max_tokens=16, top_k=1, seed=5))])
-    top_p = _generate(generator, [GenerationRequest("p", prompts[1], 2, SamplingParams(max_tokens=16, top_p=1e-6, seed=5))])
+    greedy = _generate(
+        generator, [GenerationRequest("g", prompts[1], 1, SamplingParams(max_tokens=16, temperature=0.0))]
+    )
+    top_k = _generate(
+        generator, [GenerationRequest("k", prompts[1], 2, SamplingParams(max_tokens=16, top_k=1, seed=5))]
+    )
+    top_p = _generate(
+        generator, [GenerationRequest("p", prompts[1], 2, SamplingParams(max_tokens=16, top_p=1e-6, seed=5))]
+    )
     want = greedy[0][0]
     for c in top_k[0] + top_p[0]:
         assert c.token_ids == want.token_ids
@@ -188,7 +207,10 @@ def test_top_k_1_and_tiny_top_p_sample_the_greedy_tokens(generator, prompts):
 def test_batch_size_does_not_change_completions(model_dir, generator, prompts, tmp_path):
     single = HFGenerator(HFGeneratorOptions(batch_size=1), _ctx(model_dir, tmp_path))
     try:
-        for sampling in (SamplingParams(max_tokens=16, temperature=0.0), SamplingParams(max_tokens=16, seed=11)):
+        for sampling in (
+            SamplingParams(max_tokens=16, temperature=0.0),
+            SamplingParams(max_tokens=16, seed=11),
+        ):
             requests = [GenerationRequest(f"r{j}", p, 3, sampling) for j, p in enumerate(prompts)]
             assert _tokens(_generate(single, requests)) == _tokens(_generate(generator, requests)), sampling
     finally:
@@ -223,7 +245,9 @@ def test_update_weights_serves_the_new_policy(model_dir, reference, prompts, tmp
     transport = ShmTransport(ShmTransportOptions(directory=str(tmp_path / "shm"), poll_interval=0.01), None)
     gen = HFGenerator(HFGeneratorOptions(batch_size=4), _ctx(model_dir, tmp_path, transport=transport))
     sender = transport.sender()
-    requests = [GenerationRequest(f"r{j}", p, 2, SamplingParams(max_tokens=16, seed=3)) for j, p in enumerate(prompts)]
+    requests = [
+        GenerationRequest(f"r{j}", p, 2, SamplingParams(max_tokens=16, seed=3)) for j, p in enumerate(prompts)
+    ]
     try:
         before = _generate(gen, requests)
         # Version 1 carries lm_head.weight beside the embeddings (tied: the same tensor).
@@ -259,7 +283,9 @@ def test_update_weights_serves_the_new_policy(model_dir, reference, prompts, tmp
 
 def test_failed_updates_keep_the_old_weights_and_version(model_dir, reference, prompts, tmp_path):
     transport = ShmTransport(ShmTransportOptions(directory=str(tmp_path / "shm"), poll_interval=0.01), None)
-    gen = HFGenerator(HFGeneratorOptions(batch_size=4), _ctx(model_dir, tmp_path, timeout=0.3, transport=transport))
+    gen = HFGenerator(
+        HFGeneratorOptions(batch_size=4), _ctx(model_dir, tmp_path, timeout=0.3, transport=transport)
+    )
     sender = transport.sender()
     requests = [GenerationRequest("r", prompts[0], 2, SamplingParams(max_tokens=12, seed=9))]
     try:
@@ -270,8 +296,14 @@ def test_failed_updates_keep_the_old_weights_and_version(model_dir, reference, p
 
         good = _perturbed(reference, 0.05, seed=4)
         broken = [
-            (dict(good, **{"model.layers.9.mlp.up_proj.weight": torch.zeros(2)}), "model.layers.9.mlp.up_proj.weight"),
-            ({n: t for n, t in good.items() if n != "model.norm.weight"}, "lacks 1 tensors: model.norm.weight"),
+            (
+                dict(good, **{"model.layers.9.mlp.up_proj.weight": torch.zeros(2)}),
+                "model.layers.9.mlp.up_proj.weight",
+            ),
+            (
+                {n: t for n, t in good.items() if n != "model.norm.weight"},
+                "lacks 1 tensors: model.norm.weight",
+            ),
             (dict(good, **{"model.norm.weight": torch.ones(3)}), r"wrong shapes: model.norm.weight \(3,\)"),
             (dict(good, **{"lm_head.weight": good["lm_head.weight"] + 1}), "tied tensors"),
         ]

@@ -4,6 +4,7 @@ on this machine). Skipped, with the reason, when no Slurm answers; FORGE_REQUIRE
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -12,8 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-from forgerl.errors import JobNotFound, UserError
+from forgerl.errors import ForgeError, JobNotFound, UserError
 from forgerl.types import JobSpec, JobState, Resources, RoleSpec
 from forgerl_plugins.schedulers.slurm import SlurmSchedulerOptions
 from forgerl_plugins.schedulers.slurm.scheduler import SbatchRejected, SlurmScheduler
@@ -69,7 +69,7 @@ def _wait_for(predicate, timeout: float, what: str) -> None:
 def _cancel_quietly(slurm: SlurmScheduler, job_id: str) -> None:
     try:
         slurm.cancel(job_id)
-    except Exception:  # the test's own assertion is what matters
+    except ForgeError:  # the test's own assertion is what matters
         pass
 
 
@@ -99,11 +99,12 @@ def test_primary_completes_and_ends_the_sidecar(slurm, run_dir):
     assert (run_dir / "primary.txt").read_text() == "trainer 0 0 1 hello there"
     assert (run_dir / "slurm" / "job.sbatch").read_text().startswith("#!/bin/bash")
     assert (run_dir / "slurm" / "job_id").read_text().strip() == handle.job_id
-    assert (run_dir / "logs" / "server.0.log").exists()
+    assert (run_dir / "logs" / "server-0.log").exists()
     assert list(slurm.logs(handle.job_id, role="trainer")) == ["primary done"]
     everything = list(slurm.logs(handle.job_id))
-    assert "[trainer.0] primary done" in everything, everything
-    assert any(line.startswith("[batch] forge: job ") for line in everything), everything
+    assert "[trainer-0] primary done" in everything, everything
+    assert any(line.startswith("[scheduler] forge: job ") for line in everything), everything
+    assert any(line.startswith("forge: job ") for line in slurm.logs(handle.job_id, role="scheduler"))
     assert slurm.status(handle.job_id).state is JobState.COMPLETED
     # Once slurmctld forgets the job (MinJobAge), status falls back to the completion log.
     assert slurm._sacct(handle.job_id) == ("COMPLETED", "0:0")
@@ -208,3 +209,83 @@ def test_unknown_job_id(slurm):
         slurm.status("99999999")
     with pytest.raises(JobNotFound):
         slurm.status("not-a-number")
+
+
+# ---------------------------------------------------------------- `forge run` end to end
+
+FORGE = [PY, "-m", "forgerl.cli"]
+# The tiny random model, small batches (as in test_run_e2e.py): seconds per step, so the
+# time goes to starting Python, torch and the model in the Slurm step.
+SMALL = [
+    "--model", "tiny", "--generator", "hf", "--reward", "format", "--set", "rewards.0.options.pattern=\\d",
+    "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=4", "--set", "loop.sampling.max_tokens=12",
+    "--set", "loop.eval_size=4", "--set", "scheduler.options.poll_interval=0.5",
+]
+
+
+def _forge(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*FORGE, *args], capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.mark.slow  # two attempts of a real run: about a minute or two on two busy cores
+def test_forge_run_on_slurm_waits_and_a_requeued_run_resumes(slurm, tmp_path):
+    """`forge run --scheduler slurm --wait` follows the job through a requeue: the second
+    attempt resumes from the checkpoint the first one wrote and the run completes."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*FORGE, "run", *SMALL, "--scheduler", "slurm", "--steps", "4", "--output", str(out), "--wait",
+         "--set", "checkpoint.every=1", "--set", "scheduler.options.requeue=true"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (out / "submission.json").exists(), 60, "the submission")
+        job_id = json.loads((out / "submission.json").read_text())["job_id"]
+        # Requeue once the first attempt has checkpointed a step (and before it is done).
+        _wait_for(lambda: _steps(out)[:1] == [1] or proc.poll() is not None, 240, "step 1")
+        assert proc.poll() is None, proc.communicate()
+        requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, check=False)
+        assert requeue.returncode == 0, requeue.stderr
+        stdout, stderr = proc.communicate(timeout=400)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            subprocess.run(["scancel", json.loads((out / "submission.json").read_text())["job_id"]], check=False)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "run completed" in stderr, stderr[-2000:]
+    steps = _steps(out)
+    assert steps[-1] == 4 and sorted(set(steps)) == [1, 2, 3, 4], steps
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 4, summary
+    batch = (out / "logs" / f"slurm-{job_id}.out").read_text()
+    assert f"forge: job {job_id} attempt 0" in batch and f"forge: job {job_id} attempt 1" in batch, batch
+    trainer_log = "\n".join(_forge("logs", str(out), "--role", "trainer").stdout.splitlines())
+    assert "resumed from" in trainer_log, trainer_log[-3000:]
+    status = _forge("status", str(out))
+    assert status.returncode == 0 and f"{job_id}: completed (exit 0)" in status.stdout, status
+
+
+def test_forge_cancel_and_status_of_a_slurm_run(slurm, tmp_path):
+    out = tmp_path / "run"
+    submitted = _forge("run", *SMALL, "--scheduler", "slurm", "--steps", "100", "--output", str(out))
+    assert submitted.returncode == 0, submitted.stderr[-3000:]
+    assert "submitted" in submitted.stdout, submitted.stdout
+    job_id = json.loads((out / "submission.json").read_text())["job_id"]
+    try:
+        cancelled = _forge("cancel", str(out))
+        assert cancelled.returncode == 0 and f"cancelled {job_id}" in cancelled.stdout, cancelled
+        _wait_for(lambda: "cancelled" in _forge("status", str(out)).stdout, 60, "the job to end cancelled")
+    finally:
+        subprocess.run(["scancel", job_id], check=False)
+
+
+def test_forge_run_bad_partition_is_one_line_exit_2(slurm, tmp_path):
+    out = tmp_path / "run"
+    proc = _forge("run", *SMALL, "--scheduler", "slurm", "--steps", "1", "--output", str(out),
+                  "--set", "scheduler.options.partition=no-such-partition")
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert len(proc.stderr.strip().splitlines()) == 1 and "partition" in proc.stderr, proc.stderr
+    assert not (out / "submission.json").exists()

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forgerl.algorithms import (
@@ -16,7 +16,7 @@ from forgerl.algorithms import (
     token_entropy,
 )
 
-FAST = settings(max_examples=30, deadline=None)
+FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def ref_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> list[list[float]]:
@@ -66,9 +66,9 @@ def test_logprobs_and_entropy_match_python_reference(seed, b, t, v, chunk):
     assert ent.reshape(-1).tolist() == pytest.approx(flat_ent, rel=1e-10, abs=1e-12)
 
 
-@pytest.mark.parametrize("chunk", [2, 3, 100])
+@pytest.mark.parametrize("chunk", [2, 100])  # blocks within a row / rows grouped per block
 def test_gradcheck(chunk):
-    logits, ids = _data(0, 2, 4, 5)
+    logits, ids = _data(0, 2, 3, 4)
     logits.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda x: selective_logprobs(x, ids, chunk), (logits,))
     assert torch.autograd.gradcheck(lambda x: token_entropy(x, chunk), (logits,))

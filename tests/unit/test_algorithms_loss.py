@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from forgerl.algorithms import (
@@ -23,7 +23,7 @@ from forgerl.algorithms import (
     soft_overlong_penalty,
 )
 
-FAST = settings(max_examples=30, deadline=None)
+FAST = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 AGGS = ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant_norm"]
 
 # ------------------------------------------------------------------- reference
@@ -172,7 +172,7 @@ def test_matches_python_reference(cfg, batch):
     assert set(metrics) <= set(METRIC_KEYS)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs(), batches)
 def test_gradcheck(cfg, batch):
     seed, b, t, token_adv, noise = batch
@@ -247,7 +247,7 @@ def test_unequal_rewards_do_give_a_gradient():
     assert (grad[adv > 0] < 0).all() and (grad[adv < 0] > 0).all()
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     st.lists(st.floats(-3, 3), min_size=1, max_size=8),
     st.floats(-5, 5).filter(lambda a: abs(a) > 1e-3),

@@ -88,17 +88,20 @@ def test_debug_shows_the_traceback():
     assert proc.returncode != 0 and "Traceback" in proc.stderr
 
 
-def test_precedence_defaults_file_set_flags(tmp_path):
+def test_precedence_defaults_file_flags_set(tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("loop:\n  steps: 7\n  group_size: 6\nmodel:\n  name: tiny\n")
-    proc = forge("config", "show", str(cfg), "--set", "loop.steps=9", "--set", "loop.prompts_per_step=3", "--steps", "11")
+    proc = forge("config", "show", str(cfg), "--steps", "11", "--set", "loop.prompts_per_step=3", "--model", "tiny",
+                 "--reward", "format", "--set", "rewards.0.options.pattern=x+")
     assert proc.returncode == 0, proc.stderr
     import yaml
 
     shown = yaml.safe_load(proc.stdout)
-    assert shown["loop"]["steps"] == 11  # flag beats --set beats file
+    assert shown["loop"]["steps"] == 11  # flag beats file
     assert shown["loop"]["group_size"] == 6  # file beats default
     assert shown["loop"]["prompts_per_step"] == 3  # --set beats default
+    # --set refines what a flag selected
+    assert shown["rewards"] == [{"name": "format", "options": {"pattern": "x+", "mode": "search"}, "weight": 1.0}]
     assert shown["loop"]["max_staleness"] == 0  # default
     assert shown["trainer"]["options"]["lr"] > 0  # backend defaults filled in
     assert shown["generator"]["name"] in ("hf", "vllm")  # `auto` resolved

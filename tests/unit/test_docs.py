@@ -31,3 +31,12 @@ def test_hook_signatures_in_docs_match_the_specs():
         heading = re.search(rf"^### `{name}\((.*?)\)", text, flags=re.M).group(1)
         documented = re.findall(r"(?:^|,\s*)(\w+):", heading)
         assert documented == params, (name, documented, params)
+
+
+def test_config_reference_is_up_to_date():
+    from forgerl.configdoc import render_markdown
+    from forgerl.plugins import build_registry
+
+    expected = render_markdown(build_registry(entry_points=True, disabled=set()))
+    actual = (DOCS / "config.md").read_text()
+    assert actual == expected, "docs/config.md is stale: run `forge config schema --markdown > docs/config.md`"

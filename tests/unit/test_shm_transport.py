@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from forgerl.config import RunConfig
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext
@@ -36,7 +35,9 @@ def _assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor
     assert list(got) == list(want), f"names/order differ: {list(got)} vs {list(want)}"
     for name, w in want.items():
         g = got[name]
-        assert g.dtype == w.dtype and g.shape == w.shape, f"{name}: {g.dtype}{tuple(g.shape)} vs {w.dtype}{tuple(w.shape)}"
+        assert g.dtype == w.dtype and g.shape == w.shape, (
+            f"{name}: {g.dtype}{tuple(g.shape)} vs {w.dtype}{tuple(w.shape)}"
+        )
         assert torch.equal(_bits(g), _bits(w)), f"{name}: bytes differ"
 
 
@@ -176,7 +177,13 @@ def test_receive_timeout_is_quick_and_says_what_to_check(tmp_path):
     assert 0.2 <= elapsed < 1.0, f"timeout 0.2 s took {elapsed:.2f} s"
     message = str(info.value)
     assert "\n" not in message
-    for part in ("version 7", str(transport.directory), "0.2 s", "newest there: 1", "is the trainer running?"):
+    for part in (
+        "version 7",
+        str(transport.directory),
+        "0.2 s",
+        "newest there: 1",
+        "is the trainer running?",
+    ):
         assert part in message, f"{part!r} missing from {message!r}"
     sender.close()
 
@@ -266,7 +273,9 @@ def test_receiver_in_another_process_gets_the_version(tmp_path):
     sender = transport.sender()
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, json.dumps(transport.receiver_spec())],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     sender.send(WeightSet(1, {"a": torch.ones(10)}))
     sender.send(WeightSet(2, {"a": torch.full((10,), 3.0), "b.c": torch.arange(4)}))

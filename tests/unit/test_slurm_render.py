@@ -8,14 +8,13 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
-
 from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.plugins import Registry  # noqa: F401  (the registry must import with the plugin)
 from forgerl.types import JobSpec, Resources, RoleSpec
 from forgerl_plugins.schedulers.slurm import SlurmSchedulerOptions, memory_mb, slurm_memory
 from forgerl_plugins.schedulers.slurm.render import _FUNCTIONS, place
 from forgerl_plugins.schedulers.slurm.scheduler import SlurmScheduler, _exit_code, _one_line
+from pydantic import ValidationError
 
 
 def _job(tmp_path: Path, *roles: RoleSpec, **kw) -> JobSpec:
@@ -72,7 +71,7 @@ def test_roles_become_pinned_steps_with_rendezvous_for_multi_rank(tmp_path):
     trainer = next(b for b in blocks if b.startswith("trainer.0:"))
     assert "export FORGE_ROLE=generator FORGE_REPLICA=0" in gen0
     assert "export VLLM_LOGGING_LEVEL=INFO" in gen0
-    assert "forge_supervise 3 " in gen0 and "/logs/generator.0.log" in gen0
+    assert "forge_supervise 3 " in gen0 and "/logs/generator-0.log" in gen0
     assert "--ntasks=1 " in gen0 and "--gpus-per-node=1" in gen0 and "--mem=16384M" in gen0
     assert "MASTER_ADDR" not in gen0  # a single-rank server needs no rendezvous
     assert "export FORGE_ROLE=trainer FORGE_REPLICA=0" in trainer

@@ -18,9 +18,10 @@ import asyncio
 import logging
 import random
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import ConfigError, GeneratorError, TransportError
 from forgerl.interfaces import Generator, RunContext, TransportReceiver
@@ -28,7 +29,6 @@ from forgerl.types import Completion, FinishReason, GenerationRequest, Generator
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
     from forgerl_plugins.generators.hf import HFGeneratorOptions
 
 log = logging.getLogger(__name__)
@@ -41,12 +41,12 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def choose_tokens(
-    logits: "torch.Tensor",
-    temperature: "torch.Tensor",
-    top_k: "torch.Tensor",
-    top_p: "torch.Tensor",
-    uniform: "torch.Tensor",
-) -> tuple["torch.Tensor", "torch.Tensor"]:
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniform: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` ``[B, V]`` and its logprob under the contract.
 
     ``temperature`` 0 is greedy (argmax; logprob at T = 1). Otherwise the token is drawn
@@ -67,7 +67,9 @@ def choose_tokens(
     return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def _sample(scaled: "torch.Tensor", top_k: "torch.Tensor", top_p: "torch.Tensor", uniform: "torch.Tensor") -> "torch.Tensor":
+def _sample(
+    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, uniform: torch.Tensor
+) -> torch.Tensor:
     import torch
 
     vocab = scaled.shape[-1]
@@ -86,7 +88,7 @@ def _sample(scaled: "torch.Tensor", top_k: "torch.Tensor", top_p: "torch.Tensor"
     return order.gather(-1, _inverse_cdf(probs, uniform).unsqueeze(-1)).squeeze(-1)
 
 
-def _inverse_cdf(probs: "torch.Tensor", uniform: "torch.Tensor") -> "torch.Tensor":
+def _inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """Index i with cdf[i-1] <= u * total < cdf[i]: never a zero-probability token."""
     import torch
 
@@ -106,7 +108,7 @@ class _Sequence:
     index: int
     prompt: list[int]
     sampling: SamplingParams
-    rng: "torch.Generator"
+    rng: torch.Generator
     max_new: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -114,7 +116,7 @@ class _Sequence:
     text: str | None = None
 
 
-def _seeded(seed: int) -> "torch.Generator":
+def _seeded(seed: int) -> torch.Generator:
     import torch
 
     # CPU generator whatever the device: the same seed draws the same uniforms everywhere.
@@ -124,7 +126,7 @@ def _seeded(seed: int) -> "torch.Generator":
 class HFGenerator(Generator):
     """``HFGenerator(options, ctx)``: loads ``ctx.model_path`` and samples in-process."""
 
-    def __init__(self, options: "HFGeneratorOptions", ctx: RunContext) -> None:
+    def __init__(self, options: HFGeneratorOptions, ctx: RunContext) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -242,8 +244,12 @@ class HFGenerator(Generator):
         cache = DynamicCache(config=self.model.config)
         with torch.inference_mode():
             out = self.model(
-                input_ids=ids, attention_mask=mask, position_ids=positions,
-                past_key_values=cache, use_cache=True, logits_to_keep=1,
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
             )
             next_position = positions[:, -1:] + 1
             while True:
@@ -253,13 +259,13 @@ class HFGenerator(Generator):
                 uniform = torch.tensor(
                     [
                         float(torch.rand((), generator=s.rng)) if live and s.sampling.temperature > 0 else 0.0
-                        for s, live in zip(batch, active)
+                        for s, live in zip(batch, active, strict=True)
                     ],
                     dtype=torch.float64,
                     device=dev,
                 )
                 tokens, logprobs = choose_tokens(out.logits[:, -1, :], temperature, top_k, top_p, uniform)
-                for s, live, token, logprob in zip(batch, active, tokens.tolist(), logprobs.tolist()):
+                for s, live, token, logprob in zip(batch, active, tokens.tolist(), logprobs.tolist(), strict=True):
                     if live:
                         self._append(s, token, logprob)
                 if all(s.finish is not None for s in batch):
@@ -267,14 +273,17 @@ class HFGenerator(Generator):
                 # Finished rows keep stepping on padding (their outputs are ignored): the
                 # cache stays one rectangular batch.
                 feed = torch.tensor(
-                    [t if s.finish is None else self.pad_id for s, t in zip(batch, tokens.tolist())],
+                    [t if s.finish is None else self.pad_id for s, t in zip(batch, tokens.tolist(), strict=True)],
                     dtype=torch.long,
                     device=dev,
                 ).unsqueeze(-1)
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
                 out = self.model(
-                    input_ids=feed, attention_mask=mask, position_ids=next_position,
-                    past_key_values=cache, use_cache=True,
+                    input_ids=feed,
+                    attention_mask=mask,
+                    position_ids=next_position,
+                    past_key_values=cache,
+                    use_cache=True,
                 )
                 next_position = next_position + 1
 
@@ -339,7 +348,7 @@ class HFGenerator(Generator):
         return self._receiver
 
     @staticmethod
-    def _check(version: int, staged: dict[str, "torch.Tensor"], targets: dict[str, "torch.Tensor"]) -> None:
+    def _check(version: int, staged: dict[str, torch.Tensor], targets: dict[str, torch.Tensor]) -> None:
         """Names and shapes must match the model. Tied weights (embeddings and lm_head) are
         one tensor under several names: any one of them suffices, and copying into either
         updates both."""

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from forgerl.backends import SchedulerBackend
 from forgerl.hookspecs import hookimpl
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 # Slurm's --mem: an integer with an optional K/M/G/T suffix (default megabytes). The
 # Kubernetes-style binary suffixes (Ki, Mi, Gi, Ti) mean the same thing and are accepted,
@@ -20,7 +19,7 @@ from forgerl.hookspecs import hookimpl
 MEMORY_RE = re.compile(r"^(?P<n>[0-9]+)(?P<unit>[KMGT]i?)?$", re.IGNORECASE)
 # Slurm's --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
 # days-hours:minutes, days-hours:minutes:seconds, or UNLIMITED / INFINITE.
-TIME_RE = re.compile(r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(?::\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.I)
+TIME_RE = re.compile(r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(?::\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE)
 
 
 def slurm_memory(value: str) -> str:

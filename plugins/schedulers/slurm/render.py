@@ -182,7 +182,7 @@ def run_dir_of(job: JobSpec) -> str:
 
 def log_path(run_dir: str, role: str, replica: int) -> str:
     """Where a role replica's output goes (all its ranks, prefixed by rank when several)."""
-    return os.path.join(run_dir, "logs", f"{role}.{replica}.log")
+    return os.path.join(run_dir, "logs", f"{role}-{replica}.log")
 
 
 def render_script(job: JobSpec, opts: SlurmSchedulerOptions) -> str:
@@ -381,7 +381,7 @@ forge_supervise() {{
         fi
         attempt=$((attempt + 1))
         echo "forge: $FORGE_ROLE.$FORGE_REPLICA exited with status $rc; restart $attempt of $restarts"
-        sleep "${FORGE_RESTART_DELAY:-1}"
+        sleep "${{FORGE_RESTART_DELAY:-1}}"
     done
 }}
 

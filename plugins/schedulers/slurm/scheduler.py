@@ -13,8 +13,8 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from forgerl.errors import BackendUnavailable, JobNotFound, SchedulerError, UserError
 from forgerl.interfaces import Scheduler
@@ -162,24 +162,29 @@ class SlurmScheduler(Scheduler):
             raise SchedulerError(f"scancel {job_id} failed: {_one_line(proc.stderr)}")
 
     def logs(self, job_id: str, role: str | None = None) -> Iterator[str]:
+        """Lines of the role logs (``logs/<role>-<replica>.log``, all ranks of a replica in
+        one, prefixed by rank when several), oldest first; each prefixed with ``[<log name>] ``
+        when several logs are shown. ``role="scheduler"`` shows the batch script's output."""
         job_id = self._job_id(job_id)
-        run_dir = self._run_dir(job_id)
-        logs = run_dir / "logs"
-        if role is None:
-            files = [logs / f"slurm-{job_id}.out"] + sorted(logs.glob("*.log"))
+        logs = self._run_dir(job_id) / "logs"
+        batch = logs / f"slurm-{job_id}.out"
+        role_logs = sorted(logs.glob("*-*.log"))
+        if role == "scheduler":
+            paths = [batch]
+        elif role is None:
+            paths = [batch, *role_logs]
         else:
-            files = sorted(logs.glob(f"{role}.*.log"))
-            if not files:
-                known = sorted({p.name.rsplit(".", 2)[0] for p in logs.glob("*.log")})
-                raise UserError(f"job {job_id} has no logs for role {role!r}; roles with logs: {known}")
-        prefix = role is None or len(files) > 1
-        for path in files:
-            if not path.exists():
-                continue
-            tag = "batch" if path.suffix == ".out" else path.stem
-            with path.open(errors="replace") as fh:
+            paths = [p for p in role_logs if p.stem.rsplit("-", 1)[0] == role]
+            if not paths:
+                roles = sorted({p.stem.rsplit("-", 1)[0] for p in role_logs})
+                raise JobNotFound(f"job {job_id} has no logs of role {role!r}; roles: {', '.join(roles + ['scheduler'])}")
+        paths = [p for p in paths if p.is_file()]
+        several = len(paths) > 1
+        for path in paths:
+            prefix = f"[{'scheduler' if path == batch else path.stem}] " if several else ""
+            with open(path, encoding="utf-8", errors="replace") as fh:
                 for line in fh:
-                    yield f"[{tag}] {line.rstrip()}" if prefix else line.rstrip()
+                    yield prefix + line.rstrip("\n")
 
     # ----------------------------------------------------------------- helpers
 
@@ -194,7 +199,7 @@ class SlurmScheduler(Scheduler):
 
     def _run(self, argv: list[str]) -> subprocess.CompletedProcess[str]:
         try:
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
         except subprocess.TimeoutExpired:
             raise SlurmUnreachable(f"{Path(argv[0]).name} did not answer in 120 s: is slurmctld up?") from None
         if proc.returncode != 0 and "Unable to contact slurm controller" in proc.stderr:

@@ -162,6 +162,7 @@ class FSDPTrainer(Trainer):
 
         from forgerl.algorithms.loss import policy_loss
 
+        _check_batch(batch)
         alg = self.algorithm
         shifted_mask = batch.loss_mask[:, 1:]
         count = global_count(shifted_mask, alg.loss_agg)
@@ -224,6 +225,7 @@ class FSDPTrainer(Trainer):
         import torch
         import torch.distributed as dist
 
+        _check_batch(batch)
         size, length = batch.input_ids.shape
         mine = rank_rows(size, self.world_size, self.rank)
         share = -(-size // self.world_size)
@@ -279,3 +281,13 @@ class FSDPTrainer(Trainer):
         self.model = self.reference_model = self.optimizer = None
         if self._owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_batch(batch: TrainBatch) -> None:
+    shape = tuple(batch.input_ids.shape)
+    assert len(shape) == 2 and shape[0] >= 1, f"input_ids must be [B, T] with B >= 1, got {shape}"
+    for name in ("attention_mask", "loss_mask", "behaviour_logprobs"):
+        got = tuple(getattr(batch, name).shape)
+        assert got == shape, f"{name} has shape {got}, input_ids {shape}"
+    adv = tuple(batch.advantages.shape)
+    assert adv in (shape[:1], shape), f"advantages must be [B] or [B, T] for input_ids {shape}, got {adv}"

@@ -20,8 +20,9 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
@@ -29,7 +30,6 @@ from forgerl.types import WeightSet
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
     from forgerl_plugins.transports.shm import ShmTransportOptions
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def version_file(directory: Path, version: int) -> Path:
     return directory / f"v{version:08d}.safetensors"
 
 
-def _write_file(tensors: dict[str, "torch.Tensor"], path: Path, metadata: dict[str, str]) -> None:
+def _write_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
     """Write one safetensors file (module-level so that tests can make it fail mid-way)."""
     from safetensors.torch import save_file
 
@@ -167,11 +167,14 @@ class ShmSender(TransportSender):
         self.last_send_bytes = nbytes
         log.debug(
             "shm: published version %d (%.1f MiB in %.3f s) in %s",
-            version, nbytes / 2**20, self.last_send_seconds, self.directory,
+            version,
+            nbytes / 2**20,
+            self.last_send_seconds,
+            self.directory,
         )
 
     @staticmethod
-    def _prepare(weights: WeightSet) -> tuple[dict[str, "torch.Tensor"], list[str]]:
+    def _prepare(weights: WeightSet) -> tuple[dict[str, torch.Tensor], list[str]]:
         """CPU, contiguous, unshared tensors (safetensors refuses tensors that share memory,
         e.g. tied embeddings under two names): iterate the set once, as its contract says."""
         tensors: dict[str, torch.Tensor] = {}
@@ -235,7 +238,7 @@ class ShmReceiver(TransportReceiver):
         """The newest published version (for a generator that joins late), or None."""
         return _read_latest(self.directory)
 
-    def receive(self, version: int, timeout: float | None = None) -> Iterator[tuple[str, "torch.Tensor"]]:
+    def receive(self, version: int, timeout: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Wait for ``version``, then yield its tensors, each copied out of the file.
 
         The wait (and its TransportTimeout) happens here, not on the first ``next``.
@@ -271,7 +274,7 @@ class ShmReceiver(TransportReceiver):
         # alive for us), so reading is not racing a newer version.
         return self._read(handle, version, path)
 
-    def _read(self, handle: Any, version: int, path: Path) -> Iterator[tuple[str, "torch.Tensor"]]:
+    def _read(self, handle: Any, version: int, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
         with handle as f:
             meta = f.metadata() or {}
             got = meta.get("forgerl_version")
@@ -291,7 +294,7 @@ class ShmTransport(Transport):
     """Factory ``ShmTransport(options, ctx)``; ``ctx`` may be None in a receiver process
     (then :meth:`receiver` needs the sender's :meth:`receiver_spec` or ``options.directory``)."""
 
-    def __init__(self, options: "ShmTransportOptions", ctx: RunContext | None = None) -> None:
+    def __init__(self, options: ShmTransportOptions, ctx: RunContext | None = None) -> None:
         self.options = options
         self.ctx = ctx
         self._directory: Path | None = Path(options.directory) if options.directory else None
@@ -314,7 +317,9 @@ class ShmTransport(Transport):
                 return Path(tempfile.mkdtemp(prefix="forgerl-", dir=SHM_ROOT))
             log.warning(
                 "shm: %s has %.0f MiB free, %.0f MiB wanted; using a directory on disk",
-                SHM_ROOT, free / 2**20, wanted / 2**20,
+                SHM_ROOT,
+                free / 2**20,
+                wanted / 2**20,
             )
         if self.ctx is not None:
             path = Path(self.ctx.run_dir) / "weights"

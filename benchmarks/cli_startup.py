@@ -1,0 +1,62 @@
+"""How long `forge --help` and `forge plugins list` take, and that they import no torch.
+
+Run: .venv/bin/python benchmarks/cli_startup.py [--repeat N] [--json]
+Each command runs in a fresh interpreter N times; the median wall time is reported.
+Goal (issue 2): well under 0.5 s on a laptop-class CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+COMMANDS = {
+    "forge --help": ["--help"],
+    "forge plugins list": ["plugins", "list"],
+    "forge config show": ["config", "show"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    results = {}
+    for label, argv in COMMANDS.items():
+        times = []
+        for _ in range(args.repeat):
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "forgerl.cli", *argv], capture_output=True, check=True)
+            times.append(time.perf_counter() - t)
+        probe = subprocess.run(
+            [sys.executable, "-c",
+             "import sys\nfrom forgerl.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+             "print('torch' in sys.modules)" % (argv,)],
+            capture_output=True, text=True, check=True,
+        )
+        results[label] = {
+            "median_s": round(statistics.median(times), 3),
+            "min_s": round(min(times), 3),
+            "imports_torch": probe.stdout.strip().splitlines()[-1] == "True",
+        }
+    baseline = []
+    for _ in range(args.repeat):
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "pass"], check=True)
+        baseline.append(time.perf_counter() - t)
+    results["python -c pass"] = {"median_s": round(statistics.median(baseline), 3)}
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    for label, r in results.items():
+        extra = "" if "imports_torch" not in r else f"  imports torch: {r['imports_torch']}"
+        print(f"{label:<22} median {r['median_s']:.3f} s{extra}")
+
+
+if __name__ == "__main__":
+    main()

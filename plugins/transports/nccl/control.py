@@ -1,0 +1,163 @@
+"""The control channel of a transport: a torch ``TCPStore`` hosted by the sender.
+
+Receivers register themselves, ask for versions and acknowledge them through it; the
+sender publishes each version's layout (names, dtypes, shapes, offsets) in it. Data never
+goes through the store. Every call is bounded: :class:`Control` sets the store's timeout
+from the caller's :class:`Deadline` before each operation, so a frozen or dead sender
+turns into a timeout, never a hang.
+
+Used by the ``nccl`` and ``rdma`` transports.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import socket
+import time
+from typing import Any, Iterable
+
+#: Errors the store raises when its peer is gone, slow, or a key is missing in time.
+#: (torch's DistError and friends derive from RuntimeError.)
+STORE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError)
+
+#: Longest single store operation: a store op that takes longer means the other side froze.
+MAX_OP_SECONDS = 10.0
+
+
+class Deadline:
+    """A point in time; ``remaining()`` seconds until it (never negative)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = float(seconds)
+        self.end = time.monotonic() + self.seconds
+
+    def remaining(self) -> float:
+        return max(0.0, self.end - time.monotonic())
+
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() >= self.end
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(max(0.0, min(seconds, self.remaining())))
+
+
+def timedelta(seconds: float) -> datetime.timedelta:
+    # The store refuses a zero timeout; 50 ms is the shortest wait that still lets a
+    # healthy round trip succeed on a busy machine.
+    return datetime.timedelta(seconds=max(0.05, float(seconds)))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def local_address(peer_host: str) -> str:
+    """The address of this machine that ``peer_host`` can reach (loopback for a loopback
+    peer; otherwise the source address the kernel would use to reach it)."""
+    if is_loopback(peer_host):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((peer_host, 9))  # UDP connect sends nothing; it only picks a route
+            return s.getsockname()[0]
+        except OSError:
+            return socket.gethostbyname(socket.gethostname())
+
+
+def start_server(port: int, timeout: float) -> Any:
+    """A TCPStore server on ``port`` (0: any free port). Closing it = dropping every
+    reference to it (and to stores/groups built on it)."""
+    from torch.distributed import TCPStore
+
+    # The server listens on every interface; ``host`` here is only how this process
+    # reaches it as a client.
+    return TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=timedelta(timeout))
+
+
+def connect(host: str, port: int, timeout: float) -> Any:
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, is_master=False, timeout=timedelta(timeout))
+
+
+class Control:
+    """A namespaced view of the control store with a deadline on every operation.
+
+    Not thread-safe: each thread that talks to the store makes its own ``Control``.
+    """
+
+    def __init__(self, store: Any, namespace: str) -> None:
+        from torch.distributed import PrefixStore
+
+        self.raw = store
+        self.store = PrefixStore(namespace, store)
+        self.namespace = namespace
+
+    @classmethod
+    def connect(cls, host: str, port: int, namespace: str, timeout: float) -> "Control":
+        return cls(connect(host, port, min(timeout, MAX_OP_SECONDS)), namespace)
+
+    def _bound(self, deadline: Deadline | None) -> None:
+        seconds = MAX_OP_SECONDS if deadline is None else min(MAX_OP_SECONDS, deadline.remaining())
+        # On the TCPStore itself: a PrefixStore's own timeout does not reach its socket.
+        self.raw.set_timeout(timedelta(seconds))
+
+    def set(self, key: str, value: str | bytes, deadline: Deadline | None = None) -> None:
+        self._bound(deadline)
+        self.store.set(key, value)
+
+    def set_json(self, key: str, value: Any, deadline: Deadline | None = None) -> None:
+        self.set(key, json.dumps(value, separators=(",", ":")), deadline)
+
+    def has(self, key: str, deadline: Deadline | None = None) -> bool:
+        self._bound(deadline)
+        return bool(self.store.check([key]))
+
+    def get(self, key: str, deadline: Deadline | None = None) -> bytes | None:
+        """The value, or None when the key does not exist (never waits for it)."""
+        self._bound(deadline)
+        if not self.store.check([key]):
+            return None
+        return self.store.get(key)
+
+    def get_json(self, key: str, deadline: Deadline | None = None) -> Any:
+        raw = self.get(key, deadline)
+        return None if raw is None else json.loads(raw)
+
+    def get_many(self, keys: list[str], deadline: Deadline | None = None) -> list[bytes]:
+        """Values of keys that must all exist (one round trip)."""
+        if not keys:
+            return []
+        self._bound(deadline)
+        return list(self.store.multi_get(keys))
+
+    def compare_set(self, key: str, expected: str, desired: str, deadline: Deadline | None = None) -> str:
+        """Atomically set ``key`` to ``desired`` if it holds ``expected`` ("" = absent);
+        returns the value it holds afterwards (``desired`` when this call won)."""
+        self._bound(deadline)
+        return self.store.compare_set(key, expected, desired).decode()
+
+    def delete(self, keys: Iterable[str], deadline: Deadline | None = None) -> None:
+        self._bound(deadline)
+        for key in keys:
+            self.store.delete_key(key)
+
+    def push(self, queue: str, value: Any, deadline: Deadline | None = None) -> None:
+        self._bound(deadline)
+        self.store.queue_push(queue, json.dumps(value, separators=(",", ":")))
+
+    def pop_all(self, queue: str, deadline: Deadline | None = None) -> list[Any]:
+        """Every value queued now, oldest first (never waits)."""
+        self._bound(deadline)
+        out = []
+        for _ in range(int(self.store.queue_len(queue))):
+            out.append(json.loads(self.store.queue_pop(queue, False)))
+        return out

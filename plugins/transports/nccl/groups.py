@@ -1,0 +1,94 @@
+"""Private two-party process groups, built beside (never through) torch.distributed's
+default group.
+
+The trainer already uses the default group for FSDP, and a vLLM worker has its own; a
+transport must not touch either. So a group here is a bare ``ProcessGroupGloo`` (CPU) or
+``ProcessGroupNCCL`` (GPU) constructed on a ``PrefixStore`` of the transport's control
+store, with group-local ranks, and used through its own methods (``pg.broadcast``), not
+through ``torch.distributed.broadcast``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from forgerl_plugins.transports.nccl.control import timedelta
+
+_ENV_LOCK = threading.Lock()
+
+
+def resolve_backend(backend: str) -> str:
+    """``auto`` → ``nccl`` where CUDA is available, else ``gloo``."""
+    if backend != "auto":
+        return backend
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def device_for(backend: str) -> Any:
+    import torch
+
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def make_group(store: Any, rank: int, size: int, backend: str, timeout: float, address: str) -> Any:
+    """Construct the group; blocks until all ``size`` ranks have joined (or ``timeout``)."""
+    if backend == "gloo":
+        from torch.distributed import ProcessGroupGloo
+
+        opts = ProcessGroupGloo._Options()
+        opts._timeout = timedelta(timeout)
+        # The address peers use to reach this process: loopback stays on loopback.
+        opts._devices = [ProcessGroupGloo.create_device(hostname=address)]
+        return ProcessGroupGloo(store, rank, size, opts)
+    if backend == "nccl":
+        from torch.distributed import ProcessGroupNCCL
+
+        opts = ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(timeout)
+        # NCCL's watchdog would take the whole process down on a timeout (the default
+        # error handling); a generator must survive a dead trainer, so this group only
+        # aborts its communicator. The variable is read when the group is constructed.
+        with _ENV_LOCK:
+            saved = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+            os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "2"
+            try:
+                return ProcessGroupNCCL(store, rank, size, opts)
+            finally:
+                if saved is None:
+                    os.environ.pop("TORCH_NCCL_ASYNC_ERROR_HANDLING", None)
+                else:
+                    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = saved
+    raise ValueError(f"unknown process-group backend {backend!r} (gloo or nccl)")
+
+
+def broadcast(pg: Any, tensor: Any, root: int, timeout: float) -> Any:
+    """Start a broadcast of ``tensor`` from group rank ``root``; returns the Work."""
+    from torch.distributed import BroadcastOptions
+
+    opts = BroadcastOptions()
+    opts.rootRank = root
+    opts.rootTensor = 0
+    opts.timeout = timedelta(timeout)
+    return pg.broadcast([tensor], opts)
+
+
+def destroy(pg: Any, graceful: bool = True) -> None:
+    """Tear a group down: ``shutdown`` for a healthy group (both sides call it, or the
+    process aborts at exit), ``abort`` for one whose peer may be gone."""
+    if pg is None:
+        return
+    for method in ("shutdown", "abort") if graceful else ("abort", "shutdown"):
+        fn = getattr(pg, method, None)
+        if fn is None:
+            continue
+        try:
+            fn()
+            return
+        except Exception:  # noqa: BLE001 - best effort; the other method may work
+            continue

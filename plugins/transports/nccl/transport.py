@@ -1,0 +1,711 @@
+"""The ``nccl`` transport: broadcasts over private process groups (NCCL on GPU, gloo on CPU).
+
+Shape (see docs/transports.md for the full protocol):
+
+* The sender (trainer rank 0) hosts a ``TCPStore``, the control channel. Receivers connect
+  to it (``receiver_spec()`` carries its host and port), register with their worker id and
+  a fresh nonce, and say when they want the next version. Data never goes through it.
+* Each receiver gets its own two-rank group with the sender (rank 0) — a *channel* —
+  formed on a ``PrefixStore`` of the control store the first time it asks. Per-receiver
+  groups keep failures apart: a receiver that dies breaks only its own channel (a NCCL
+  communicator cannot drop a dead member), a restarted one forms a new channel without
+  disturbing the others, and nothing ever touches the default group the trainer's FSDP and
+  the engine use.
+* A version is laid out in one flat buffer (:mod:`.layout`) and moved in bucket-sized
+  chunks; each chunk is packed once (or sent from the tensor's own memory when it is one
+  big tensor) and broadcast on every channel that asked. A receiver receives into one
+  buffer that it reuses across versions and yields views of it after the last chunk and
+  its acknowledgement: never a partial version.
+* A service thread in the sender forms channels and serves requests, so a receiver that
+  joins late (a restarted generator) gets the current version without waiting for the
+  next ``send``. ``send`` publishes a version and waits until every receiver registered
+  at that moment has acknowledged it, or failed, or the timeout passed; it then raises
+  naming the receivers that did not get it. The others have it; later versions go to
+  whoever is alive.
+
+The sender keeps a reference to the tensors of the current version until the next
+``send`` (late joiners need them): they must not be modified in place meanwhile — the
+fsdp trainer's ``export_weights`` returns fresh tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from forgerl.errors import TransportError, TransportTimeout
+from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
+from forgerl.types import WeightSet
+from forgerl_plugins.transports.nccl import control, groups
+from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Control, Deadline
+from forgerl_plugins.transports.nccl.layout import Chunk, Layout, tensor_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from forgerl_plugins.transports.nccl import NcclTransportOptions
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "forgerl/nccl/"
+EVENTS = "events"  # queue of {"type": "join"|"want", ...} from receivers
+LATEST = "latest"  # the newest published version
+META = "meta"  # its layout (JSON), for tools that only watch the store
+DEFAULT_TIMEOUT = 120.0
+#: Tensors at least this big are sent from their own memory (no packing copy).
+OWN_CHUNK_BYTES = 4 * 2**20
+WITHDRAWN = "withdrawn"
+
+
+def member_key(nonce: str, what: str) -> str:
+    return f"m/{nonce}/{what}"
+
+
+def default_timeout(options: Any, ctx: RunContext | None) -> float:
+    if options.timeout is not None:
+        return float(options.timeout)
+    if ctx is not None:
+        return float(ctx.config.transport.timeout)
+    return DEFAULT_TIMEOUT
+
+
+# ============================================================================ sender
+
+
+@dataclass
+class _Version:
+    layout: Layout
+    tensors: list["torch.Tensor"]
+
+    @property
+    def version(self) -> int:
+        return self.layout.version
+
+
+@dataclass
+class _Member:
+    """One registered receiver (one incarnation: a restart registers a new nonce)."""
+
+    worker_id: str
+    nonce: str
+    pid: int
+    host: str
+    want_seq: int = -1  # the newest request it made
+    offered_seq: int = -1  # the newest request the sender answered (or found withdrawn)
+    delivered: int | None = None  # the newest version it acknowledged
+    channel: Any = None  # the group
+    backend: str = ""
+    forming: bool = False
+    failed: str | None = None  # why it was dropped; it must register again
+
+    def label(self) -> str:
+        return f"{self.worker_id!r} (pid {self.pid} on {self.host})"
+
+
+@dataclass
+class _Delivery:
+    """One ``send`` waiting for its targets."""
+
+    version: int
+    deadline: Deadline
+    targets: list[_Member] = field(default_factory=list)
+
+
+class NcclSender(TransportSender):
+    def __init__(self, options: NcclTransportOptions, server: Any, port: int, timeout: float, release: Any) -> None:
+        self.options = options
+        self.default_timeout = timeout
+        self.port = port
+        self._server = server
+        self._release = release
+        self._address = control.local_address(options.host) if control.is_loopback(options.host) else options.host
+        self._backend = groups.resolve_backend(options.backend)
+        self._ctl = Control(server, NAMESPACE)  # this (the caller's) thread only
+        self._cond = threading.Condition()
+        self._members: dict[str, _Member] = {}
+        self._current: _Version | None = None
+        self._delivery: _Delivery | None = None
+        self._staging: dict[Any, list[Any]] = {}
+        self._stop = threading.Event()
+        self._closed = False
+        self.last_version: int | None = None
+        #: Seconds and bytes of the last send (publish to the last acknowledgement).
+        self.last_send_seconds: float | None = None
+        self.last_send_bytes = 0
+        self._thread = threading.Thread(target=self._serve, name="forge-nccl-sender", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ send
+
+    def send(self, weights: WeightSet, timeout: float | None = None) -> None:
+        import time
+
+        if self._closed:
+            raise TransportError("nccl sender is closed")
+        deadline = Deadline(self.default_timeout if timeout is None else timeout)
+        version = int(weights.version)
+        if self.last_version is not None and version <= self.last_version:
+            raise ValueError(f"weight versions must strictly increase: got {version} after {self.last_version}")
+        start = time.perf_counter()
+        tensors = [(name, t.detach() if t.is_contiguous() else t.detach().contiguous()) for name, t in weights.items()]
+        bucket = self.options.bucket_mb * 2**20
+        layout = Layout.build(version, tensors, bucket, OWN_CHUNK_BYTES)
+        with self._cond:
+            self._ctl.set(META, layout.to_json(), deadline)
+            self._ctl.set(LATEST, str(version), deadline)
+            self._current = _Version(layout, [t for _, t in tensors])
+            # Receivers that registered before this call are owed this version.
+            self._handle_events(self._ctl, deadline)
+            delivery = _Delivery(version, deadline, [m for m in self._members.values() if m.failed is None])
+            self._delivery = delivery
+            self.last_version = version
+            self._cond.notify_all()
+            while not deadline.expired and not self._closed:
+                if all(m.delivered == version or m.failed for m in delivery.targets):
+                    break
+                self._cond.wait(min(0.1, deadline.remaining()))
+            self._delivery = None
+            failed = [m for m in delivery.targets if m.failed and m.delivered != version]
+            missing = [m for m in delivery.targets if not m.failed and m.delivered != version]
+            for m in missing:
+                m.failed = f"did not take version {version} within {deadline.seconds:g} s"
+        self.last_send_seconds = time.perf_counter() - start
+        self.last_send_bytes = layout.nbytes
+        if self._closed:
+            raise TransportError(f"nccl sender closed while sending version {version}")
+        if failed or missing:
+            got = len(delivery.targets) - len(failed) - len(missing)
+            what = "; ".join(f"{m.label()}: {m.failed}" for m in failed + missing)
+            msg = (
+                f"weights version {version} did not reach {len(failed) + len(missing)} of "
+                f"{len(delivery.targets)} receivers: {what}. {got} received it; they are dropped "
+                "until they register again (a restarted receiver does so itself)"
+            )
+            raise (TransportError if failed else TransportTimeout)(msg)
+        log.debug("nccl: version %d (%.1f MiB) reached %d receiver(s)", version, layout.nbytes / 2**20, len(delivery.targets))
+
+    # ------------------------------------------------------------- membership
+
+    def _handle_events(self, ctl: Control, deadline: Deadline | None = None) -> None:
+        """Apply queued join/want events (caller holds ``_cond``)."""
+        for ev in ctl.pop_all(EVENTS, deadline):
+            if ev.get("type") == "join":
+                for old in self._members.values():
+                    if old.worker_id == ev["worker_id"] and old.failed is None:
+                        old.failed = "replaced by a new incarnation of the same worker"
+                self._members[ev["nonce"]] = _Member(ev["worker_id"], ev["nonce"], int(ev["pid"]), ev["host"])
+                log.info("nccl: receiver %r registered (pid %s on %s)", ev["worker_id"], ev["pid"], ev["host"])
+            elif ev.get("type") == "want":
+                m = self._members.get(ev["nonce"])
+                if m is not None:
+                    m.want_seq = max(m.want_seq, int(ev["seq"]))
+        self._cond.notify_all()
+
+    # --------------------------------------------------------- service thread
+
+    def _serve(self) -> None:
+        ctl: Control | None = None
+        while not self._stop.is_set():
+            try:
+                if ctl is None:
+                    ctl = Control.connect("127.0.0.1", self.port, NAMESPACE, self.options.connect_timeout)
+                with self._cond:
+                    self._handle_events(ctl)
+                    for m in self._members.values():
+                        if m.failed is None and m.channel is None and not m.forming and m.want_seq > m.offered_seq:
+                            m.forming = True
+                            threading.Thread(target=self._form, args=(m,), daemon=True).start()
+                    current = self._current
+                    batch = [
+                        m
+                        for m in self._members.values()
+                        if m.failed is None
+                        and m.channel is not None
+                        and m.want_seq > m.offered_seq
+                        and current is not None
+                        and m.delivered != current.version
+                    ]
+                if batch and current is not None:
+                    self._deliver(ctl, current, batch)
+                self._reap(ctl)
+            except Exception:  # noqa: BLE001 - the thread must outlive any one failure
+                if self._stop.is_set():
+                    break
+                log.exception("nccl sender: service loop error (continuing)")
+                ctl = None
+            self._stop.wait(self.options.poll_interval)
+
+    def _form(self, m: _Member) -> None:
+        """Build the channel with ``m`` (blocks until it joins, or connect_timeout)."""
+        # In one process both ranks would sit on one GPU, which NCCL refuses: gloo then.
+        same_process = m.pid == os.getpid() and m.host == self._address
+        backend = "gloo" if same_process else self._backend
+        try:
+            ctl = Control.connect("127.0.0.1", self.port, NAMESPACE, self.options.connect_timeout)
+            ctl.set_json(member_key(m.nonce, "accept"), {"backend": backend})
+            from torch.distributed import PrefixStore
+
+            store = PrefixStore(NAMESPACE + member_key(m.nonce, "pg/"), ctl.raw)
+            pg = groups.make_group(store, 0, 2, backend, self.options.connect_timeout, self._address)
+        except Exception as exc:  # noqa: BLE001 - any failure drops this receiver only
+            with self._cond:
+                m.forming = False
+                m.failed = f"could not form its group: {type(exc).__name__}: {_short(exc)}"
+                self._cond.notify_all()
+            return
+        with self._cond:
+            m.forming = False
+            if m.failed is not None or self._stop.is_set():
+                groups.destroy(pg, graceful=False)
+                return
+            m.channel, m.backend = pg, backend
+            self._cond.notify_all()
+        log.info("nccl: channel to %s formed (%s)", m.label(), backend)
+
+    def _deadline_for(self, m: _Member, version: int) -> Deadline:
+        d = self._delivery
+        if d is not None and d.version == version and any(t is m for t in d.targets):
+            return d.deadline
+        return Deadline(self.default_timeout)
+
+    def _deliver(self, ctl: Control, current: _Version, batch: list[_Member]) -> None:
+        layout, version = current.layout, current.version
+        with self._cond:
+            deadlines = {m.nonce: self._deadline_for(m, version) for m in batch}
+        offer = layout.to_json()
+        active: list[tuple[_Member, int]] = []
+        for m in batch:
+            seq = m.want_seq
+            try:
+                got = ctl.compare_set(member_key(m.nonce, f"offer/{seq}"), "", offer, deadlines[m.nonce])
+            except STORE_ERRORS as exc:
+                self._fail(m, f"control store error: {_short(exc)}")
+                continue
+            m.offered_seq = seq
+            if got == WITHDRAWN:
+                continue  # it stopped waiting before we answered; it will ask again
+            active.append((m, seq))
+        if not active:
+            return
+        # Every chunk is broadcast on every active channel; a packed chunk lives in one of
+        # two staging buffers per device, reused once every broadcast of it completed.
+        pending: dict[tuple[Any, int], list[tuple[_Member, Any]]] = {}
+        works: list[tuple[_Member, Any]] = []
+        for i, chunk in enumerate(layout.chunks):
+            by_device: dict[Any, list[_Member]] = {}
+            for m, _ in active:
+                if m.failed is None:
+                    by_device.setdefault(groups.device_for(m.backend), []).append(m)
+            for device, members in by_device.items():
+                slot = (device, i % 2)
+                self._wait_works(pending.pop(slot, []), deadlines)
+                src, packed = self._source(current, chunk, device, i % 2)
+                for m in members:
+                    if m.failed is not None:
+                        continue
+                    try:
+                        w = groups.broadcast(m.channel, src, 0, deadlines[m.nonce].remaining())
+                    except Exception as exc:  # noqa: BLE001
+                        self._fail(m, f"broadcast failed: {_short(exc)}")
+                        continue
+                    (pending.setdefault(slot, []) if packed else works).append((m, w))
+        for ws in pending.values():
+            works.extend(ws)
+        self._wait_works(works, deadlines)
+        _synchronize(self._staging)
+        # A finished broadcast on the root only means the bytes left; the receiver's
+        # acknowledgement means they all arrived and it holds the version.
+        waiting = [(m, seq) for m, seq in active if m.failed is None]
+        while waiting and not self._stop.is_set():
+            still = []
+            for m, seq in waiting:
+                try:
+                    ack = ctl.get(member_key(m.nonce, "ack"), deadlines[m.nonce])
+                    closed = ctl.get(member_key(m.nonce, "closed"), deadlines[m.nonce])
+                except STORE_ERRORS as exc:
+                    self._fail(m, f"control store error: {_short(exc)}")
+                    continue
+                if ack is not None and int(ack) >= seq:
+                    with self._cond:
+                        m.delivered = version
+                        self._cond.notify_all()
+                elif closed is not None:
+                    self._fail(m, f"it gave up: {closed.decode()}")
+                elif deadlines[m.nonce].expired:
+                    self._fail(m, f"no acknowledgement of version {version} in time")
+                else:
+                    still.append((m, seq))
+            waiting = still
+            if waiting:
+                self._stop.wait(self.options.poll_interval)
+
+    def _wait_works(self, works: list[tuple[_Member, Any]], deadlines: dict[str, Deadline]) -> None:
+        for m, w in works:
+            if m.failed is not None:
+                continue
+            try:
+                w.wait()
+            except Exception as exc:  # noqa: BLE001 - a dead or stuck peer
+                what = "timed out" if deadlines[m.nonce].expired else "failed"
+                self._fail(m, f"transfer {what}: {_short(exc)}")
+
+    def _source(self, current: _Version, chunk: Chunk, device: Any, slot: int) -> tuple[Any, bool]:
+        """The bytes of ``chunk`` on ``device``: the tensor's own memory when the chunk is
+        (part of) one tensor already there, else packed into staging buffer ``slot``."""
+        import torch
+
+        layout = current.layout
+        if len(chunk.entries) == 1:
+            e = layout.entries[chunk.entries[0]]
+            t = current.tensors[chunk.entries[0]]
+            if t.device == device:
+                return tensor_bytes(t)[chunk.start - e.offset : chunk.end - e.offset], False
+        bufs = self._staging.setdefault(device, [None, None])
+        buf = bufs[slot]
+        if buf is None or buf.numel() < chunk.nbytes:
+            buf = bufs[slot] = torch.empty(chunk.nbytes, dtype=torch.uint8, device=device)
+        for ix in chunk.entries:
+            e = layout.entries[ix]
+            lo, hi = max(e.offset, chunk.start), min(e.end, chunk.end)
+            src = tensor_bytes(current.tensors[ix])[lo - e.offset : hi - e.offset]
+            buf[lo - chunk.start : hi - chunk.start].copy_(src, non_blocking=False)
+        return buf[: chunk.nbytes], True
+
+    def _fail(self, m: _Member, reason: str) -> None:
+        with self._cond:
+            if m.failed is None:
+                m.failed = reason
+                log.warning("nccl: receiver %s dropped: %s", m.label(), reason)
+            self._cond.notify_all()
+
+    def _reap(self, ctl: Control) -> None:
+        """Tear down the channels of dropped receivers and tell them (they re-register)."""
+        with self._cond:
+            dead = [m for m in self._members.values() if m.failed is not None and not m.forming]
+            for m in dead:
+                del self._members[m.nonce]
+        for m in dead:
+            groups.destroy(m.channel, graceful=False)
+            m.channel = None
+            try:
+                ctl.set(member_key(m.nonce, "closed"), f"dropped by the sender: {m.failed}")
+            except STORE_ERRORS:
+                pass
+
+    # ------------------------------------------------------------------ close
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+        with self._cond:
+            members = list(self._members.values())
+            self._members.clear()
+        for m in members:
+            try:
+                self._ctl.set(member_key(m.nonce, "closed"), "the sender closed")
+            except STORE_ERRORS:
+                pass
+            groups.destroy(m.channel, graceful=True)
+            m.channel = None
+        self._current = None
+        self._staging.clear()
+        self._ctl = None  # type: ignore[assignment]
+        self._server = None
+        if self._release is not None:
+            self._release()  # the transport drops its reference: the store's port closes
+
+
+# ========================================================================== receiver
+
+
+class _ChannelBroken(Exception):
+    pass
+
+
+class NcclReceiver(TransportReceiver):
+    """Receives versions into one buffer it reuses. The tensors :meth:`receive` yields are
+    views of that buffer, valid until the next :meth:`receive` (copy them, as every
+    generator does when it loads them)."""
+
+    def __init__(self, options: NcclTransportOptions, worker_id: str, host: str, port: int, timeout: float) -> None:
+        self.options = options
+        self.worker_id = worker_id
+        self.host = host
+        self.port = int(port)
+        self.default_timeout = timeout
+        self._ctl: Control | None = None
+        self._nonce: str | None = None
+        self._seq = 0
+        self._want_sent = False
+        self._pg: Any = None
+        self._backend = ""
+        self._buffer: Any = None
+        self._held: Layout | None = None
+        self._closed = False
+        #: (version, bytes received, bytes total) of the transfer in progress or last done.
+        self.progress: tuple[int, int, int] | None = None
+        try:  # register now, so that the next send counts on us; else on first receive
+            self._register(Deadline(min(5.0, options.connect_timeout)))
+        except STORE_ERRORS as exc:
+            log.info("nccl receiver %s: sender not reachable yet (%s); will retry", worker_id, _short(exc))
+            self._disconnect()
+
+    def latest_version(self) -> int | None:
+        """The newest version the sender published (for a generator that joins late)."""
+        try:
+            if self._ctl is None:
+                self._ctl = Control.connect(self.host, self.port, NAMESPACE, self.options.connect_timeout)
+            raw = self._ctl.get(LATEST, Deadline(MAX_QUERY))
+        except STORE_ERRORS as exc:
+            raise TransportError(f"nccl: the sender at {self.host}:{self.port} is unreachable: {_short(exc)}") from exc
+        return None if raw is None else int(raw)
+
+    def receive(self, version: int, timeout: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Wait for ``version`` and receive it completely; then yield views of it."""
+        if self._closed:
+            raise TransportError(f"nccl receiver {self.worker_id} is closed")
+        deadline = Deadline(self.default_timeout if timeout is None else timeout)
+        version = int(version)
+        if self._held is not None and self._held.version == version:
+            return self._held.views(self._buffer)
+        last_error = "no version offered"
+        while True:
+            if deadline.expired:
+                raise TransportTimeout(
+                    f"nccl receiver {self.worker_id}: weights version {version} did not arrive from the "
+                    f"sender at {self.host}:{self.port} within {deadline.seconds:g} s ({last_error}); "
+                    "is the trainer running?"
+                )
+            try:
+                if self._nonce is None:
+                    self._register(deadline)
+                layout = self._take_one(deadline)
+            except _ChannelBroken as exc:
+                last_error = str(exc)
+                self._abandon(last_error)
+                deadline.sleep(self.options.poll_interval)
+                continue
+            except STORE_ERRORS as exc:
+                last_error = f"sender unreachable: {_short(exc)}"
+                self._abandon(last_error)
+                self._disconnect()
+                deadline.sleep(0.25)
+                continue
+            if layout is None:
+                last_error = "no version offered"
+                continue
+            if layout.version == version:
+                return layout.views(self._buffer)
+            if layout.version > version:
+                raise TransportError(
+                    f"nccl receiver {self.worker_id}: weights version {version} was superseded by "
+                    f"{layout.version} (the sender only serves its newest version); receive "
+                    f"{layout.version} instead (latest_version() tells it)"
+                )
+            # An older version (we asked ahead of the trainer): keep waiting for ours.
+
+    # --------------------------------------------------------------- internals
+
+    def _register(self, deadline: Deadline) -> None:
+        if self._ctl is None:
+            self._ctl = Control.connect(self.host, self.port, NAMESPACE, min(self.options.connect_timeout, deadline.remaining() or 0.05))
+        nonce = uuid.uuid4().hex[:16]
+        self._ctl.set(member_key(nonce, "ack"), "-1", deadline)
+        self._ctl.push(
+            EVENTS,
+            {"type": "join", "nonce": nonce, "worker_id": self.worker_id, "pid": os.getpid(),
+             "host": control.local_address(self.host)},
+            deadline,
+        )
+        self._nonce, self._seq, self._want_sent = nonce, 0, False
+
+    def _take_one(self, deadline: Deadline) -> Layout | None:
+        """Ask for the next version and receive what the sender offers; None when nothing
+        was offered before the deadline (the request is withdrawn)."""
+        ctl, nonce, seq = self._ctl, self._nonce, self._seq
+        assert ctl is not None and nonce is not None
+        if not self._want_sent:
+            ctl.push(EVENTS, {"type": "want", "nonce": nonce, "seq": seq}, deadline)
+            self._want_sent = True
+        offer_key = member_key(nonce, f"offer/{seq}")
+        offer: bytes | str | None = None
+        while not deadline.expired:
+            closed = ctl.get(member_key(nonce, "closed"), deadline)
+            if closed is not None:
+                raise _ChannelBroken(closed.decode())
+            if self._pg is None:
+                accept = ctl.get_json(member_key(nonce, "accept"), deadline)
+                if accept is not None:
+                    self._connect_channel(accept["backend"], deadline)
+                    continue
+            else:
+                offer = ctl.get(offer_key, deadline)
+                if offer is not None:
+                    break
+            deadline.sleep(self.options.poll_interval)
+        if offer is None:
+            # Withdraw the request, unless the sender took it in the meantime.
+            got = ctl.compare_set(offer_key, "", WITHDRAWN, Deadline(MAX_QUERY))
+            if got == WITHDRAWN:
+                self._seq, self._want_sent = seq + 1, False
+                return None
+            offer = got
+            if self._pg is None:  # offered before our group formed: cannot take it
+                raise _ChannelBroken("offered a version before the channel formed")
+        layout = Layout.from_json(offer)
+        self._receive_into_buffer(layout, deadline)
+        ctl.set(member_key(nonce, "ack"), str(seq), Deadline(MAX_QUERY))
+        self._seq, self._want_sent = seq + 1, False
+        return layout
+
+    def _connect_channel(self, backend: str, deadline: Deadline) -> None:
+        from torch.distributed import PrefixStore
+
+        assert self._nonce is not None
+        seconds = max(0.05, min(self.options.connect_timeout, deadline.remaining()))
+        store = control.connect(self.host, self.port, seconds)
+        prefixed = PrefixStore(NAMESPACE + member_key(self._nonce, "pg/"), store)
+        try:
+            self._pg = groups.make_group(prefixed, 1, 2, backend, seconds, control.local_address(self.host))
+        except Exception as exc:  # noqa: BLE001
+            raise _ChannelBroken(f"could not form the group with the sender: {_short(exc)}") from exc
+        self._backend = backend
+
+    def _receive_into_buffer(self, layout: Layout, deadline: Deadline) -> None:
+        import torch
+
+        device = groups.device_for(self._backend)
+        if self._buffer is None or self._buffer.numel() < layout.nbytes or self._buffer.device != device:
+            self._buffer = None  # free the old one first: two model-sized buffers may not fit
+            self._buffer = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8, device=device)
+        self._held = None  # the buffer is about to change: nothing in it is whole now
+        # A transfer that started is given at least a little time even at the deadline;
+        # abandoning it half-way would break the channel for nothing.
+        op_timeout = max(deadline.remaining(), 2.0)
+        done = 0
+        self.progress = (layout.version, 0, layout.nbytes)
+        try:
+            works = [
+                (c, groups.broadcast(self._pg, self._buffer[c.start : c.end], 0, op_timeout)) for c in layout.chunks
+            ]
+            for c, w in works:
+                w.wait()
+                done += c.nbytes
+                self.progress = (layout.version, done, layout.nbytes)
+            if self._buffer.is_cuda:
+                # NCCL's wait() only orders streams; the acknowledgement must mean "arrived".
+                torch.cuda.current_stream(self._buffer.device).synchronize()
+        except Exception as exc:  # noqa: BLE001 - the sender died or stalled
+            raise _ChannelBroken(f"transfer of version {layout.version} broke after {done} of {layout.nbytes} bytes: {_short(exc)}") from exc
+        self._held = layout
+
+    def _abandon(self, reason: str) -> None:
+        """Leave this channel: the next receive registers afresh."""
+        groups.destroy(self._pg, graceful=False)
+        self._pg = None
+        if self._ctl is not None and self._nonce is not None:
+            try:
+                self._ctl.set(member_key(self._nonce, "closed"), f"receiver {self.worker_id}: {reason}", Deadline(1.0))
+            except STORE_ERRORS:
+                pass
+        self._nonce = None
+
+    def _disconnect(self) -> None:
+        self._ctl = None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._pg is not None:
+            groups.destroy(self._pg, graceful=True)
+            self._pg = None
+        if self._ctl is not None and self._nonce is not None:
+            try:
+                self._ctl.set(member_key(self._nonce, "closed"), f"receiver {self.worker_id} closed", Deadline(1.0))
+            except STORE_ERRORS:
+                pass
+        self._ctl = None
+        self._buffer = None
+        self._held = None
+
+
+def _synchronize(devices: Mapping[Any, Any]) -> None:
+    """Wait for the GPU work queued on these devices (NCCL's wait() does not block the CPU)."""
+    for device in devices:
+        if getattr(device, "type", "cpu") == "cuda":
+            import torch
+
+            torch.cuda.current_stream(device).synchronize()
+
+
+#: Bound of a single bookkeeping query made outside any caller's deadline.
+MAX_QUERY = 5.0
+
+
+def _short(exc: BaseException) -> str:
+    """First line of an exception (torch's store errors carry C++ stack traces)."""
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
+# ========================================================================= transport
+
+
+class NcclTransport(Transport):
+    """Factory ``NcclTransport(options, ctx)``. On the trainer, ``sender()`` starts the
+    control store; ``receiver_spec()`` tells receivers in other processes where it is.
+    In a receiver's process build it with ``ctx=None`` and pass that spec."""
+
+    def __init__(self, options: NcclTransportOptions, ctx: RunContext | None = None) -> None:
+        self.options = options
+        self.ctx = ctx
+        self._server: Any = None
+        self._port: int | None = None
+        self._lock = threading.Lock()
+
+    def _ensure_server(self) -> int:
+        with self._lock:
+            if self._server is None:
+                self._server = control.start_server(self.options.port, self.options.connect_timeout)
+                self._port = int(self._server.port)
+            assert self._port is not None
+            return self._port
+
+    def _release(self) -> None:
+        with self._lock:
+            self._server = None
+
+    def receiver_spec(self) -> dict[str, Any]:
+        return {"host": self.options.host, "port": self._ensure_server()}
+
+    def sender(self) -> NcclSender:
+        port = self._ensure_server()
+        return NcclSender(self.options, self._server, port, default_timeout(self.options, self.ctx), self._release)
+
+    def receiver(self, worker_id: str, spec: Mapping[str, Any] | None = None) -> NcclReceiver:
+        if spec and spec.get("port"):
+            host, port = str(spec.get("host") or self.options.host), int(spec["port"])
+        elif self._server is not None:
+            host, port = "127.0.0.1", int(self._port or 0)
+        elif self.options.port:
+            host, port = self.options.host, self.options.port
+        else:
+            raise TransportError(
+                "nccl receiver does not know where the sender is: pass the sender's receiver_spec() "
+                "or set transport.options.host and transport.options.port"
+            )
+        return NcclReceiver(self.options, worker_id, host, port, default_timeout(self.options, self.ctx))
+
+    def close(self) -> None:
+        self._release()
