@@ -125,7 +125,7 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--child", "--impl", impl, "--dtype", dtype, "--mode", mode,
                        "--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab),
                        "--chunk", str(args.chunk), "--device", args.device]
-                out = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                out = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env)
                 if out.returncode != 0:
                     sys.exit(f"variant {impl}/{dtype}/{mode} failed:\n{out.stderr}")
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))

@@ -12,13 +12,15 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
-from pydantic import BaseModel, ConfigDict
+from typing import TYPE_CHECKING
 
+if TYPE_CHECKING:  # pragma: no cover
+    from pydantic import BaseModel
 
-class NoOptions(BaseModel):
-    """Options model of a backend that takes none."""
-
-    model_config = ConfigDict(extra="forbid")
+# Listing backends (`forge --help`, `forge plugins list`) must stay fast: records may name
+# their options model as "module:attr", imported only when options are validated, so that
+# registration modules need not import pydantic at all.
+NO_OPTIONS = "forgerl.options:NoOptions"
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,8 @@ class Backend:
 
     name: str
     factory: Callable[..., Any] | str | None
-    options: type[BaseModel] = NoOptions
+    #: The options model (a pydantic model with extra="forbid"), or "module:attr".
+    options: "type[BaseModel] | str" = NO_OPTIONS
     description: str = ""
     #: Importable modules the backend needs at run time (checked without importing).
     requires: tuple[str, ...] = ()
@@ -63,20 +66,30 @@ class Backend:
             raise TypeError(f"{self.kind} {self.name!r} has no factory")
         if callable(self.factory):
             return self.factory
-        module_name, _, attr = self.factory.partition(":")
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split(".") if attr else ():
-            obj = getattr(obj, part)
-        return obj
+        return _import(self.factory)
 
-    def create(self, options: BaseModel | dict[str, Any] | None = None, *args: Any, **kwargs: Any) -> Any:
+    @property
+    def options_model(self) -> "type[BaseModel]":
+        """The options model, imported on first use when given as "module:attr"."""
+        return _import(self.options) if isinstance(self.options, str) else self.options
+
+    def create(self, options: "BaseModel | dict[str, Any] | None" = None, *args: Any, **kwargs: Any) -> Any:
         """Validate ``options`` and build the backend: ``factory(options, *args, **kwargs)``."""
         return self.load_factory()(self.validate_options(options), *args, **kwargs)
 
-    def validate_options(self, options: BaseModel | dict[str, Any] | None) -> BaseModel:
-        if isinstance(options, self.options):
+    def validate_options(self, options: "BaseModel | dict[str, Any] | None") -> "BaseModel":
+        model = self.options_model
+        if isinstance(options, model):
             return options
-        return self.options.model_validate(options or {})
+        return model.model_validate(options or {})
+
+
+def _import(ref: str) -> Any:
+    module_name, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
 
 
 def _importable(module: str) -> bool:

@@ -75,7 +75,7 @@ def render_markdown(registry: "Registry | None" = None) -> str:
                 info = registry.owner(kind, name)
                 if info.distribution != "forgerl":
                     continue  # third-party plugins document their own options
-                model = backend.options
+                model = backend.options_model
                 if not model.model_fields:
                     continue
                 state = "" if backend.implemented else " (not implemented yet)"

@@ -38,7 +38,31 @@ _LAZY = {
     "apply_overlong": "overlong",
 }
 
-__all__ = ["AlgorithmConfig", "PRESETS", "PRESET_KEYS", *_LAZY]
+__all__ = [
+    "METRIC_KEYS",
+    "PRESETS",
+    "PRESET_KEYS",
+    "AlgorithmConfig",
+    "Surrogate",
+    "ZeroVarianceGroups",
+    "aggregate_loss",
+    "apply_overlong",
+    "clipped_surrogate",
+    "group_advantages",
+    "kl_estimate",
+    "kl_from_log_ratio",
+    "logprob_gap",
+    "masked_mean",
+    "naive_selective_logprobs",
+    "naive_token_entropy",
+    "overlong_mask",
+    "policy_loss",
+    "selective_logprobs",
+    "soft_overlong_penalty",
+    "token_entropy",
+    "zero_variance_groups",
+]
+assert set(__all__) == {"AlgorithmConfig", "PRESETS", "PRESET_KEYS", *_LAZY}, "keep __all__ and _LAZY in step"
 
 
 def __getattr__(name: str) -> Any:

@@ -223,7 +223,7 @@ class AlgorithmConfig(BaseModel):
         return {**PRESETS[name], **data}
 
     @model_validator(mode="after")
-    def _check_consistency(self) -> "AlgorithmConfig":
+    def _check_consistency(self) -> AlgorithmConfig:
         if self.loss_agg == "constant_norm" and self.loss_norm_constant is None:
             raise ValueError(
                 "loss_agg='constant_norm' (Dr. GRPO) needs loss_norm_constant, "

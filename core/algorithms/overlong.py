@@ -14,7 +14,7 @@ loss with :func:`overlong_mask` (see :func:`apply_overlong`).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

@@ -2,47 +2,8 @@
 
 from __future__ import annotations
 
-import re
-
-from pydantic import BaseModel, ConfigDict, Field, field_validator
-
 from forgerl.backends import RewardBackend
 from forgerl.hookspecs import hookimpl
-
-
-class MathAnswerOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    tag: str | None = Field(
-        "answer",
-        pattern=r"^[A-Za-z_][\w-]*$",
-        description="Read the answer inside the last <tag></tag>; None: the whole text.",
-    )
-    fallback_last_number: bool = Field(
-        True, description="Without a tagged answer, compare the last number in the text."
-    )
-    fallback_credit: float = Field(
-        0.5, ge=0, le=1, description="Credit for a right answer found only by the fallback."
-    )
-
-
-class FormatOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    # Non-empty content: "<answer></answer>" alone must not earn the format reward.
-    pattern: str = Field(
-        r"<answer>\s*[^<\s][^<]*</answer>", description="Regular expression the completion should match."
-    )
-    mode: str = Field("search", pattern="^(search|fullmatch)$", description="re.search or re.fullmatch.")
-
-    @field_validator("pattern")
-    @classmethod
-    def _compiles(cls, pattern: str) -> str:
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise ValueError(f"not a valid regular expression: {exc}") from None
-        return pattern
 
 
 @hookimpl
@@ -51,14 +12,23 @@ def forge_rewards():
         RewardBackend(
             name="math_answer",
             factory="forgerl_plugins.rewards.math_answer:MathAnswerReward",
-            options=MathAnswerOptions,
+            options="forgerl_plugins.rewards.options:MathAnswerOptions",
             description="the answer equals the reference (math-verify)",
             requires=("math_verify",),
         ),
         RewardBackend(
             name="format",
             factory="forgerl_plugins.rewards.format:FormatReward",
-            options=FormatOptions,
+            options="forgerl_plugins.rewards.options:FormatOptions",
             description="the completion matches a regular expression",
         ),
     ]
+
+
+def __getattr__(name: str):
+    # The options models live in .options so that listing backends never imports pydantic.
+    if name in ("MathAnswerOptions", "FormatOptions"):
+        from . import options
+
+        return getattr(options, name)
+    raise AttributeError(name)

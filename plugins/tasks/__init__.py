@@ -2,53 +2,8 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
 from forgerl.backends import TaskBackend
 from forgerl.hookspecs import hookimpl
-
-ARITHMETIC_OPERATIONS = ("+", "-", "*")
-
-
-class ArithmeticOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    min_value: int = Field(1, ge=0, description="Smallest operand.")
-    max_value: int = Field(20, ge=1, description="Largest operand.")
-    operations: list[str] = Field(
-        default_factory=lambda: ["+"], min_length=1, description="Operations to draw from: +, -, *."
-    )
-    allow_negative: bool = Field(
-        False, description="Allow negative results of '-' (otherwise the larger operand comes first)."
-    )
-    eval_size: int = Field(64, ge=1, description="Held-out problems (the same for every run seed).")
-    tag: str = Field("answer", pattern=r"^[A-Za-z_][\w-]*$", description="The prompt asks for <tag></tag>.")
-
-    @field_validator("operations")
-    @classmethod
-    def _known_operations(cls, ops: list[str]) -> list[str]:
-        unknown = [op for op in ops if op not in ARITHMETIC_OPERATIONS]
-        if unknown:
-            raise ValueError(f"unknown operations {unknown}; choose from {list(ARITHMETIC_OPERATIONS)}")
-        return list(dict.fromkeys(ops))  # drop duplicates, keep order
-
-    @model_validator(mode="after")
-    def _range(self) -> "ArithmeticOptions":
-        if self.min_value > self.max_value:
-            raise ValueError(f"min_value ({self.min_value}) must not exceed max_value ({self.max_value})")
-        return self
-
-
-class FileTaskOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    path: str = Field(description="JSONL (one object per line) or Parquet (.parquet) file of problems.")
-    eval_path: str | None = Field(None, description="Held-out problems; without it, eval_fraction of path.")
-    prompt_field: str = Field("prompt", description="Field holding a string or a list of chat messages.")
-    answer_field: str | None = Field("answer", description="Field holding the reference; None: no answers.")
-    id_field: str = Field("id", description="Field holding a problem id, when present (else file:row).")
-    eval_fraction: float = Field(0.1, ge=0, lt=1, description="Share of path held out when no eval_path.")
-    system_prompt: str | None = Field(None, description="System message put before every prompt.")
 
 
 @hookimpl
@@ -57,13 +12,22 @@ def forge_tasks():
         TaskBackend(
             name="arithmetic",
             factory="forgerl_plugins.tasks.arithmetic:ArithmeticTask",
-            options=ArithmeticOptions,
+            options="forgerl_plugins.tasks.options:ArithmeticOptions",
             description="generated integer problems, answer in a tag",
         ),
         TaskBackend(
             name="file",
             factory="forgerl_plugins.tasks.file:FileTask",
-            options=FileTaskOptions,
+            options="forgerl_plugins.tasks.options:FileTaskOptions",
             description="prompts and answers from a JSONL or Parquet file",
         ),
     ]
+
+
+def __getattr__(name: str):
+    # The options models live in .options so that listing backends never imports pydantic.
+    if name in ("ArithmeticOptions", "FileTaskOptions"):
+        from . import options
+
+        return getattr(options, name)
+    raise AttributeError(name)

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from forgerl.errors import JobNotFound, UserError
 from forgerl.types import JobSpec, JobState, JobStatus, Resources, RoleSpec
-from forgerl_plugins.schedulers.kubernetes import KubernetesSchedulerOptions
+from forgerl_plugins.schedulers.kubernetes.options import KubernetesSchedulerOptions
 
 kmock = pytest.importorskip("kmock")
 kubernetes = pytest.importorskip("kubernetes")

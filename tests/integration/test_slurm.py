@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from forgerl.errors import ForgeError, JobNotFound, UserError
 from forgerl.types import JobSpec, JobState, Resources, RoleSpec
-from forgerl_plugins.schedulers.slurm import SlurmSchedulerOptions
+from forgerl_plugins.schedulers.slurm.options import SlurmSchedulerOptions
 from forgerl_plugins.schedulers.slurm.scheduler import SbatchRejected, SlurmScheduler
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
@@ -48,6 +48,13 @@ def slurm() -> SlurmScheduler:
             pytest.fail(msg)
         pytest.skip(msg)
     return SlurmScheduler(SlurmSchedulerOptions(poll_interval=0.5, stop_timeout=10))
+
+
+@pytest.fixture(autouse=True)
+def _own_job_index(tmp_path, monkeypatch):
+    # The scheduler remembers job id -> run directory under $XDG_STATE_HOME; keep the
+    # tests' entries out of the user's.
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
 
 
 @pytest.fixture
@@ -168,6 +175,7 @@ def test_requeued_job_runs_again_with_forge_requeued(slurm, run_dir):
         _cancel_quietly(scheduler, handle.job_id)
     assert (status.state, status.exit_code) == (JobState.COMPLETED, 0), status
     assert attempts.read_text().split() == ["0", "1"]
+    assert "restarted 1x" in scheduler.status(handle.job_id).detail
     assert "#SBATCH --requeue" in (run_dir / "slurm" / "job.sbatch").read_text()
 
 

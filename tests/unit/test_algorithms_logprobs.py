@@ -66,9 +66,10 @@ def test_logprobs_and_entropy_match_python_reference(seed, b, t, v, chunk):
     assert ent.reshape(-1).tolist() == pytest.approx(flat_ent, rel=1e-10, abs=1e-12)
 
 
-@pytest.mark.parametrize("chunk", [2, 100])  # blocks within a row / rows grouped per block
-def test_gradcheck(chunk):
-    logits, ids = _data(0, 2, 3, 4)
+# Two blocks within one row / two rows grouped into one block.
+@pytest.mark.parametrize("shape,chunk", [((1, 3, 3), 2), ((2, 2, 3), 100)])
+def test_gradcheck(shape, chunk):
+    logits, ids = _data(0, *shape)
     logits.requires_grad_(True)
     assert torch.autograd.gradcheck(lambda x: selective_logprobs(x, ids, chunk), (logits,))
     assert torch.autograd.gradcheck(lambda x: token_entropy(x, chunk), (logits,))

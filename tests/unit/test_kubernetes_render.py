@@ -12,8 +12,8 @@ import pytest
 import yaml
 from forgerl.errors import ConfigError
 from forgerl.types import JobSpec, Resources, RoleSpec
-from forgerl_plugins.schedulers.kubernetes import KubernetesSchedulerOptions
 from forgerl_plugins.schedulers.kubernetes.manifests import render_objects, render_yaml
+from forgerl_plugins.schedulers.kubernetes.options import KubernetesSchedulerOptions
 from pydantic import ValidationError
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
@@ -243,3 +243,13 @@ def test_bad_input_is_a_config_error(job, opts, message):
 def test_invalid_options_are_refused(field, value):
     with pytest.raises(ValidationError):
         KubernetesSchedulerOptions(**{field: value})
+
+
+def test_this_machines_python_becomes_the_images():
+    import sys
+
+    role = RoleSpec(name="trainer", command=(sys.executable, "-m", "forgerl.worker", "--run-dir", "/runs/grpo-1"),
+                    primary=True)
+    jobset = render_objects(_job(None, role), _opts(python="/opt/venv/bin/python"))[1]
+    assert _container(jobset, "trainer")["command"] == ["/opt/venv/bin/python", "-m", "forgerl.worker",
+                                                         "--run-dir", "/runs/grpo-1"]

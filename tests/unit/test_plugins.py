@@ -39,7 +39,7 @@ def test_discovers_a_third_party_plugin_from_dist_info(site):
     make_dist(site, "fake-plugin", "1.2.3", {"echo": ECHO_GENERATOR})
     reg = build_registry()
     backend = reg.get("generator", "echo")
-    assert backend.options.model_validate({"copies": 2}).copies == 2
+    assert backend.options_model.model_validate({"copies": 2}).copies == 2
     owner = reg.owner("generator", "echo")
     assert (owner.distribution, owner.version, owner.name) == ("fake-plugin", "1.2.3", "echo")
     assert "always_one" in reg.backends("reward")

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.plugins import Registry  # noqa: F401  (the registry must import with the plugin)
-from forgerl.types import JobSpec, Resources, RoleSpec
-from forgerl_plugins.schedulers.slurm import SlurmSchedulerOptions, memory_mb, slurm_memory
+from forgerl.types import JobSpec, JobState, Resources, RoleSpec
+from forgerl_plugins.schedulers.slurm.options import SlurmSchedulerOptions, memory_mb, slurm_memory
 from forgerl_plugins.schedulers.slurm.render import _FUNCTIONS, place
-from forgerl_plugins.schedulers.slurm.scheduler import SlurmScheduler, _exit_code, _one_line
+from forgerl_plugins.schedulers.slurm.scheduler import SlurmScheduler, _detail, _exit_code, _one_line
 from pydantic import ValidationError
 
 
@@ -67,8 +67,8 @@ def test_script_carries_every_option(tmp_path):
 def test_roles_become_pinned_steps_with_rendezvous_for_multi_rank(tmp_path):
     script = render(tmp_path, gpus_per_node=8)
     blocks = script.split("\n# ")
-    gen0 = next(b for b in blocks if b.startswith("generator.0:"))
-    trainer = next(b for b in blocks if b.startswith("trainer.0:"))
+    gen0 = next(b for b in blocks if b.startswith("generator-0:"))
+    trainer = next(b for b in blocks if b.startswith("trainer-0:"))
     assert "export FORGE_ROLE=generator FORGE_REPLICA=0" in gen0
     assert "export VLLM_LOGGING_LEVEL=INFO" in gen0
     assert "forge_supervise 3 " in gen0 and "/logs/generator-0.log" in gen0
@@ -81,8 +81,8 @@ def test_roles_become_pinned_steps_with_rendezvous_for_multi_rank(tmp_path):
     assert "--exact" in trainer and "--kill-on-bad-exit=1" in trainer and "--label" in trainer
     assert "RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS" in trainer
     # The script waits for the trainer only, then stops the generators.
-    assert "for pid in $PID_trainer_0; do" in script
-    assert 'forge_stop "generator.0:$PID_generator_0" "generator.1:$PID_generator_1"' in script
+    assert "for pid in $PID_2; do" in script
+    assert 'forge_stop "generator-0:$PID_0" "generator-1:$PID_1"' in script
     assert script.rstrip().endswith("exit $FORGE_RC")
 
 
@@ -99,7 +99,7 @@ def test_placement_packs_by_gpus_and_gives_multi_node_replicas_their_own_nodes()
     job = JobSpec(name="j", run_dir="/r", roles=(gen, big))
     plan = place(job, SlurmSchedulerOptions(gpus_per_node=8))
     where = {s.label: s.nodes for s in plan.steps}
-    assert where == {"gen.0": (0,), "gen.1": (0,), "gen.2": (1,), "trainer.0": (2, 3)}, where
+    assert where == {"gen-0": (0,), "gen-1": (0,), "gen-2": (1,), "trainer-0": (2, 3)}, where
     assert plan.nodes == 4 and plan.gpus_per_node == 8
     trainer = plan.steps[-1]
     assert (trainer.ranks, trainer.ranks_per_node, trainer.cpus_per_task) == (16, 8, 2)
@@ -167,6 +167,9 @@ def test_slurm_messages_become_one_line_and_exit_codes_shell_style():
     assert _one_line(err) == "invalid partition specified: nope; Batch job submission failed: " \
                              "Invalid partition name specified"
     assert [_exit_code(c) for c in ("0:0", "3:0", "0:15", "")] == [0, 3, 143, None]
+    assert _detail(JobState.FAILED, "TIMEOUT", "TimeLimit", 0) == "TIMEOUT, reason: TimeLimit"
+    assert _detail(JobState.PENDING, "PENDING", "BeginTime", 1) == "reason: BeginTime, restarted 1x"
+    assert _detail(JobState.COMPLETED, "COMPLETED", "None", 0) == ""
 
 
 # ---------------------------------------------------------------- the script's helpers
@@ -213,3 +216,27 @@ def test_supervisor_restarts_a_failing_step_up_to_its_limit(tmp_path):
     proc = _bash(f"forge_supervise 5 {tmp_path}/log bash -c '{step}'; echo rc=$?",
                  FORGE_RESTART_DELAY="0.1", FORGE_ROLE="gen", FORGE_REPLICA="0", FORGE_STOP_FLAG=str(tmp_path / "stop"))
     assert proc.stdout.splitlines()[-1] == "rc=1" and "restart" not in proc.stdout, proc.stdout
+
+
+def test_job_index_survives_the_controller_forgetting_but_not_a_reset(tmp_path, monkeypatch):
+    from forgerl_plugins.schedulers.slurm.scheduler import _recall, _remember
+
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    run_dir = tmp_path / "run"
+    (run_dir / "slurm").mkdir(parents=True)
+    (run_dir / "slurm" / "job_id").write_text("42\n")
+    _remember("42", run_dir)
+    assert _recall("42") == run_dir
+    assert _recall("7") is None
+    # A reset cluster hands out 42 again to another run: the old entry no longer applies.
+    (run_dir / "slurm" / "job_id").write_text("43\n")
+    assert _recall("42") is None
+
+
+def test_container_steps_use_the_images_python(tmp_path):
+    import sys
+
+    role = RoleSpec(name="trainer", command=(sys.executable, "-m", "forgerl.worker"), primary=True)
+    assert f"{sys.executable} -m forgerl.worker" in render(tmp_path, role)
+    script = render(tmp_path, role, container_image="img", container_python="python3")
+    assert "\n        python3 -m forgerl.worker" in script, script

@@ -2,17 +2,8 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from forgerl.backends import GeneratorBackend
 from forgerl.hookspecs import hookimpl
-
-
-class SGLangGeneratorOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    replicas: int = Field(1, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1)
 
 
 @hookimpl
@@ -21,10 +12,19 @@ def forge_generators():
         GeneratorBackend(
             name="sglang",
             factory=None,
-            options=SGLangGeneratorOptions,
+            options="forgerl_plugins.generators.sglang.options:SGLangGeneratorOptions",
             description="SGLang servers",
             requires=("sglang",),
             extra="sglang",
             implemented=False,
         )
     ]
+
+
+def __getattr__(name: str):
+    # The options models live in .options so that listing backends never imports pydantic.
+    if name == "SGLangGeneratorOptions":
+        from . import options
+
+        return getattr(options, name)
+    raise AttributeError(name)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -253,18 +254,24 @@ def launch(run_dir: Path, replica: int) -> int:
         if stopping:
             return _wait(child, endpoint)
         if child.poll() is None and time.monotonic() >= deadline:
-            _say(f"replica {replica}: not healthy after {options.startup_timeout:g} s; stopping it")
             child.kill()
             child.wait()
-            return 1
+            return _failed(endpoint, f"vLLM was not healthy after {options.startup_timeout:g} s")
         if child.poll() is not None:
             # Someone took the port between our probe and vLLM's bind: try another.
             if attempt < 2 and not _port_free(options.host, port):
                 _say(f"replica {replica}: port {port} was taken; retrying on another")
                 continue
-            return _exit_status(child.returncode)
+            return _failed(endpoint, f"vLLM exited with status {_exit_status(child.returncode)} before it was healthy")
         break
     assert child is not None
+    # Healthy is not enough: some models load and then fail at the first forward pass
+    # (e.g. a head size the CPU attention kernels lack). One token tells.
+    problem = first_request(url, api_key)
+    if problem is not None:
+        child.kill()
+        child.wait()
+        return _failed(endpoint, f"vLLM failed its first request ({problem})")
     write_endpoint(
         endpoint,
         {
@@ -281,6 +288,49 @@ def launch(run_dir: Path, replica: int) -> int:
     )
     _say(f"replica {replica}: healthy at {url} (pid {child.pid}); endpoint in {endpoint}")
     return _wait(child, endpoint)
+
+
+def first_request(url: str, api_key: str, timeout: float = 120.0) -> str | None:
+    """None when a one-token completion works, else what went wrong."""
+    body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": [0], "max_tokens": 1, "logprobs": 0}).encode()
+    request = urllib.request.Request(
+        url + "/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            json.loads(r.read())
+            return None
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {_engine_error() or exc.reason}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _engine_error() -> str:
+    """The last exception line vLLM printed into our log (our stdout, when it is a file)."""
+    time.sleep(1.0)  # the engine's traceback is written while the API server answers
+    try:
+        path = os.readlink("/proc/self/fd/1")
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        text = line.split("] ", 1)[-1].strip()
+        if re.match(r"^[A-Za-z_.]*(Error|Exception): ", text):
+            return text[:300]
+    return ""
+
+
+def _failed(endpoint: Path, why: str) -> int:
+    """Tell the generator (it fails at once with this message) and exit non-zero."""
+    _say(why)
+    write_endpoint(endpoint, {"error": why, "launcher_pid": os.getpid(), "time": time.time()})
+    return 1
 
 
 def _port_free(host: str, port: int) -> bool:

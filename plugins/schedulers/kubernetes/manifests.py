@@ -12,8 +12,10 @@ ranks per node, each rank's pod gets an even share of them.
 
 from __future__ import annotations
 
+import os
 import posixpath
 import re
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -21,8 +23,8 @@ from typing import Any
 import yaml
 from forgerl.errors import ConfigError
 from forgerl.types import JobSpec, RoleSpec
-from forgerl_plugins.schedulers.kubernetes import DNS_LABEL, KubernetesSchedulerOptions
-from forgerl_plugins.schedulers.slurm import memory_mb
+from forgerl_plugins.schedulers.kubernetes.options import DNS_LABEL, KubernetesSchedulerOptions
+from forgerl_plugins.schedulers.slurm.options import memory_mb
 
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 LABEL_JOB = "forgerl.dev/job"
@@ -43,6 +45,14 @@ def dns_name(text: str, what: str) -> str:
     if not DNS_LABEL.match(name):
         raise ConfigError(f"{what} {text!r} cannot be made a Kubernetes name (lowercase letters, digits, '-')")
     return name
+
+
+def container_command(command: tuple[str, ...] | list[str], python: str) -> list[str]:
+    """``command`` for the image: this machine's interpreter path means nothing there."""
+    argv = list(command)
+    if argv and argv[0] in (sys.executable, os.path.realpath(sys.executable)):
+        argv[0] = python
+    return argv
 
 
 def config_map_name(name: str) -> str:
@@ -280,7 +290,7 @@ def _pod_template(job: JobSpec, name: str, rname: str, role: RoleSpec, opts: Kub
     container: dict[str, Any] = {
         "name": rname,
         "image": opts.image,
-        "command": list(role.command),
+        "command": container_command(role.command, opts.python),
         "env": _env(job, name, rname, role, opts, run_dir, has_config, replica),
         "resources": _resources(role, opts),
         "volumeMounts": mounts,

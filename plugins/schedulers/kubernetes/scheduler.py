@@ -18,7 +18,6 @@ from typing import Any
 from forgerl.errors import BackendUnavailable, ConfigError, JobNotFound, SchedulerError, UserError
 from forgerl.interfaces import Scheduler
 from forgerl.types import JobHandle, JobSpec, JobState, JobStatus
-from forgerl_plugins.schedulers.kubernetes import KubernetesSchedulerOptions
 from forgerl_plugins.schedulers.kubernetes.manifests import (
     ANNOTATION_MODE,
     JOBSET_API,
@@ -31,6 +30,7 @@ from forgerl_plugins.schedulers.kubernetes.manifests import (
     render_objects,
     render_yaml,
 )
+from forgerl_plugins.schedulers.kubernetes.options import KubernetesSchedulerOptions
 
 log = logging.getLogger("forgerl.scheduler.kubernetes")
 
@@ -221,7 +221,7 @@ class KubernetesScheduler(Scheduler):
                         break
                 if time.monotonic() - start >= seconds:
                     break
-        except Exception as exc:  # a broken watch only costs promptness: poll instead
+        except Exception as exc:  # noqa: BLE001 - a broken watch only costs promptness: poll instead
             log.debug("watch of %s failed (%s); polling", name, exc)
             time.sleep(min(seconds, 1.0))
         finally:
@@ -249,7 +249,7 @@ class KubernetesScheduler(Scheduler):
             rname = dns_name(role, "role name")
             pods = [p for p in pods if _labels(p).get(LABEL_ROLE) == rname]
             if not pods:
-                raise UserError(f"run {name} has no pods of role {role!r}")
+                raise JobNotFound(f"run {name} has no pods of role {role!r}")
         elif not pods and self._recorded_mode(name) is None:
             raise JobNotFound(f"no run {name} in namespace {self.options.namespace}")
         pods.sort(key=_pod_order)

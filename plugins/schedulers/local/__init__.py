@@ -2,17 +2,8 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from forgerl.backends import SchedulerBackend
 from forgerl.hookspecs import hookimpl
-
-
-class LocalSchedulerOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    stop_timeout: float = Field(10.0, gt=0, description="Seconds between SIGTERM and SIGKILL when stopping roles.")
-    master_addr: str = Field("127.0.0.1", description="Rendezvous address for multi-rank roles.")
 
 
 @hookimpl
@@ -21,7 +12,16 @@ def forge_schedulers():
         SchedulerBackend(
             name="local",
             factory="forgerl_plugins.schedulers.local.scheduler:LocalScheduler",
-            options=LocalSchedulerOptions,
+            options="forgerl_plugins.schedulers.local.options:LocalSchedulerOptions",
             description="subprocesses on this machine",
         )
     ]
+
+
+def __getattr__(name: str):
+    # The options models live in .options so that listing backends never imports pydantic.
+    if name == "LocalSchedulerOptions":
+        from . import options
+
+        return getattr(options, name)
+    raise AttributeError(name)

@@ -18,11 +18,12 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import sys
 from dataclasses import dataclass
 
 from forgerl.errors import ConfigError
 from forgerl.types import JobSpec, RoleSpec
-from forgerl_plugins.schedulers.slurm import SlurmSchedulerOptions, memory_mb
+from forgerl_plugins.schedulers.slurm.options import SlurmSchedulerOptions, memory_mb
 
 # Rendezvous ports: below Linux's default ephemeral range (32768+), so that an outgoing
 # connection never holds the port a job derives; 40 consecutive ports per job.
@@ -47,7 +48,8 @@ class Step:
 
     @property
     def label(self) -> str:
-        return f"{self.role.name}.{self.replica}"
+        """``<role>-<replica>``: the step's name, and its log's (``logs/<label>.log``)."""
+        return f"{self.role.name}-{self.replica}"
 
     @property
     def ranks(self) -> int:
@@ -270,7 +272,8 @@ def render_script(job: JobSpec, opts: SlurmSchedulerOptions) -> str:
 
 
 def _var(step: Step) -> str:
-    return re.sub(r"\W", "_", step.label)
+    # By position: role names "a-b" and "a_b" are both allowed and must not share one.
+    return str(step.index)
 
 
 def _step_block(step: Step, opts: SlurmSchedulerOptions, run_dir: str) -> list[str]:
@@ -315,7 +318,11 @@ def _step_block(step: Step, opts: SlurmSchedulerOptions, run_dir: str) -> list[s
     if opts.srun_args:
         cmd_lines.append(" ".join(q(a) for a in opts.srun_args))
     cmd_lines.append(f"bash -c {q(wrapper)} forge-task")
-    cmd_lines.append(" ".join(q(a) for a in role.command))
+    command = list(role.command)
+    if opts.container_image and command[0] in (sys.executable, os.path.realpath(sys.executable)):
+        # This machine's interpreter path means nothing inside the image.
+        command[0] = opts.container_python
+    cmd_lines.append(" ".join(q(a) for a in command))
 
     where = ", ".join(f"node {i}" for i in step.nodes)
     block = [
@@ -344,7 +351,7 @@ def _step_block(step: Step, opts: SlurmSchedulerOptions, run_dir: str) -> list[s
 
 
 def job_step_name(step: Step) -> str:
-    return f"{step.role.name}.{step.replica}"
+    return step.label
 
 
 _FUNCTIONS = r"""

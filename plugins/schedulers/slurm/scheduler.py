@@ -19,7 +19,7 @@ from pathlib import Path
 from forgerl.errors import BackendUnavailable, JobNotFound, SchedulerError, UserError
 from forgerl.interfaces import Scheduler
 from forgerl.types import JobHandle, JobSpec, JobState, JobStatus
-from forgerl_plugins.schedulers.slurm import SlurmSchedulerOptions
+from forgerl_plugins.schedulers.slurm.options import SlurmSchedulerOptions
 from forgerl_plugins.schedulers.slurm.render import render_script, run_dir_of
 
 log = logging.getLogger("forgerl.scheduler.slurm")
@@ -76,6 +76,19 @@ def _exit_code(text: str) -> int | None:
     return 128 + sig if sig else code
 
 
+def _detail(state: JobState, state_name: str, reason: str, restarts: int) -> str:
+    """What Slurm says beyond our state: its own state when it differs (TIMEOUT,
+    OUT_OF_MEMORY, REQUEUED, ...), why a job waits or ended, how often it restarted."""
+    parts = []
+    if state_name.strip() and state_name.split()[0].lower() != state.value:
+        parts.append(state_name)
+    if reason not in ("None", "", "NonZeroExitCode"):
+        parts.append(f"reason: {reason}")
+    if restarts:
+        parts.append(f"restarted {restarts}x")
+    return ", ".join(parts)
+
+
 def _one_line(stderr: str) -> str:
     parts = [re.sub(r"^\w+: (error|fatal): ", "", ln.strip()) for ln in stderr.splitlines() if ln.strip()]
     # sbatch states the cause first and then "Batch job submission failed: <same cause>".
@@ -124,11 +137,8 @@ class SlurmScheduler(Scheduler):
         if fields is not None:
             state_name = fields.get("JobState", "")
             state = _state(state_name)
-            reason = fields.get("Reason", "None")
-            detail = state_name if reason in ("None", "") else f"{state_name} ({reason})"
             restarts = int(fields.get("Restarts", "0") or 0)
-            if restarts:
-                detail += f", restarted {restarts}x"
+            detail = _detail(state, state_name, fields.get("Reason", "None"), restarts)
             code = _exit_code(fields.get("ExitCode", "")) if state.finished else None
             return JobStatus(state=state, exit_code=code, detail=detail)
         # Purged from the controller's memory (MinJobAge): the completion log knows it.
@@ -137,7 +147,8 @@ class SlurmScheduler(Scheduler):
             raise JobNotFound(f"Slurm knows no job {job_id} (`squeue`/`sacct` list the jobs it knows)")
         state_name, code = record
         state = _state(state_name)
-        return JobStatus(state=state, exit_code=_exit_code(code) if state.finished else None, detail=state_name)
+        return JobStatus(state=state, exit_code=_exit_code(code) if state.finished else None,
+                         detail=_detail(state, state_name, "None", 0))
 
     def wait(self, handle: JobHandle, timeout: float | None = None) -> JobStatus:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -275,6 +286,11 @@ def _remember(job_id: str, run_dir: Path) -> None:
 
 def _recall(job_id: str) -> Path | None:
     try:
-        return Path((_index_dir() / job_id).read_text().strip())
+        run_dir = Path((_index_dir() / job_id).read_text().strip())
+        # Job ids start again when a cluster's state is reset: trust the entry only when
+        # the run directory still names this job as its own.
+        if (run_dir / "slurm" / "job_id").read_text().strip() == job_id:
+            return run_dir
     except OSError:
-        return None
+        pass
+    return None

@@ -2,26 +2,8 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from forgerl.backends import TrainerBackend
 from forgerl.hookspecs import hookimpl
-
-
-class FSDPTrainerOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Gradient clipping (None: off).")
-    micro_batch_size: int = Field(8, ge=1, description="Sequences per forward/backward on each rank.")
-    autocast_bf16: bool = Field(False, description="bfloat16 autocast for forward/backward (fp32 master weights).")
-    logprob_chunk_size: int = Field(
-        1024, ge=1, description="Tokens per block when computing token logprobs (bounds the fp32 scratch memory)."
-    )
-    log_entropy: bool = Field(True, description="Report the mean token entropy (one more pass over the logits).")
-    backend: str | None = Field(None, description="torch.distributed backend (default: nccl on GPU, gloo on CPU).")
 
 
 @hookimpl
@@ -30,8 +12,17 @@ def forge_trainers():
         TrainerBackend(
             name="fsdp",
             factory="forgerl_plugins.trainers.fsdp.trainer:FSDPTrainer",
-            options=FSDPTrainerOptions,
+            options="forgerl_plugins.trainers.fsdp.options:FSDPTrainerOptions",
             description="torch FSDP2 fully_shard, AdamW, DCP checkpoints",
             requires=("torch", "transformers"),
         )
     ]
+
+
+def __getattr__(name: str):
+    # The options models live in .options so that listing backends never imports pydantic.
+    if name == "FSDPTrainerOptions":
+        from . import options
+
+        return getattr(options, name)
+    raise AttributeError(name)

@@ -52,22 +52,25 @@ class FSDPTrainer(Trainer):
 
         self.device = pick_device()
         self._owns_process_group = init_distributed(options.backend, ctx, self.device)
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
         self._closed = False
-
-        torch.manual_seed(ctx.config.loop.seed)
-        self.model = self._load_sharded(trainable=True)
-        # The reference model costs a full copy of the weights: only with a KL term.
-        self.reference_model = self._load_sharded(trainable=False) if self.algorithm.kl_coef > 0 else None
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=options.lr,
-            betas=tuple(options.betas),
-            weight_decay=options.weight_decay,
-        )
-        self.steps = 0
+        self.model = self.reference_model = self.optimizer = None
+        try:
+            self.rank = dist.get_rank()
+            self.world_size = dist.get_world_size()
+            self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+            torch.manual_seed(ctx.config.loop.seed)
+            self.model = self._load_sharded(trainable=True)
+            # The reference model costs a full copy of the weights: only with a KL term.
+            self.reference_model = self._load_sharded(trainable=False) if self.algorithm.kl_coef > 0 else None
+            self.optimizer = torch.optim.AdamW(
+                self.model.parameters(),
+                lr=options.lr,
+                betas=tuple(options.betas),
+                weight_decay=options.weight_decay,
+            )
+        except BaseException:
+            self.close()  # do not leave a process group behind for the next attempt
+            raise
 
     # ----------------------------------------------------------------- model set-up
 
@@ -198,7 +201,6 @@ class FSDPTrainer(Trainer):
         grad_norm = self._clip_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
 
         metrics = acc.reduce(self.device)
         metrics["loss"] = metrics.get("loss/policy", 0.0) + metrics.get("loss/kl", 0.0)

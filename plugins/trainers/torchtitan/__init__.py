@@ -2,14 +2,8 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
-
 from forgerl.backends import TrainerBackend
 from forgerl.hookspecs import hookimpl
-
-
-class TorchTitanTrainerOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
 
 @hookimpl
@@ -18,10 +12,19 @@ def forge_trainers():
         TrainerBackend(
             name="torchtitan",
             factory=None,
-            options=TorchTitanTrainerOptions,
+            options="forgerl_plugins.trainers.torchtitan.options:TorchTitanTrainerOptions",
             description="TorchTitan trainer",
             requires=("torchtitan",),
             extra="torchtitan",
             implemented=False,
         )
     ]
+
+
+def __getattr__(name: str):
+    # The options models live in .options so that listing backends never imports pydantic.
+    if name == "TorchTitanTrainerOptions":
+        from . import options
+
+        return getattr(options, name)
+    raise AttributeError(name)

@@ -85,6 +85,10 @@ def start_server(port: int, timeout: float) -> Any:
 def connect(host: str, port: int, timeout: float) -> Any:
     from torch.distributed import TCPStore
 
+    # TCPStore retries a refused connection until its timeout (and past it, on a busy
+    # machine); a plain connect first makes "nobody listens there" fail at once.
+    with socket.create_connection((host, port), timeout=max(0.05, min(timeout, 5.0))):
+        pass
     return TCPStore(host, port, is_master=False, timeout=timedelta(timeout))
 
 

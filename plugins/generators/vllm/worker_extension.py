@@ -1,0 +1,157 @@
+"""Code that runs inside vLLM's workers: receiving and loading new weights.
+
+vLLM mixes :class:`ForgeWorkerExtension` into its worker class (``--worker-extension-cls``);
+the generator calls its methods on every worker of a replica through the server's
+``POST /collective_rpc`` (dev mode). Arguments travel as JSON strings (the HTTP endpoint
+passes only strings) and tensors never cross it: each worker builds the run's transport
+receiver itself and pulls the weights.
+
+Loading goes through the worker's ``reload_weights`` (vLLM's layer-wise in-place reload),
+not ``model.load_weights``: on CPU, vLLM repacks linear weights after loading and only
+the reload path repeats that. A tied ``lm_head`` is the exception: its packed copy is
+made from the embedding matrix and is not refreshed by the reload, so it is packed again
+here (without it, a CPU server keeps sampling from the old output layer).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+
+class _Counted:
+    """Wraps a (name, tensor) iterator, counting what passes through it."""
+
+    def __init__(self, items: Iterable[tuple[str, Any]]) -> None:
+        self._items = iter(items)
+        self.tensors = 0
+        self.bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        for name, tensor in self._items:
+            self.tensors += 1
+            self.bytes += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+
+class ForgeWorkerExtension:
+    """Methods added to each vLLM worker. ``self`` is the worker (``self.rank``,
+    ``self.model_runner``, ``self.reload_weights`` come from vLLM)."""
+
+    _forge_version: int = 0
+    _forge_receivers: dict[str, Any]
+
+    def forge_load_weights(self, request: str) -> dict[str, Any]:
+        """Load a weight version. ``request`` is JSON: ``{"version", "timeout",
+        "worker_prefix", "source": "transport" | "base", "transport": {"name", "options",
+        "spec"}}``. ``source: base`` reloads the model folder the server started from
+        (version 0, which no transport ever carried).
+
+        Never raises: returns ``{"ok": False, "error", "weights_touched"}`` on failure, so
+        the caller knows whether the old weights are intact (the failure came before the
+        first tensor) or the replica must be reloaded before it serves again.
+        """
+        req = json.loads(request)
+        version = int(req["version"])
+        start = time.perf_counter()
+        counted = _Counted(())
+        try:
+            if req.get("source") == "base":
+                counted.tensors = -1  # unknown, but the weights are being replaced
+                self.reload_weights(weights_iterator=None, is_checkpoint_format=True)
+            else:
+                receiver = self._forge_receiver(req)
+                # The wait for the version (and its timeout) happens in receive(), before
+                # a single tensor reaches the model.
+                counted = _Counted(receiver.receive(version, timeout=float(req["timeout"])))
+                self.reload_weights(weights_iterator=counted, is_checkpoint_format=True)
+                if counted.tensors == 0:
+                    raise RuntimeError(f"weights version {version} held no tensors")
+            self._forge_refresh_tied_head()
+        except Exception as exc:  # noqa: BLE001 - reported to the generator, which decides
+            return {
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "weights_touched": counted.tensors != 0,
+                "version": self._forge_version,
+                "rank": int(getattr(self, "rank", 0)),
+            }
+        self._forge_version = version
+        return {
+            "ok": True,
+            "version": version,
+            "tensors": counted.tensors,
+            "bytes": counted.bytes,
+            "seconds": time.perf_counter() - start,
+            "rank": int(getattr(self, "rank", 0)),
+        }
+
+    def forge_policy_version(self) -> int:
+        """The weight version this worker last loaded (0: the model folder's)."""
+        return self._forge_version
+
+    def forge_tied_head_is_current(self) -> bool:
+        """True when the output layer computes with the current embedding matrix (a check
+        for tests: the tied-embedding trap leaves it computing with an old copy)."""
+        import torch
+
+        model = self.model_runner.get_model()
+        head, embed = self._forge_head_and_embedding(model)
+        if head is None or embed is None or not _shares_weight(head, embed):
+            return True
+        x = torch.randn(2, embed.weight.shape[1], dtype=embed.weight.dtype)
+        want = x @ embed.weight.t()
+        cpu_linear = getattr(head, "cpu_linear", None)
+        got = cpu_linear(x, head.weight, None) if cpu_linear is not None else want
+        return bool(torch.allclose(got[:, : want.shape[1]], want, atol=1e-4, rtol=1e-4))
+
+    # ------------------------------------------------------------------ internals
+
+    def _forge_receiver(self, req: dict[str, Any]) -> Any:
+        transport = req["transport"]
+        key = json.dumps(transport, sort_keys=True)
+        receivers = self.__dict__.setdefault("_forge_receivers", {})
+        if key not in receivers:
+            from forgerl.plugins import build_registry
+
+            backend = build_registry().require("transport", transport["name"])
+            worker_id = f"{req.get('worker_prefix', 'vllm')}-rank{int(getattr(self, 'rank', 0))}"
+            receivers[key] = backend.create(transport.get("options") or {}, None).receiver(
+                worker_id, transport.get("spec") or {}
+            )
+        return receivers[key]
+
+    @staticmethod
+    def _forge_head_and_embedding(model: Any) -> tuple[Any, Any]:
+        head = getattr(model, "lm_head", None)
+        try:
+            embed = model.get_input_embeddings()
+        except (AttributeError, NotImplementedError):
+            inner = getattr(model, "model", None)
+            embed = getattr(inner, "embed_tokens", None)
+        return head, embed
+
+    def _forge_refresh_tied_head(self) -> None:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return  # on GPU the head reads the shared parameter directly
+        model = self.model_runner.get_model()
+        head, embed = self._forge_head_and_embedding(model)
+        if head is None or embed is None or not hasattr(head, "cpu_linear"):
+            return
+        if _shares_weight(head, embed):
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
+
+def _shares_weight(head: Any, embed: Any) -> bool:
+    if head is embed:
+        return True
+    hw, ew = getattr(head, "weight", None), getattr(embed, "weight", None)
+    if hw is None or ew is None or hw.numel() == 0:
+        return False
+    return hw is ew or hw.data_ptr() == ew.data_ptr()

@@ -1,0 +1,120 @@
+"""Options of the backends registered in forgerl_plugins.schedulers.slurm (imported only when validated)."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+# Slurm's --mem: an integer with an optional K/M/G/T suffix (default megabytes). The
+# Kubernetes-style binary suffixes (Ki, Mi, Gi, Ti) mean the same thing and are accepted,
+# so that one Resources.memory string serves both schedulers.
+MEMORY_RE = re.compile(r"^(?P<n>[0-9]+)(?P<unit>[KMGT]i?)?$", re.IGNORECASE)
+# Slurm's --time: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+# days-hours:minutes, days-hours:minutes:seconds, or UNLIMITED / INFINITE.
+TIME_RE = re.compile(
+    r"^(?:\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(?::\d{1,2}){0,2}|UNLIMITED|INFINITE)$", re.IGNORECASE
+)
+
+
+def slurm_memory(value: str) -> str:
+    """``value`` in Slurm's ``--mem`` syntax ("16G", "512M", "16000"); raises ValueError."""
+    m = MEMORY_RE.match(value.strip())
+    if not m:
+        raise ValueError(
+            f"invalid memory {value!r}: use an integer with an optional unit, e.g. '16G', '512M', '16Gi'"
+        )
+    unit = (m["unit"] or "").upper().rstrip("I")
+    return f"{m['n']}{unit}"
+
+
+def memory_mb(value: str) -> int:
+    """Megabytes (Slurm's unit) in a memory string accepted by :func:`slurm_memory`."""
+    text = slurm_memory(value)
+    scale = {"K": 1 / 1024, "M": 1, "G": 1024, "T": 1024 * 1024}
+    unit = text[-1] if text[-1].isalpha() else "M"
+    return max(1, int(int(text.rstrip("KMGT")) * scale[unit]))
+
+
+class SlurmSchedulerOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    partition: str | None = Field(None, description="#SBATCH --partition (default: the cluster's default).")
+    account: str | None = Field(None, description="#SBATCH --account.")
+    qos: str | None = Field(None, description="#SBATCH --qos.")
+    time: str | None = Field(None, description="Time limit, Slurm syntax: '90', '1:00:00', '2-00:00:00'.")
+    nodes: int | None = Field(
+        None, ge=1, description="Nodes to allocate; default: as many as the roles' placement needs."
+    )
+    gpus_per_node: int = Field(
+        0, ge=0, description="GPUs each node has; replicas are packed onto nodes within it."
+    )
+    cpus_per_node: int | None = Field(
+        None, ge=1, description="CPUs usable per node; when set, replicas are packed within it too."
+    )
+    memory: str | None = Field(
+        None, description="#SBATCH --mem per node (default: the sum of the roles' memory on a node)."
+    )
+    exclusive: bool = Field(False, description="#SBATCH --exclusive: whole nodes for the run.")
+    constraint: str | None = Field(None, description="#SBATCH --constraint (node features).")
+    extra_sbatch: list[str] = Field(
+        default_factory=list, description="More #SBATCH options, e.g. '--reservation=r1' or '--mail-type=END'."
+    )
+    srun_args: list[str] = Field(default_factory=list, description="Extra options for every srun step.")
+    requeue: bool = Field(
+        False,
+        description="#SBATCH --requeue: a preempted or requeued job runs again (FORGE_REQUEUED>0) and "
+        "resumes from its last checkpoint.",
+    )
+    container_image: str | None = Field(None, description="pyxis --container-image for every step.")
+    container_mounts: list[str] = Field(
+        default_factory=list, description="pyxis --container-mounts, each 'SRC:DST[:FLAGS]'."
+    )
+    container_workdir: str | None = Field(None, description="pyxis --container-workdir.")
+    container_python: str = Field(
+        "python", description="With container_image: the image's Python, used for role commands that start "
+        "with this machine's interpreter (sys.executable, as forge's own roles do)."
+    )
+    setup: list[str] = Field(
+        default_factory=list,
+        description="Shell lines run at the top of the batch script (module load, source a venv).",
+    )
+    env: dict[str, str] = Field(default_factory=dict, description="Environment exported to every step.")
+    stop_timeout: float = Field(
+        30.0, gt=0, description="Seconds the other roles get to exit after the primary role ends."
+    )
+    poll_interval: float = Field(5.0, gt=0, description="Seconds between status checks in --wait.")
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, v: str | None) -> str | None:
+        return None if v is None else slurm_memory(v)
+
+    @field_validator("time")
+    @classmethod
+    def _time(cls, v: str | None) -> str | None:
+        if v is not None and not TIME_RE.match(v.strip()):
+            raise ValueError(
+                f"invalid time {v!r}: use minutes ('90'), 'H:MM:SS' ('1:00:00') or 'D-HH:MM:SS' ('2-00:00:00')"
+            )
+        return None if v is None else v.strip()
+
+    @field_validator("extra_sbatch")
+    @classmethod
+    def _extra(cls, v: list[str]) -> list[str]:
+        out = []
+        for line in v:
+            line = line.strip()
+            line = line[len("#SBATCH") :].strip() if line.startswith("#SBATCH") else line
+            if not line.startswith("-") or "\n" in line:
+                raise ValueError(f"extra_sbatch entry {line!r}: expected one sbatch option such as '--exclusive'")
+            out.append(line)
+        return out
+
+    @field_validator("env")
+    @classmethod
+    def _env(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError(f"env name {key!r} is not a valid environment variable name")
+        return v

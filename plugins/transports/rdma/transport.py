@@ -1,0 +1,437 @@
+"""The ``rdma`` transport: receivers read each version from the sender's registered memory.
+
+Shape (see docs/transports.md):
+
+* The sender (trainer rank 0) owns a Mooncake TransferEngine and two registered buffers,
+  *slots*. ``send(v)`` packs version ``v`` into the slot not holding the newest version
+  (double buffering: the previous version stays readable and unchanged while receivers
+  may still read it), then publishes ``{version, layout, session, address}`` as
+  ``current`` in its control store (a ``TCPStore``; :mod:`..nccl.control`).
+* A receiver polls ``current``, reads the version with one-sided
+  ``batch_transfer_sync_read`` calls into its own registered buffer (reused across
+  versions), checks that the slot still holds that version (a generation key the sender
+  sets to ``writing:N`` before it overwrites a slot: a torn read is retried, never
+  yielded), acknowledges it, and yields views of its buffer.
+* ``send`` returns once every receiver that was registered when it started has
+  acknowledged the version, or raises naming those that did not within the timeout (a
+  dead receiver cannot be seen by one-sided reads; its silence is). A dropped receiver
+  registers again by itself; a late one simply reads ``current``.
+
+With ``protocol="rdma"`` Mooncake uses RDMA NICs where present and TCP where none exists,
+so CI runs the production code path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from forgerl.errors import TransportError, TransportTimeout
+from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
+from forgerl.types import WeightSet
+from forgerl_plugins.transports.nccl import control
+from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Control, Deadline
+from forgerl_plugins.transports.nccl.layout import Layout, tensor_bytes
+from forgerl_plugins.transports.rdma.engine import Engine
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from forgerl_plugins.transports.rdma import RdmaTransportOptions
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "forgerl/rdma/"
+EVENTS = "events"
+CURRENT = "current"
+DEFAULT_TIMEOUT = 120.0
+MAX_QUERY = 5.0
+
+
+def _key(nonce: str, what: str) -> str:
+    return f"m/{nonce}/{what}"
+
+
+def _slot_key(slot: int) -> str:
+    return f"slot/{slot}"
+
+
+def _short(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+def _default_timeout(options: Any, ctx: RunContext | None) -> float:
+    if options.timeout is not None:
+        return float(options.timeout)
+    if ctx is not None:
+        return float(ctx.config.transport.timeout)
+    return DEFAULT_TIMEOUT
+
+
+def _address(host: str) -> str:
+    return control.local_address(host) if control.is_loopback(host) else host
+
+
+# ============================================================================ sender
+
+
+@dataclass
+class _Member:
+    worker_id: str
+    nonce: str
+    pid: int
+    host: str
+    acked: int = -1
+    failed: str | None = None
+
+    def label(self) -> str:
+        return f"{self.worker_id!r} (pid {self.pid} on {self.host})"
+
+
+class RdmaSender(TransportSender):
+    def __init__(self, options: RdmaTransportOptions, server: Any, port: int, timeout: float, release: Any) -> None:
+        self.options = options
+        self.default_timeout = timeout
+        self.port = port
+        self._server = server
+        self._release = release
+        self._engine = Engine(_address(options.host), options.protocol, options.device_name)
+        self._ctl = Control(server, NAMESPACE)
+        self._slots: list[Any] = [None, None]
+        self._newest_slot: int | None = None
+        self._members: dict[str, _Member] = {}
+        self._closed = False
+        self.last_version: int | None = None
+        self.last_send_seconds: float | None = None
+        self.last_send_bytes = 0
+
+    @property
+    def session(self) -> str:
+        return self._engine.session
+
+    @property
+    def registered_bytes(self) -> int:
+        return 0 if self._engine is None else self._engine.registered_bytes
+
+    def send(self, weights: WeightSet, timeout: float | None = None) -> None:
+        import torch
+
+        if self._closed:
+            raise TransportError("rdma sender is closed")
+        deadline = Deadline(self.default_timeout if timeout is None else timeout)
+        version = int(weights.version)
+        if self.last_version is not None and version <= self.last_version:
+            raise ValueError(f"weight versions must strictly increase: got {version} after {self.last_version}")
+        start = time.perf_counter()
+        tensors = [(n, t.detach() if t.is_contiguous() else t.detach().contiguous()) for n, t in weights.items()]
+        layout = Layout.build(version, tensors, self.options.chunk_mb * 2**20)
+        ctl = self._ctl
+        slot = 0 if self._newest_slot is None else 1 - self._newest_slot
+        # Readers of the old contents of this slot see the change and retry.
+        ctl.set(_slot_key(slot), f"writing:{version}", deadline)
+        buf = self._slots[slot]
+        if buf is None or buf.numel() < layout.nbytes:
+            if buf is not None:
+                self._engine.unregister(buf)
+            self._slots[slot] = buf = None
+            buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
+            self._engine.register(buf)
+            self._slots[slot] = buf
+        for (_, t), e in zip(tensors, layout.entries):
+            if e.nbytes:
+                buf[e.offset : e.end].copy_(tensor_bytes(t))
+        ctl.set(_slot_key(slot), str(version), deadline)
+        offer = {
+            "version": version,
+            "session": self._engine.session,
+            "address": buf.data_ptr(),
+            "slot": slot,
+            "layout": layout.to_json(),
+        }
+        ctl.set(CURRENT, json.dumps(offer), deadline)
+        self._newest_slot = slot
+        self.last_version = version
+        self._collect_joins(deadline)
+        targets = [m for m in self._members.values() if m.failed is None]
+        self._wait_acks(targets, version, deadline)
+        self.last_send_seconds = time.perf_counter() - start
+        self.last_send_bytes = layout.nbytes
+        failed = [m for m in targets if m.acked < version]
+        if failed:
+            for m in failed:
+                self._drop(m)
+            what = "; ".join(f"{m.label()}: {m.failed}" for m in failed)
+            got = len(targets) - len(failed)
+            msg = (
+                f"weights version {version} did not reach {len(failed)} of {len(targets)} receivers: "
+                f"{what}. {got} received it; the others are dropped until they register again"
+            )
+            timed_out = all(m.failed and m.failed.startswith("no acknowledgement") for m in failed)
+            raise (TransportTimeout if timed_out else TransportError)(msg)
+
+    def _collect_joins(self, deadline: Deadline) -> None:
+        for ev in self._ctl.pop_all(EVENTS, deadline):
+            if ev.get("type") != "join":
+                continue
+            for old in self._members.values():
+                if old.worker_id == ev["worker_id"] and old.failed is None:
+                    old.failed = "replaced by a new incarnation of the same worker"
+            self._members[ev["nonce"]] = _Member(ev["worker_id"], ev["nonce"], int(ev["pid"]), ev["host"])
+            log.info("rdma: receiver %r registered (pid %s on %s)", ev["worker_id"], ev["pid"], ev["host"])
+        for nonce in [n for n, m in self._members.items() if m.failed is not None]:
+            self._drop(self._members[nonce])
+
+    def _wait_acks(self, targets: list[_Member], version: int, deadline: Deadline) -> None:
+        waiting = list(targets)
+        while waiting:
+            acks = self._ctl.get_many([_key(m.nonce, "ack") for m in waiting], deadline)
+            still = []
+            for m, ack in zip(waiting, acks):
+                m.acked = max(m.acked, int(ack))
+                if m.acked >= version:
+                    continue
+                closed = self._ctl.get(_key(m.nonce, "closed"), deadline)
+                if closed is not None:
+                    m.failed = f"it gave up: {closed.decode()}"
+                else:
+                    still.append(m)
+            waiting = still
+            if waiting and deadline.expired:
+                for m in waiting:
+                    m.failed = f"no acknowledgement of version {version} within {deadline.seconds:g} s"
+                return
+            if waiting:
+                deadline.sleep(self.options.poll_interval)
+
+    def _drop(self, m: _Member) -> None:
+        self._members.pop(m.nonce, None)
+        log.warning("rdma: receiver %s dropped: %s", m.label(), m.failed)
+        try:
+            self._ctl.set(_key(m.nonce, "closed"), f"dropped by the sender: {m.failed}", Deadline(MAX_QUERY))
+        except STORE_ERRORS:
+            pass
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._ctl.delete([CURRENT], Deadline(MAX_QUERY))
+            for m in self._members.values():
+                self._ctl.set(_key(m.nonce, "closed"), "the sender closed", Deadline(MAX_QUERY))
+        except STORE_ERRORS:
+            pass
+        self._members.clear()
+        if self._engine is not None:
+            self._engine.close()  # unregisters both slots
+        self._engine = None  # type: ignore[assignment]
+        self._slots = [None, None]
+        self._ctl = None  # type: ignore[assignment]
+        self._server = None
+        if self._release is not None:
+            self._release()
+
+
+# ========================================================================== receiver
+
+
+class RdmaReceiver(TransportReceiver):
+    """Reads versions into one registered buffer it reuses. The tensors :meth:`receive`
+    yields are views of that buffer, valid until the next :meth:`receive`."""
+
+    def __init__(self, options: RdmaTransportOptions, worker_id: str, host: str, port: int, timeout: float) -> None:
+        self.options = options
+        self.worker_id = worker_id
+        self.host = host
+        self.port = int(port)
+        self.default_timeout = timeout
+        self._engine: Engine | None = Engine(control.local_address(host), options.protocol, options.device_name)
+        self._ctl: Control | None = None
+        self._nonce: str | None = None
+        self._buffer: Any = None
+        self._held: Layout | None = None
+        self._closed = False
+        self.progress: tuple[int, int, int] | None = None
+        try:
+            self._register(Deadline(min(5.0, options.connect_timeout)))
+        except STORE_ERRORS as exc:
+            log.info("rdma receiver %s: sender not reachable yet (%s); will retry", worker_id, _short(exc))
+            self._ctl = None
+
+    @property
+    def registered_bytes(self) -> int:
+        return 0 if self._engine is None else self._engine.registered_bytes
+
+    def latest_version(self) -> int | None:
+        try:
+            if self._ctl is None:
+                self._ctl = Control.connect(self.host, self.port, NAMESPACE, self.options.connect_timeout)
+            cur = self._ctl.get_json(CURRENT, Deadline(MAX_QUERY))
+        except STORE_ERRORS as exc:
+            raise TransportError(f"rdma: the sender at {self.host}:{self.port} is unreachable: {_short(exc)}") from exc
+        return None if cur is None else int(cur["version"])
+
+    def _register(self, deadline: Deadline) -> None:
+        if self._ctl is None:
+            self._ctl = Control.connect(self.host, self.port, NAMESPACE, max(0.05, min(self.options.connect_timeout, deadline.remaining())))
+        nonce = uuid.uuid4().hex[:16]
+        self._ctl.set(_key(nonce, "ack"), "-1", deadline)
+        self._ctl.push(
+            EVENTS,
+            {"type": "join", "nonce": nonce, "worker_id": self.worker_id, "pid": os.getpid(),
+             "host": control.local_address(self.host)},
+            deadline,
+        )
+        self._nonce = nonce
+
+    def receive(self, version: int, timeout: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._closed:
+            raise TransportError(f"rdma receiver {self.worker_id} is closed")
+        deadline = Deadline(self.default_timeout if timeout is None else timeout)
+        version = int(version)
+        if self._held is not None and self._held.version == version:
+            return self._held.views(self._buffer)
+        last_error = "not published yet"
+        while not deadline.expired:
+            try:
+                if self._ctl is None or self._nonce is None:
+                    self._register(deadline)
+                ctl = self._ctl
+                assert ctl is not None and self._nonce is not None
+                if ctl.has(_key(self._nonce, "closed"), deadline):
+                    self._nonce = None  # dropped by the sender: register again, then read
+                    continue
+                cur = ctl.get_json(CURRENT, deadline)
+                if cur is None or int(cur["version"]) < version:
+                    newest = "none" if cur is None else cur["version"]
+                    last_error = f"newest published version: {newest}"
+                    deadline.sleep(self.options.poll_interval)
+                    continue
+                if int(cur["version"]) > version:
+                    raise TransportError(
+                        f"rdma receiver {self.worker_id}: weights version {version} was superseded by "
+                        f"{cur['version']} (the sender keeps only its newest version readable); receive "
+                        f"{cur['version']} instead (latest_version() tells it)"
+                    )
+                error = self._read(ctl, cur, deadline)
+                if error is None:
+                    ctl.set(_key(self._nonce, "ack"), str(version), deadline)
+                    return self._held.views(self._buffer)  # type: ignore[union-attr]
+                last_error = error
+                deadline.sleep(self.options.poll_interval)
+            except STORE_ERRORS as exc:
+                last_error = f"sender unreachable: {_short(exc)}"
+                self._ctl, self._nonce = None, None
+                deadline.sleep(0.25)
+        raise TransportTimeout(
+            f"rdma receiver {self.worker_id}: weights version {version} did not arrive from the sender at "
+            f"{self.host}:{self.port} within {deadline.seconds:g} s ({last_error}); is the trainer running?"
+        )
+
+    def _read(self, ctl: Control, cur: Mapping[str, Any], deadline: Deadline) -> str | None:
+        """Read the published version into the buffer; an error string when it must be retried."""
+        import torch
+
+        version, slot = int(cur["version"]), int(cur["slot"])
+        layout = Layout.from_json(cur["layout"])
+        assert self._engine is not None
+        if self._buffer is None or self._buffer.numel() < layout.nbytes:
+            if self._buffer is not None:
+                self._engine.unregister(self._buffer)
+            self._buffer = None
+            buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
+            self._engine.register(buf)
+            self._buffer = buf
+        if ctl.get(_slot_key(slot), deadline) != str(version).encode():
+            return f"version {version} is being replaced in the sender's memory"
+        self._held = None  # the buffer is about to change
+        self.progress = (version, 0, layout.nbytes)
+        base, remote = self._buffer.data_ptr(), int(cur["address"])
+        chunks = layout.chunks
+        rc = self._engine.read(
+            cur["session"], [base + c.start for c in chunks], [remote + c.start for c in chunks], [c.nbytes for c in chunks]
+        )
+        if rc != 0:
+            return f"Mooncake read from {cur['session']} failed ({rc}): the sender may be gone"
+        # The slot may have been rewritten while we read (we were slower than two sends):
+        # then what we hold is torn, and is not yielded.
+        if ctl.get(_slot_key(slot), deadline) != str(version).encode():
+            return f"version {version} was replaced in the sender's memory while it was read"
+        self.progress = (version, layout.nbytes, layout.nbytes)
+        self._held = layout
+        return None
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._ctl is not None and self._nonce is not None:
+            try:
+                self._ctl.set(_key(self._nonce, "closed"), f"receiver {self.worker_id} closed", Deadline(1.0))
+            except STORE_ERRORS:
+                pass
+        self._ctl = None
+        if self._engine is not None:
+            self._engine.close()
+        self._engine = None
+        self._buffer = None
+        self._held = None
+
+
+# ========================================================================= transport
+
+
+class RdmaTransport(Transport):
+    """Factory ``RdmaTransport(options, ctx)``; same shape as the nccl transport: the
+    trainer side hosts the control store, receivers get :meth:`receiver_spec`."""
+
+    def __init__(self, options: RdmaTransportOptions, ctx: RunContext | None = None) -> None:
+        self.options = options
+        self.ctx = ctx
+        self._server: Any = None
+        self._port: int | None = None
+        self._lock = threading.Lock()
+
+    def _ensure_server(self) -> int:
+        with self._lock:
+            if self._server is None:
+                self._server = control.start_server(self.options.port, self.options.connect_timeout)
+                self._port = int(self._server.port)
+            assert self._port is not None
+            return self._port
+
+    def _release(self) -> None:
+        with self._lock:
+            self._server = None
+
+    def receiver_spec(self) -> dict[str, Any]:
+        return {"host": self.options.host, "port": self._ensure_server()}
+
+    def sender(self) -> RdmaSender:
+        port = self._ensure_server()
+        return RdmaSender(self.options, self._server, port, _default_timeout(self.options, self.ctx), self._release)
+
+    def receiver(self, worker_id: str, spec: Mapping[str, Any] | None = None) -> RdmaReceiver:
+        if spec and spec.get("port"):
+            host, port = str(spec.get("host") or self.options.host), int(spec["port"])
+        elif self._server is not None:
+            host, port = "127.0.0.1", int(self._port or 0)
+        elif self.options.port:
+            host, port = self.options.host, self.options.port
+        else:
+            raise TransportError(
+                "rdma receiver does not know where the sender is: pass the sender's receiver_spec() "
+                "or set transport.options.host and transport.options.port"
+            )
+        return RdmaReceiver(self.options, worker_id, host, port, _default_timeout(self.options, self.ctx))
+
+    def close(self) -> None:
+        self._release()

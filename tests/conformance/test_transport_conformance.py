@@ -1,0 +1,357 @@
+"""The behaviour every weight transport must have, run against each (shm, nccl, rdma).
+
+The sender lives in the test process (as on trainer rank 0) or in a helper process when
+it must die; receivers always live in their own processes
+(tests/helpers/transport_receiver.py), built from the sender's ``receiver_spec()`` the way
+a generator worker builds them.
+
+``shm`` is pull-based: its ``send`` returns once a version is published and never learns
+who read it (the interface allows that), so the cases about naming a receiver that did
+not take a version apply to the push/acknowledged transports only; for shm they check
+that ``send`` is not held up and that the survivors still get every version.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..helpers.transport_receiver import digest, make_weights
+
+pytestmark = pytest.mark.integration
+
+TRANSPORTS = ["shm", "nccl", "rdma"]
+#: Transports whose ``send`` waits for every registered receiver and names the ones that
+#: did not take the version.
+CONFIRMS_DELIVERY = {"shm": False, "nccl": True, "rdma": True}
+#: Small buckets/chunks so that even test-sized versions move in several pieces.
+OPTIONS: dict[str, dict[str, Any]] = {
+    "shm": {"poll_interval": 0.01},
+    "nccl": {"bucket_mb": 4, "connect_timeout": 20},
+    "rdma": {"chunk_mb": 4, "connect_timeout": 20},
+}
+HELPER = Path(__file__).resolve().parents[1] / "helpers" / "transport_receiver.py"
+#: Slack on top of a timeout for process scheduling on a busy 2-core machine.
+SLACK_S = 4.0
+
+
+@pytest.fixture(params=TRANSPORTS)
+def name(request: pytest.FixtureRequest) -> str:
+    if request.param == "rdma" and importlib.util.find_spec("mooncake") is None:
+        pytest.skip("rdma needs Mooncake: pip install 'forgerl[rdma]' (mooncake-transfer-engine-non-cuda)")
+    return request.param
+
+
+@pytest.fixture
+def endpoints():
+    """Every helper process a test starts; killed at teardown whatever happened."""
+    started: list[Endpoint] = []
+    yield started
+    for ep in started:
+        ep.kill()
+
+
+def create(name: str) -> Any:
+    from forgerl.plugins import build_registry
+
+    return build_registry().require("transport", name).create(OPTIONS[name], None)
+
+
+def expected(version: int, big: bool = False) -> dict[str, str]:
+    return {n: digest(n, t) for n, t in make_weights(version, big).items()}
+
+
+# --------------------------------------------------------------------- processes
+
+
+class Endpoint:
+    """A helper process and the JSON events it prints."""
+
+    def __init__(self, args: list[str], label: str) -> None:
+        self.label = label
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HELPER), *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.events: queue.Queue[dict] = queue.Queue()
+        self.seen: list[dict] = []
+        self.stderr: list[str] = []
+        threading.Thread(target=self._read_stdout, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
+
+    def _read_stdout(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            if line.startswith("{"):
+                self.events.put(json.loads(line))
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:  # type: ignore[union-attr]
+            self.stderr.append(line)
+
+    def wait(self, event: str, version: int | None = None, timeout: float = 30.0) -> dict:
+        """The next event of this kind (and version); fails with the process's stderr."""
+        end = time.monotonic() + timeout
+        while True:
+            try:
+                ev = self.events.get(timeout=max(0.0, min(0.2, end - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= end:
+                    raise AssertionError(
+                        f"{self.label}: no {event!r} event (version {version}) within {timeout} s; "
+                        f"events so far: {[e['event'] + str(e.get('version', '')) for e in self.seen]}; "
+                        f"exit {self.proc.poll()}; stderr tail:\n{''.join(self.stderr[-25:])}"
+                    ) from None
+                continue
+            self.seen.append(ev)
+            if ev["event"] == event and (version is None or ev.get("version") == version):
+                return ev
+            if ev["event"] == "error" and event != "error":
+                raise AssertionError(f"{self.label}: {ev['type']} instead of {event!r}: {ev['message']}")
+
+    def tell(self, line: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+    def finish(self, timeout: float = 30.0) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"{self.label} did not exit within {timeout} s") from None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+def start_receiver(
+    endpoints: list, name: str, spec: dict, worker_id: str, versions: list[int], timeout: float = 30.0,
+    die_when_started: int | None = None, rejoin: int | None = None,
+) -> Endpoint:
+    args = ["--transport", name, "--options", json.dumps(OPTIONS[name]), "--spec", json.dumps(spec),
+            "--worker-id", worker_id, "--versions", ",".join(map(str, versions)), "--timeout", str(timeout)]
+    if die_when_started is not None:
+        args += ["--die-when-started", str(die_when_started)]
+    if rejoin is not None:
+        args += ["--rejoin", str(rejoin)]
+    ep = Endpoint(args, f"receiver {worker_id} ({name})")
+    endpoints.append(ep)
+    return ep
+
+
+# ------------------------------------------------------------------------ leaks
+
+
+def listening_ports() -> set[int]:
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def children() -> list[int]:
+    me, out = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[0] != "Z" and int(fields[1]) == me:
+            out.append(int(entry))
+    return out
+
+
+def shm_entries_of(pids: set[int]) -> list[str]:
+    """Files in /dev/shm whose names carry one of these process ids (how shm temp files,
+    torch's and gloo's segments are named)."""
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return []
+    return [n for n in names if any(str(p) in n for p in pids)]
+
+
+def close_and_check_clean(name: str, transport: Any, sender: Any, spec: dict, endpoints: list[Endpoint]) -> None:
+    """Close the sender; then nothing it or the receivers held may be left."""
+    pids = {os.getpid(), *(ep.proc.pid for ep in endpoints)}
+    engine_port = None
+    if name == "rdma":
+        engine_port = int(sender.session.rsplit(":", 1)[1])
+    sender.close()
+    if hasattr(transport, "close"):
+        transport.close()
+    for ep in endpoints:
+        ep.kill()
+    leftover = [p for p in children() if p in {ep.proc.pid for ep in endpoints}]
+    assert not leftover, f"receiver processes still alive after close: {leftover}"
+    if name in ("nccl", "rdma"):
+        deadline = time.monotonic() + 5
+        while spec["port"] in listening_ports() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert spec["port"] not in listening_ports(), f"control store port {spec['port']} still listening"
+        threads = [t.name for t in threading.enumerate() if t.name.startswith("forge-")]
+        assert not threads, f"transport threads still running after close: {threads}"
+    if name == "rdma":
+        assert sender.registered_bytes == 0, f"{sender.registered_bytes} bytes still registered with Mooncake"
+        assert engine_port not in listening_ports(), f"Mooncake engine port {engine_port} still listening"
+    if name == "shm":
+        assert not Path(spec["directory"]).exists(), f"{spec['directory']} left behind"
+    assert not shm_entries_of(pids), f"/dev/shm entries left: {shm_entries_of(pids)}"
+
+
+# ------------------------------------------------------------------------ cases
+
+
+@pytest.mark.hard_timeout(150)
+def test_delivery_dead_receiver_and_restarted_receiver(name: str, endpoints: list) -> None:
+    """Bit-exact versions in order; a receiver that dies mid-transfer is named (push
+    transports) and the survivor goes on; a restarted receiver gets the current version.
+    (One scenario, so that the suite starts few processes: importing torch costs seconds.)"""
+    from forgerl.errors import TransportError
+    from forgerl.types import WeightSet
+
+    transport = create(name)
+    sender = transport.sender()
+    spec = transport.receiver_spec()
+    survivor = start_receiver(endpoints, name, spec, "gen.0.worker", [1, 2, 3], rejoin=3)
+    victim = start_receiver(endpoints, name, spec, "gen.1.worker", [1, 2], die_when_started=2)
+    survivor.wait("ready", timeout=60)
+    victim.wait("ready", timeout=60)
+
+    sender.send(WeightSet(1, make_weights(1)), timeout=30)
+    want = expected(1)
+    for r in (survivor, victim):
+        got = r.wait("received", 1)["digests"]
+        assert list(got) == list(want), f"names or order differ: {list(got)} vs {list(want)}"
+        bad = [n for n in want if got[n] != want[n]]
+        assert not bad, f"{r.label}: version 1 is not bit-exact for {bad}"
+
+    # Version 2 (64 MiB): the victim kills itself once its transfer has started.
+    timeout = 6.0
+    start = time.monotonic()
+    if CONFIRMS_DELIVERY[name]:
+        with pytest.raises(TransportError) as err:
+            sender.send(WeightSet(2, make_weights(2, big=True)), timeout=timeout)
+        message = str(err.value)
+        assert "'gen.1.worker'" in message and "'gen.0.worker'" not in message, message
+    else:
+        sender.send(WeightSet(2, make_weights(2, big=True)), timeout=timeout)
+    elapsed = time.monotonic() - start
+    assert elapsed < timeout + SLACK_S, f"send took {elapsed:.1f} s with a {timeout} s timeout"
+    assert victim.finish() == -signal.SIGKILL, "the victim should have died mid-transfer"
+    assert survivor.wait("received", 2)["digests"] == expected(2, big=True)
+
+    # The next version reaches the survivor without waiting for the dead one.
+    start = time.monotonic()
+    sender.send(WeightSet(3, make_weights(3)), timeout=30)
+    assert time.monotonic() - start < 10, "the next send waited for the dead receiver"
+    assert survivor.wait("received", 3)["digests"] == expected(3)
+
+    # Versions only go forward.
+    for stale in (3, 2):
+        with pytest.raises(ValueError, match="strictly increase"):
+            sender.send(WeightSet(stale, make_weights(stale)), timeout=5)
+
+    # The survivor's worker restarts (a new receiver, same worker id): it joins after
+    # version 3 was sent and gets version 3.
+    rejoined = survivor.wait("received", 3)
+    assert rejoined.get("rejoined") and rejoined["digests"] == expected(3)
+    closed = survivor.wait("closed")
+    assert closed["registered_bytes"] == 0, f"{closed['registered_bytes']} bytes left registered"
+    assert survivor.finish() == 0, "".join(survivor.stderr[-20:])
+    close_and_check_clean(name, transport, sender, spec, endpoints)
+
+
+@pytest.mark.hard_timeout(120)
+def test_sender_dying_makes_receivers_time_out_cleanly(name: str, endpoints: list) -> None:
+    sender = Endpoint(
+        ["--role", "sender", "--transport", name, "--options", json.dumps(OPTIONS[name]), "--big", "--timeout", "30"],
+        f"sender ({name})",
+    )
+    endpoints.append(sender)
+    spec = sender.wait("spec", timeout=60)["spec"]
+    timeout = 5.0
+    r = start_receiver(endpoints, name, spec, "gen.0", [1, 2, 3], timeout=timeout)
+    r.wait("ready")
+    sender.tell("send 1")
+    r.wait("received", 1, timeout=60)
+    sender.tell("send 2")
+    if name != "shm":
+        r.wait("started", 2, timeout=60)  # the transfer of version 2 is under way
+    sender.kill()
+    # Version 2 either arrived whole before the kill or times out; it is never partial.
+    outcome = None
+    while outcome is None:
+        ev = r.events.get(timeout=timeout + 30)
+        if ev["event"] in ("received", "error") and ev.get("version") == 2:
+            outcome = ev
+    if outcome["event"] == "received":
+        assert outcome["digests"] == expected(2, big=True)
+    else:
+        assert outcome["type"] == "TransportTimeout", outcome
+        assert outcome["yielded"] == 0, f"yielded {outcome['yielded']} tensors of a version that failed"
+        assert outcome["seconds"] < timeout + SLACK_S, outcome
+    # With the sender gone, the next version times out, within the receiver's timeout.
+    err = r.wait("error", 3, timeout=timeout + 30)
+    assert err["type"] == "TransportTimeout" and err["yielded"] == 0, err
+    assert err["seconds"] < timeout + SLACK_S, err
+    assert "3" in err["message"], err["message"]
+    closed = r.wait("closed")
+    assert closed["registered_bytes"] == 0
+    assert r.finish() == 0
+    if name == "shm":
+        shutil.rmtree(spec["directory"], ignore_errors=True)  # a killed sender cannot clean up
+
+
+@pytest.mark.hard_timeout(60)
+def test_nothing_blocks_forever(name: str) -> None:
+    from forgerl.errors import TransportTimeout
+    from forgerl.types import WeightSet
+
+    transport = create(name)
+    sender = transport.sender()
+    spec = transport.receiver_spec()
+    idle = transport.receiver("idle.worker", spec)
+    # Nothing was sent: the receiver gives up at its timeout.
+    start = time.monotonic()
+    with pytest.raises(TransportTimeout, match="did not"):
+        list(idle.receive(1, timeout=1.0))
+    assert time.monotonic() - start < 1.0 + SLACK_S
+    # A registered receiver that never takes the version: the send gives up at its timeout.
+    start = time.monotonic()
+    if CONFIRMS_DELIVERY[name]:
+        with pytest.raises(TransportTimeout, match="idle.worker"):
+            sender.send(WeightSet(1, make_weights(1)), timeout=1.0)
+    else:
+        sender.send(WeightSet(1, make_weights(1)), timeout=1.0)
+    assert time.monotonic() - start < 1.0 + SLACK_S
+    idle.close()
+    close_and_check_clean(name, transport, sender, spec, [])

@@ -1,0 +1,185 @@
+"""A weights-transport endpoint in its own process, driven by the conformance suite.
+
+Receiver (default)::
+
+    python tests/helpers/transport_receiver.py --transport nccl --spec JSON \\
+        --worker-id r1 --versions 1,2,3 [--timeout 10] [--die-when-started 2]
+
+builds the receiver the way a generator worker does
+(``build_registry().require("transport", NAME).create(options, None).receiver(id, spec)``),
+receives each version in turn and prints one JSON line per event on stdout: ``ready``,
+``started`` (a transfer began: the receiver's ``progress`` moved), ``received`` (with a
+digest of every tensor), ``error`` (exception type, message, seconds, tensors yielded
+before it), ``closed`` (registered memory left, for rdma). ``--die-when-started V`` kills
+the process with SIGKILL in the middle of receiving version V; ``--rejoin V`` then builds
+a new receiver under the same worker id (a restarted worker) and receives version V.
+
+Sender (``--role sender``) prints ``spec`` (the transport's ``receiver_spec()``), then
+sends ``make_weights(V, big)`` for every ``send V`` line it reads on stdin and prints
+``sent`` or ``send-error``; ``close`` closes it.
+
+The test process imports :func:`make_weights` and :func:`digest` from here to know what
+must arrive.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+#: Floats of the one big tensor of a version (``big=True``): 64 MiB, so that a transfer
+#: takes long enough on a busy machine to be interrupted half-way.
+BIG_FLOATS = 16 * 2**20
+
+
+def make_weights(version: int, big: bool = False) -> dict[str, Any]:
+    """A version's tensors: every dtype a model ships, 0-d and empty tensors, dotted names;
+    random bit patterns (NaN payloads included) so that only a bit-exact copy matches."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + version)
+
+    def raw(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        n = 1
+        for s in shape:
+            n *= s
+        size = torch.empty((), dtype=dtype).element_size()
+        bits = torch.randint(0, 256, (n * size,), dtype=torch.uint8, generator=g)
+        return bits.view(dtype).reshape(shape)
+
+    w = {
+        "model.embed_tokens.weight": raw((64, 48), torch.bfloat16),
+        "model.layers.0.self_attn.q_proj.weight": raw((48, 48), torch.float16),
+        "model.layers.0.mlp.up_proj.bias": raw((7,), torch.float32),
+        "model.layers.0.attention_mask": torch.randint(0, 2, (13,), generator=g).bool(),
+        "model.position_ids": torch.randint(-(2**62), 2**62, (5,), generator=g, dtype=torch.int64),
+        "model.norm.step": torch.tensor(version * 7 + 3, dtype=torch.int64),
+        "model.scale": raw((), torch.float32),
+        "model.empty.weight": torch.empty(0, 5, dtype=torch.float32),
+        "lm_head.weight": raw((BIG_FLOATS if big else 4096,), torch.float32),
+    }
+    return w
+
+
+def digest(name: str, t: Any) -> str:
+    import torch
+
+    data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+    head = f"{name}|{str(t.dtype)}|{tuple(t.shape)}|".encode()
+    return hashlib.sha256(head + data).hexdigest()
+
+
+def emit(event: str, **fields: Any) -> None:
+    sys.stdout.write(json.dumps({"event": event, "pid": os.getpid(), "t": time.monotonic(), **fields}) + "\n")
+    sys.stdout.flush()
+
+
+def _watch(receiver: Any, die_version: int | None, stop: threading.Event) -> None:
+    """Report (and, when asked, die at) the start of each transfer, seen through the
+    receiver's ``progress`` (version, bytes done, bytes total) while it receives."""
+    seen = None
+    while not stop.is_set():
+        p = getattr(receiver, "progress", None)
+        if p is not None and p != seen and p[1] < p[2]:
+            seen = p
+            if die_version is not None and p[0] == die_version:
+                os.kill(os.getpid(), signal.SIGKILL)
+            emit("started", version=p[0], done=p[1], total=p[2])
+        time.sleep(0.0005)
+
+
+def run_receiver(args: argparse.Namespace) -> int:
+    from forgerl.plugins import build_registry
+
+    transport = build_registry().require("transport", args.transport).create(json.loads(args.options), None)
+    receiver = transport.receiver(args.worker_id, json.loads(args.spec))
+    stop = threading.Event()
+    if hasattr(receiver, "progress"):
+        threading.Thread(target=_watch, args=(receiver, args.die_when_started, stop), daemon=True).start()
+    emit("ready", worker_id=args.worker_id)
+    for version in [int(v) for v in args.versions.split(",") if v]:
+        receive_one(receiver, version, args)
+    stop.set()
+    receiver.close()
+    if args.rejoin is not None:
+        # A restarted generator worker: a new receiver under the same worker id, asking
+        # for the version that is current now.
+        receiver = transport.receiver(args.worker_id, json.loads(args.spec))
+        receive_one(receiver, args.rejoin, args, rejoined=True)
+        receiver.close()
+    emit("closed", registered_bytes=getattr(receiver, "registered_bytes", 0))
+    return 0
+
+
+def receive_one(receiver: Any, version: int, args: argparse.Namespace, **extra: Any) -> None:
+    from forgerl.errors import ForgeError
+
+    start = time.monotonic()
+    yielded = 0
+    try:
+        digests = {}
+        for name, t in receiver.receive(version, timeout=args.timeout):
+            yielded += 1
+            if args.die_when_started == version:  # no progress to watch (shm): die half-way
+                os.kill(os.getpid(), signal.SIGKILL)
+            digests[name] = digest(name, t)
+    except ForgeError as exc:
+        emit("error", version=version, type=type(exc).__name__, message=str(exc),
+             seconds=time.monotonic() - start, yielded=yielded, **extra)
+        return
+    emit("received", version=version, digests=digests, seconds=time.monotonic() - start, **extra)
+
+
+def run_sender(args: argparse.Namespace) -> int:
+    from forgerl.errors import ForgeError
+    from forgerl.plugins import build_registry
+    from forgerl.types import WeightSet
+
+    transport = build_registry().require("transport", args.transport).create(json.loads(args.options), None)
+    sender = transport.sender()
+    emit("spec", spec=transport.receiver_spec())
+    for line in sys.stdin:
+        cmd = line.split()
+        if not cmd:
+            continue
+        if cmd[0] == "send":
+            version = int(cmd[1])
+            try:
+                sender.send(WeightSet(version, make_weights(version, big=args.big)), timeout=args.timeout)
+            except ForgeError as exc:
+                emit("send-error", version=version, type=type(exc).__name__, message=str(exc))
+                continue
+            emit("sent", version=version)
+        elif cmd[0] == "close":
+            break
+    sender.close()
+    emit("closed")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--role", choices=["receiver", "sender"], default="receiver")
+    p.add_argument("--transport", required=True)
+    p.add_argument("--options", default="{}", help="the transport's options (JSON)")
+    p.add_argument("--spec", default="{}", help="the sender's receiver_spec() (JSON)")
+    p.add_argument("--worker-id", default="r0")
+    p.add_argument("--versions", default="")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--die-when-started", type=int, default=None)
+    p.add_argument("--rejoin", type=int, default=None,
+                   help="after --versions, receive this version again through a new receiver (a restart)")
+    p.add_argument("--big", action="store_true", help="sender: versions with a 64 MiB tensor")
+    args = p.parse_args(argv)
+    return run_sender(args) if args.role == "sender" else run_receiver(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,424 @@
+"""The vllm generator against real vLLM servers on CPU (two replicas, a tiny model).
+
+One pair of servers serves the whole module (start-up is the expensive part): the local
+scheduler runs the plugin's server role, the test process plays the trainer (a
+transformers copy of the model, the shm transport, the generator). The last test runs
+``forge run`` end to end with its own servers.
+
+The model is the built-in tiny one at hidden size 128: vLLM's CPU attention has kernels
+for head sizes 32 and up, and the default tiny model's heads are 16 wide. Its embeddings
+are rescaled (std 0.1) so that sampling varies (at the builder's scale every position
+copies its input token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install 'forgerl[vllm]')"
+    ),
+]
+
+ATOL = 1e-4  # served vs trainer logprobs, fp32 on both sides
+SERVER_WAIT = 420.0  # start-up (and restart) of a vLLM server on a busy two-core machine
+MAX_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from forgerl_plugins.models import TinyModelOptions
+    from forgerl_plugins.models.tiny import build_tiny_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    built = build_tiny_model(TinyModelOptions(hidden_size=128), tmp_path_factory.mktemp("models"))
+    model = AutoModelForCausalLM.from_pretrained(built, dtype=torch.float32)
+    assert model.config.tie_word_embeddings, "the tied-embedding trap needs a tied model"
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb.mul_(0.1 / emb.std())
+    out = tmp_path_factory.mktemp("tiny-varied")
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(built).save_pretrained(out)
+    return out
+
+
+@dataclass
+class Cluster:
+    """Servers started by the local scheduler, the generator, and the trainer's side."""
+
+    run_dir: Path
+    generator: Any
+    sender: Any
+    trainer: Any  # a transformers model: the weights the trainer would send
+    tokenizer: Any
+    weights: dict[int, dict[str, Any]] = field(default_factory=dict)
+    version: int = 0
+
+    def reference(self, version: int) -> Any:
+        self.trainer.load_state_dict(self.weights[version])
+        return self.trainer
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    import torch
+    from forgerl import runs
+    from forgerl.config import build_config, resolve
+    from forgerl.interfaces import RunContext
+    from forgerl.plugins import build_registry
+    from forgerl.types import JobSpec
+    from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
+    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
+    from forgerl_plugins.generators.vllm.server import roles
+    from forgerl_plugins.schedulers.local import LocalSchedulerOptions
+    from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
+    from forgerl_plugins.transports.shm import ShmTransportOptions
+    from forgerl_plugins.transports.shm.transport import ShmTransport
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir = tmp_path_factory.mktemp("vllm-run")
+    registry = build_registry()
+    config = resolve(
+        build_config(
+            flags={"model": str(model_dir), "generator": "vllm"},
+            sets=[
+                "generator.options.replicas=2",
+                "generator.options.kv_cache_gb=0.25",
+                "generator.options.health_interval=0.5",
+                f"generator.options.startup_timeout={SERVER_WAIT}",
+                "transport.timeout=60",
+            ],
+        ),
+        registry,
+    )
+    runs.write_config(run_dir, config)
+    options = VLLMGeneratorOptions.model_validate(config.generator.options)
+    job = JobSpec("vllm-test", str(run_dir), tuple(roles(options, RunContext(config=config, run_dir=run_dir))))
+    scheduler = LocalScheduler(LocalSchedulerOptions(stop_timeout=10))
+    started = threading.Event()
+
+    def supervise() -> None:
+        # The scheduler's children die with the thread that started them: submit and
+        # supervise in the same thread, for the whole module.
+        handle = scheduler.submit(job)
+        started.set()
+        scheduler.wait(handle)
+
+    thread = threading.Thread(target=supervise, name="vllm-test-scheduler", daemon=True)
+    thread.start()
+    started.wait(30)
+    transport = ShmTransport(ShmTransportOptions(directory=str(run_dir / "weights")), None)
+    ctx = RunContext(config=config, run_dir=run_dir, model_path=model_dir, extras={"transport": transport})
+    generator = sender = None
+    try:
+        generator = VLLMGenerator(options, ctx)
+        sender = transport.sender()
+        trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        c = Cluster(run_dir, generator, sender, trainer, AutoTokenizer.from_pretrained(model_dir))
+        c.weights[0] = {k: v.clone() for k, v in trainer.state_dict().items()}
+        yield c
+    finally:
+        if generator is not None:
+            generator.close()
+        if sender is not None:
+            sender.close()
+        scheduler.cancel(str(run_dir))
+        thread.join(60)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _prompts(tokenizer) -> list[list[int]]:
+    def chat(question: str) -> list[int]:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=False
+        )
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    return [chat("What is 2 + 3?"), chat("What is 17 + 25? Think briefly, then give the final answer.")]
+
+
+def _teacher_forced(model, prompt: list[int], tokens: list[int], temperature: float):
+    """The trainer's side of the contract: log_softmax(logits / T) at each sampled token."""
+    import torch
+
+    t = temperature if temperature > 0 else 1.0
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+    return torch.log_softmax(logits / t, dim=-1).gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1)
+
+
+def _gap(model, prompt: list[int], tokens: list[int], logprobs: list[float], temperature: float) -> float:
+    import torch
+
+    want = _teacher_forced(model, prompt, tokens, temperature)
+    return float((torch.tensor(logprobs, dtype=torch.float32) - want).abs().max())
+
+
+def _generate(generator, requests):
+    return asyncio.run(generator.generate(requests))
+
+
+def _push(c: Cluster, version: int, scale: float = 0.02) -> None:
+    """The trainer's half of a step: new weights (every tensor, the tied embedding too),
+    sent through the transport while the generator loads them, as the loop does."""
+    import torch
+    from forgerl.types import WeightSet
+
+    model = c.reference(c.version)
+    g = torch.Generator().manual_seed(version)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    c.weights[version] = {k: v.clone() for k, v in model.state_dict().items()}
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            c.generator.update_weights(version)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    c.sender.send(WeightSet(version, model.state_dict()), timeout=60)
+    loader.join(120)
+    assert not loader.is_alive(), f"update_weights({version}) did not return"
+    assert not errors, errors
+    assert c.generator.policy_version == version
+    c.version = version
+
+
+def _endpoint(c: Cluster, replica: int) -> dict[str, Any]:
+    return json.loads((c.run_dir / "generators" / f"vllm-{replica}.json").read_text())
+
+
+def _direct(c: Cluster, replica: int, prompt: list[int], temperature: float) -> dict[str, Any]:
+    """A completion from one replica, bypassing the generator's balancing."""
+    import httpx
+
+    ep = _endpoint(c, replica)
+    body = {
+        "model": ep["model"], "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": temperature,
+        "logprobs": 0, "return_token_ids": True,
+    }  # fmt: skip
+    resp = httpx.post(
+        f"http://{ep['host']}:{ep['port']}/v1/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {ep['api_key']}"},
+        timeout=120,
+    )
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]
+
+
+def _check_each_replica(c: Cluster, version: int) -> None:
+    model = c.reference(version)
+    prompt = _prompts(c.tokenizer)[1]
+    for replica in range(2):
+        choice = _direct(c, replica, prompt, 0.7)
+        gap = _gap(model, prompt, choice["token_ids"], choice["logprobs"]["token_logprobs"], 0.7)
+        assert gap < ATOL, f"replica {replica} at version {version}: logprob gap {gap:.2e}"
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+def test_completions_carry_token_ids_and_the_trainers_logprobs(cluster: Cluster):
+    from forgerl.types import GenerationRequest, SamplingParams
+
+    c = cluster
+    prompts = _prompts(c.tokenizer)
+    eos = c.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    cases = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0),
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7),  # the contract divides by T
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
+    ]
+    requests = [
+        GenerationRequest(f"r{i}-{j}", p, 3, s)
+        for i, s in enumerate(cases)
+        for j, p in enumerate([*prompts, prompts[0] + [eos]])
+    ]
+    results = _generate(c.generator, requests)
+    assert [len(cs) for cs in results] == [3] * len(requests)
+    model = c.reference(0)
+    for request, completions in zip(requests, results):
+        for comp in completions:
+            assert comp.token_ids and comp.policy_version == 0
+            assert comp.finish_reason in ("stop", "length"), comp.finish_reason
+            if comp.finish_reason == "length":
+                assert len(comp.token_ids) == MAX_TOKENS
+            else:
+                assert comp.token_ids[-1] == eos and eos not in comp.token_ids[:-1], comp.token_ids
+            assert comp.text == c.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+            t = request.sampling.temperature
+            gap = _gap(model, list(request.prompt_token_ids), comp.token_ids, comp.logprobs, t)
+            assert gap < ATOL, f"{request.request_id}: logprob gap {gap:.2e} at T={t}"
+    greedy = [cs for r, cs in zip(requests, results) if r.sampling.temperature == 0]
+    assert all(len({tuple(x.token_ids) for x in cs}) == 1 for cs in greedy)
+    sampled = [cs for r, cs in zip(requests, results) if r.sampling.temperature > 0]
+    assert any(len({tuple(x.token_ids) for x in cs}) > 1 for cs in sampled), "n samples never differed"
+    served = [r["dispatched"] for r in c.generator.replica_info()]
+    assert all(n > 0 for n in served), f"requests per replica: {served} (no balancing?)"
+
+
+def test_served_logprobs_equal_the_trainers_after_each_of_three_updates(cluster: Cluster):
+    from forgerl.types import GenerationRequest, SamplingParams
+
+    c = cluster
+    prompts = _prompts(c.tokenizer)
+    for version in (1, 2, 3):
+        _push(c, version)
+        requests = [
+            GenerationRequest(f"v{version}-{j}-{t}", p, 4, SamplingParams(max_tokens=MAX_TOKENS, temperature=t))
+            for j, p in enumerate(prompts)
+            for t in (1.0, 0.7)
+        ]
+        results = _generate(c.generator, requests)
+        model = c.reference(version)
+        for request, completions in zip(requests, results):
+            for comp in completions:
+                assert comp.policy_version == version
+                t = request.sampling.temperature
+                gap = _gap(model, list(request.prompt_token_ids), comp.token_ids, comp.logprobs, t)
+                # A stale tied lm_head (CPU trap) shows up here as gaps of order 1.
+                assert gap < ATOL, f"version {version}, {request.request_id}: logprob gap {gap:.2e}"
+        _check_each_replica(c, version)
+    assert c.generator.health().healthy_replicas == 2
+
+
+@pytest.mark.parametrize("policy", ["wait", "abort"])
+def test_requests_in_flight_during_an_update(cluster: Cluster, policy: str):
+    from forgerl.types import GenerationRequest, SamplingParams
+
+    c = cluster
+    gen = c.generator
+    before = c.version
+    # Long completions, so that they are still running when the update starts.
+    sampling = SamplingParams(max_tokens=600, temperature=1.0)
+    prompts = _prompts(c.tokenizer)
+    requests = [GenerationRequest(f"{policy}-{i}", prompts[i % 2], 2, sampling) for i in range(4)]
+    results: list[Any] = []
+    worker = threading.Thread(target=lambda: results.append(_generate(gen, requests)))
+    gen.options = gen.options.model_copy(update={"update_policy": policy})
+    try:
+        worker.start()
+        deadline = time.monotonic() + 60
+        while sum(r["outstanding"] for r in gen.replica_info()) < len(requests):
+            assert time.monotonic() < deadline, gen.replica_info()
+            time.sleep(0.05)
+        _push(c, before + 1)
+        worker.join(300)
+    finally:
+        gen.options = gen.options.model_copy(update={"update_policy": "wait"})
+    assert results, "generation did not finish"
+    versions = [comp.policy_version for cs in results[0] for comp in cs]
+    if policy == "wait":
+        # Drained first: every request finished on the weights it started with.
+        assert set(versions) == {before}, versions
+    else:
+        # Aborted and resubmitted whole: those report (and match) the new weights.
+        assert before + 1 in versions, versions
+    for request, completions in zip(requests, results[0]):
+        for comp in completions:
+            assert comp.finish_reason in ("stop", "length")
+            model = c.reference(comp.policy_version)
+            gap = _gap(model, list(request.prompt_token_ids), comp.token_ids, comp.logprobs, 1.0)
+            assert gap < ATOL, f"{policy}: completion of version {comp.policy_version}: gap {gap:.2e}"
+
+
+def test_a_killed_replica_fails_over_restarts_and_rejoins_at_the_current_weights(cluster: Cluster):
+    from forgerl.types import GenerationRequest, SamplingParams
+
+    c = cluster
+    gen = c.generator
+    version = c.version
+    assert version > 0, "runs after the update tests: the restarted replica must be re-synced"
+    old = _endpoint(c, 1)
+    os.kill(old["pid"], signal.SIGKILL)
+    prompts = _prompts(c.tokenizer)
+    requests = [
+        GenerationRequest(f"k{i}", prompts[i % 2], 2, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0))
+        for i in range(8)
+    ]
+    results = _generate(gen, requests)  # replica 1 is dead: everything lands on replica 0
+    assert all(comp.policy_version == version for cs in results for comp in cs)
+    model = c.reference(version)
+    for request, completions in zip(requests, results):
+        for comp in completions:
+            assert _gap(model, list(request.prompt_token_ids), comp.token_ids, comp.logprobs, 1.0) < ATOL
+
+    deadline = time.monotonic() + SERVER_WAIT
+    while True:
+        info = gen.replica_info()[1]
+        if info["instance"] not in (None, old["instance"]) and info["serving"]:
+            break
+        assert time.monotonic() < deadline, f"replica 1 did not come back: {gen.health().detail}"
+        time.sleep(1)
+    assert info["version"] == version
+    events = (c.run_dir / "logs" / "scheduler.log").read_text()
+    assert "restarting vllm-1" in events, events[-2000:]
+    _check_each_replica(c, version)  # the restarted server holds the current weights
+
+
+# ------------------------------------------------------------------------ end to end
+
+
+def test_forge_run_end_to_end_survives_a_killed_replica(tmp_path: Path):
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "forgerl.cli", "run",
+        "--model", "tiny", "--set", "model.options.hidden_size=128",
+        "--generator", "vllm", "--trainer", "fsdp", "--steps", "3",
+        "--reward", "format", "--set", "rewards.0.options.pattern=\\d",
+        "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=4",
+        "--set", "loop.sampling.max_tokens=12", "--set", "loop.eval_size=4",
+        "--set", "generator.options.replicas=2", "--set", "generator.options.kv_cache_gb=0.25",
+        "--set", "generator.options.health_interval=0.5",
+        "--set", "logging.progress=false",
+        "--output", str(out),
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    killed = None
+    try:
+        deadline = time.monotonic() + 2 * SERVER_WAIT
+        metrics = out / "metrics.jsonl"
+        while proc.poll() is None and time.monotonic() < deadline:
+            if metrics.exists() and metrics.read_text().strip():
+                killed = json.loads((out / "generators" / "vllm-1.json").read_text())["pid"]
+                os.kill(killed, signal.SIGKILL)  # mid-run: after step 1, before step 2
+                break
+            time.sleep(0.2)
+        _, stderr = proc.communicate(timeout=SERVER_WAIT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert killed is not None, "the run ended before a replica could be killed"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["policy_version"] for r in rows] == [1, 2, 3]
+    gaps = [r["logprob_gap/mean"] for r in rows]
+    assert max(gaps) < 1e-3, f"train/inference logprob gap per step: {gaps}"
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 3
