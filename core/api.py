@@ -78,6 +78,9 @@ def plan(
     build the job. With ``create`` the run directory is created and config.yaml written."""
     registry = registry or build_registry()
     config = resolve(config, registry, check_available=True)
+    scheduler = registry.require("scheduler", config.scheduler.name).create(config.scheduler.options)
+    if create:
+        scheduler.check()  # e.g. no sbatch: fail before a run directory appears
     if resume_dir is not None:
         run_dir = runs.existing_run_dir(resume_dir)
         config = config.model_copy(update={"output": str(run_dir)})
@@ -89,7 +92,6 @@ def plan(
     if create:
         runs.write_config(run_dir, config)
     job = runs.build_job(config, registry, run_dir)
-    scheduler = registry.require("scheduler", config.scheduler.name).create(config.scheduler.options)
     return Plan(config, run_dir, job, scheduler, resumed=resume_dir is not None)
 
 

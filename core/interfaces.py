@@ -197,6 +197,10 @@ class Scheduler(abc.ABC):
     #: that ``forge status|logs|cancel`` make sense, or runs it in the foreground (local).
     detached: bool = True
 
+    def check(self) -> None:
+        """Raise a user-fixable error when this scheduler cannot submit from here (no
+        sbatch on PATH, no kubeconfig). Called before anything is created or submitted."""
+
     @abc.abstractmethod
     def submit(self, job: JobSpec) -> JobHandle: ...
 

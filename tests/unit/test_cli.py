@@ -149,3 +149,15 @@ def test_status_of_something_that_is_not_a_job(tmp_path):
 
 def test_resume_of_a_non_run_directory(tmp_path):
     assert_one_line_error(forge("run", "--resume", str(tmp_path)), "not a run directory")
+
+
+def test_scheduler_that_cannot_submit_creates_nothing(tmp_path):
+    out = tmp_path / "run"
+    env = {"KUBECONFIG": str(tmp_path / "missing-kubeconfig"), "HOME": str(tmp_path)}
+    proc = forge("run", "--model", "tiny", "--generator", "hf", "--scheduler", "kubernetes", "--output", str(out), env=env)
+    assert_one_line_error(proc, "kubeconfig")
+    assert not out.exists()
+    proc = forge("run", "--model", "tiny", "--generator", "hf", "--scheduler", "slurm", "--output", str(out),
+                 env={"PATH": str(Path(sys.executable).parent)})
+    assert_one_line_error(proc, "sbatch not found")
+    assert not out.exists()

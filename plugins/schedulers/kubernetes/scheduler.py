@@ -276,6 +276,9 @@ class KubernetesScheduler(Scheduler):
 
     # ----------------------------------------------------------------- helpers
 
+    def check(self) -> None:
+        api_client(self.options)
+
     def _client(self):
         if self._api is None:
             self._api = api_client(self.options)

@@ -197,6 +197,9 @@ class SlurmScheduler(Scheduler):
                 for line in fh:
                     yield prefix + line.rstrip("\n")
 
+    def check(self) -> None:
+        self._tool("sbatch")
+
     # ----------------------------------------------------------------- helpers
 
     def _tool(self, name: str) -> str:
