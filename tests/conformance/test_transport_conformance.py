@@ -19,8 +19,10 @@ import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -144,7 +146,7 @@ class Endpoint:
 
 def start_receiver(
     endpoints: list, name: str, spec: dict, worker_id: str, versions: list[int], timeout: float = 30.0,
-    die_when_started: int | None = None, rejoin: int | None = None,
+    die_when_started: int | None = None, rejoin: int | None = None, wait_go: bool = False,
 ) -> Endpoint:
     args = ["--transport", name, "--options", json.dumps(OPTIONS[name]), "--spec", json.dumps(spec),
             "--worker-id", worker_id, "--versions", ",".join(map(str, versions)), "--timeout", str(timeout)]
@@ -152,6 +154,8 @@ def start_receiver(
         args += ["--die-when-started", str(die_when_started)]
     if rejoin is not None:
         args += ["--rejoin", str(rejoin)]
+    if wait_go:
+        args.append("--wait-go")
     ep = Endpoint(args, f"receiver {worker_id} ({name})")
     endpoints.append(ep)
     return ep
@@ -292,17 +296,27 @@ def test_delivery_dead_receiver_and_restarted_receiver(name: str, endpoints: lis
 
 @pytest.mark.hard_timeout(120)
 def test_sender_dying_makes_receivers_time_out_cleanly(name: str, endpoints: list) -> None:
+    # Where the sender will listen is fixed up front, so that both processes start at once.
+    options = dict(OPTIONS[name])
+    if name == "shm":
+        spec = {"directory": str(Path(tempfile.mkdtemp(prefix="forgerl-conformance-", dir="/dev/shm")))}
+        options["directory"] = spec["directory"]
+    else:
+        options["port"] = free_port()
+        spec = {"host": "127.0.0.1", "port": options["port"]}
     sender = Endpoint(
-        ["--role", "sender", "--transport", name, "--options", json.dumps(OPTIONS[name]), "--big", "--timeout", "30"],
+        ["--role", "sender", "--transport", name, "--options", json.dumps(options), "--big",
+         "--versions", "1,2", "--timeout", "30"],
         f"sender ({name})",
     )
     endpoints.append(sender)
-    spec = sender.wait("spec", timeout=60)["spec"]
     timeout = 5.0
-    r = start_receiver(endpoints, name, spec, "gen.0", [1, 2, 3], timeout=timeout)
-    r.wait("ready")
+    r = start_receiver(endpoints, name, spec, "gen.0", [1, 2, 3], timeout=timeout, wait_go=True)
+    assert sender.wait("spec", timeout=90)["spec"] == spec
+    r.wait("ready", timeout=90)
+    r.tell("go")
     sender.tell("send 1")
-    r.wait("received", 1, timeout=60)
+    r.wait("received", 1, timeout=30)
     sender.tell("send 2")
     if name != "shm":
         r.wait("started", 2, timeout=60)  # the transfer of version 2 is under way
@@ -329,6 +343,12 @@ def test_sender_dying_makes_receivers_time_out_cleanly(name: str, endpoints: lis
     assert r.finish() == 0
     if name == "shm":
         shutil.rmtree(spec["directory"], ignore_errors=True)  # a killed sender cannot clean up
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @pytest.mark.hard_timeout(60)

@@ -14,8 +14,8 @@ before it), ``closed`` (registered memory left, for rdma). ``--die-when-started 
 the process with SIGKILL in the middle of receiving version V; ``--rejoin V`` then builds
 a new receiver under the same worker id (a restarted worker) and receives version V.
 
-Sender (``--role sender``) prints ``spec`` (the transport's ``receiver_spec()``), then
-sends ``make_weights(V, big)`` for every ``send V`` line it reads on stdin and prints
+Sender (``--role sender``) makes the weights of ``--versions``, prints ``spec`` (the
+transport's ``receiver_spec()``), then sends ``make_weights(V, big)`` for every ``send V`` line it reads on stdin and prints
 ``sent`` or ``send-error``; ``close`` closes it.
 
 The test process imports :func:`make_weights` and :func:`digest` from here to know what
@@ -104,6 +104,8 @@ def run_receiver(args: argparse.Namespace) -> int:
     if hasattr(receiver, "progress"):
         threading.Thread(target=_watch, args=(receiver, args.die_when_started, stop), daemon=True).start()
     emit("ready", worker_id=args.worker_id)
+    if args.wait_go:
+        sys.stdin.readline()  # the test says when the sender is up
     for version in [int(v) for v in args.versions.split(",") if v]:
         receive_one(receiver, version, args)
     stop.set()
@@ -144,6 +146,8 @@ def run_sender(args: argparse.Namespace) -> int:
 
     transport = build_registry().require("transport", args.transport).create(json.loads(args.options), None)
     sender = transport.sender()
+    # Made before anything is sent: generating 64 MiB must not eat the receivers' timeout.
+    prepared = {v: make_weights(v, big=args.big) for v in [int(v) for v in args.versions.split(",") if v]}
     emit("spec", spec=transport.receiver_spec())
     for line in sys.stdin:
         cmd = line.split()
@@ -152,7 +156,7 @@ def run_sender(args: argparse.Namespace) -> int:
         if cmd[0] == "send":
             version = int(cmd[1])
             try:
-                sender.send(WeightSet(version, make_weights(version, big=args.big)), timeout=args.timeout)
+                sender.send(WeightSet(version, prepared.get(version) or make_weights(version, big=args.big)), timeout=args.timeout)
             except ForgeError as exc:
                 emit("send-error", version=version, type=type(exc).__name__, message=str(exc))
                 continue
@@ -174,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--versions", default="")
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--die-when-started", type=int, default=None)
+    p.add_argument("--wait-go", action="store_true", help="receiver: read a line from stdin before receiving")
     p.add_argument("--rejoin", type=int, default=None,
                    help="after --versions, receive this version again through a new receiver (a restart)")
     p.add_argument("--big", action="store_true", help="sender: versions with a 64 MiB tensor")

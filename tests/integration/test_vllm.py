@@ -315,7 +315,7 @@ def test_requests_in_flight_during_an_update(cluster: Cluster, policy: str):
     gen = c.generator
     before = c.version
     # Long completions, so that they are still running when the update starts.
-    sampling = SamplingParams(max_tokens=600, temperature=1.0)
+    sampling = SamplingParams(max_tokens=256, temperature=1.0)
     prompts = _prompts(c.tokenizer)
     requests = [GenerationRequest(f"{policy}-{i}", prompts[i % 2], 2, sampling) for i in range(4)]
     results: list[Any] = []

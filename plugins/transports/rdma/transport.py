@@ -133,10 +133,10 @@ class RdmaSender(TransportSender):
         start = time.perf_counter()
         tensors = [(n, t.detach() if t.is_contiguous() else t.detach().contiguous()) for n, t in weights.items()]
         layout = Layout.build(version, tensors, self.options.chunk_mb * 2**20)
-        ctl = self._ctl
+        # (No local reference to the store: an exception's frames would keep its port open.)
         slot = 0 if self._newest_slot is None else 1 - self._newest_slot
         # Readers of the old contents of this slot see the change and retry.
-        ctl.set(_slot_key(slot), f"writing:{version}", deadline)
+        self._ctl.set(_slot_key(slot), f"writing:{version}", deadline)
         buf = self._slots[slot]
         if buf is None or buf.numel() < layout.nbytes:
             if buf is not None:
@@ -148,7 +148,7 @@ class RdmaSender(TransportSender):
         for (_, t), e in zip(tensors, layout.entries):
             if e.nbytes:
                 buf[e.offset : e.end].copy_(tensor_bytes(t))
-        ctl.set(_slot_key(slot), str(version), deadline)
+        self._ctl.set(_slot_key(slot), str(version), deadline)
         offer = {
             "version": version,
             "session": self._engine.session,
@@ -156,7 +156,7 @@ class RdmaSender(TransportSender):
             "slot": slot,
             "layout": layout.to_json(),
         }
-        ctl.set(CURRENT, json.dumps(offer), deadline)
+        self._ctl.set(CURRENT, json.dumps(offer), deadline)
         self._newest_slot = slot
         self.last_version = version
         self._collect_joins(deadline)
