@@ -95,6 +95,10 @@ def run_worker(run_dir: Path) -> int:
         install_stop_handlers(loop)
         summary = loop.run()
     finally:
+        # If shutting down hangs (a stuck collective or thread), say where in the log.
+        import faulthandler
+
+        faulthandler.dump_traceback_later(60, exit=False)
         driver.stop()
         for part in (generator, sender, trainer):
             if part is not None:
@@ -102,6 +106,7 @@ def run_worker(run_dir: Path) -> int:
                     part.close()
                 except Exception:  # noqa: BLE001 - closing must not hide the real error
                     log.exception("closing %s failed", type(part).__name__)
+        faulthandler.cancel_dump_traceback_later()
     return 143 if summary["status"] == "interrupted" else 0
 
 
