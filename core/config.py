@@ -128,10 +128,36 @@ class RunConfig(_Strict):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     output: str | None = Field(None, description="Run directory (default runs/<timestamp>).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fit_algorithm_to_lengths(cls, data: Any) -> Any:
+        """Length-dependent algorithm knobs default to the run's completion length:
+        Dr. GRPO's constant normaliser, and DAPO's soft-overlong buffer (a quarter of it;
+        the paper's 4096 tokens would not fit under a short max_tokens)."""
+        if not isinstance(data, dict) or not isinstance(data.get("algorithm", {}), dict):
+            return data
+        algo = dict(data.get("algorithm") or {})
+        loop = data.get("loop") or {}
+        sampling = loop.get("sampling") if isinstance(loop, dict) else None
+        max_tokens = sampling.get("max_tokens") if isinstance(sampling, dict) else None
+        max_tokens = max_tokens or SamplingConfig.model_fields["max_tokens"].default
+        preset = algo.get("preset", "grpo")
+        if algo.get("loss_agg", "constant_norm" if preset == "dr_grpo" else None) == "constant_norm":
+            algo.setdefault("loss_norm_constant", max_tokens)
+        if algo.get("overlong", "soft_penalty" if preset == "dapo" else None) == "soft_penalty":
+            algo.setdefault("overlong_buffer", max(1, max_tokens // 4))
+        return {**data, "algorithm": algo}
+
     @model_validator(mode="after")
     def _batch_fits_groups(self) -> "RunConfig":
         if self.algorithm.std_normalize == "group" and self.loop.group_size < 2:
             raise ValueError("loop.group_size must be at least 2 for group-normalised advantages")
+        algo = self.algorithm
+        if algo.overlong == "soft_penalty" and algo.overlong_buffer >= self.loop.sampling.max_tokens:
+            raise ValueError(
+                f"algorithm.overlong_buffer ({algo.overlong_buffer}) must be below loop.sampling.max_tokens "
+                f"({self.loop.sampling.max_tokens})"
+            )
         return self
 
     def dump(self) -> dict[str, Any]:

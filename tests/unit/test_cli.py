@@ -161,3 +161,14 @@ def test_scheduler_that_cannot_submit_creates_nothing(tmp_path):
                  env={"PATH": str(Path(sys.executable).parent)})
     assert_one_line_error(proc, "sbatch not found")
     assert not out.exists()
+
+
+def test_presets_fit_the_completion_length():
+    import yaml
+
+    shown = yaml.safe_load(forge("config", "show", "--set", "algorithm.preset=dapo", "--set", "loop.sampling.max_tokens=64").stdout)
+    assert shown["algorithm"]["overlong"] == "soft_penalty" and shown["algorithm"]["overlong_buffer"] == 16
+    shown = yaml.safe_load(forge("config", "show", "--set", "algorithm.preset=dr_grpo").stdout)
+    assert shown["algorithm"]["loss_norm_constant"] == shown["loop"]["sampling"]["max_tokens"]
+    proc = forge("config", "show", "--set", "algorithm.preset=dapo", "--set", "algorithm.overlong_buffer=100")
+    assert_one_line_error(proc, "overlong_buffer", "max_tokens")

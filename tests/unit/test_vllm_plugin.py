@@ -1,0 +1,105 @@
+"""The vllm generator's parts that need no running server: the role, the server command,
+endpoint discovery and its errors. (Real servers: tests/integration/test_vllm.py.)"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from forgerl.config import RunConfig
+from forgerl.errors import GeneratorUnreachable
+from forgerl.interfaces import RunContext
+from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
+from forgerl_plugins.generators.vllm import server
+
+
+def _ctx(run_dir: Path) -> RunContext:
+    return RunContext(config=RunConfig.model_validate({"generator": {"name": "vllm"}}), run_dir=run_dir)
+
+
+def test_the_role_runs_the_launcher_per_replica_and_restarts_it(tmp_path):
+    (role,) = server.roles(VLLMGeneratorOptions(replicas=3, max_restarts=2), _ctx(tmp_path))
+    assert role.name == "vllm" and role.replicas == 3 and role.max_restarts == 2 and not role.primary
+    assert role.command[1:] == ("-m", "forgerl_plugins.generators.vllm.server", "--run-dir", str(tmp_path))
+    # The replica index comes from FORGE_REPLICA, so one command serves every replica.
+    assert "--replica" not in role.command
+
+
+def test_the_server_command_passes_options_through(tmp_path):
+    options = VLLMGeneratorOptions(
+        tensor_parallel_size=2,
+        max_model_len=512,
+        kv_cache_gb=0.5,
+        enforce_eager=False,
+        engine_args={"max_num_seqs": 8, "enable_prefix_caching": False, "enable_chunked_prefill": True},
+    )
+    cmd = server.server_command(options, tmp_path, "float32", 4321)
+    text = " ".join(cmd)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    for part in (
+        f"--model {tmp_path}", "--host 127.0.0.1", "--port 4321", "--dtype float32",
+        "--tensor-parallel-size 2", "--max-model-len 512", f"--kv-cache-memory-bytes {2**29}",
+        "--worker-extension-cls forgerl_plugins.generators.vllm.worker_extension.ForgeWorkerExtension",
+        # The trainer's contract is log_softmax(logits / T): vLLM's logprobs after temperature.
+        "--logprobs-mode processed_logprobs",
+        "--max-num-seqs 8", "--no-enable-prefix-caching", "--enable-chunked-prefill",
+    ):  # fmt: skip
+        assert part in text, part
+    assert "--enforce-eager" not in cmd
+    assert "--dtype bfloat16" in " ".join(server.server_command(VLLMGeneratorOptions(dtype="bfloat16"), tmp_path, "float32", 1))
+
+
+def test_the_server_environment_has_dev_mode_and_the_key_but_no_trainer_rendezvous(monkeypatch):
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("RANK", "0")
+    env = server.server_env(VLLMGeneratorOptions(env={"VLLM_CPU_OMP_THREADS_BIND": "0"}), "secret")
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_API_KEY"] == "secret"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert "MASTER_PORT" not in env and "RANK" not in env
+
+
+def test_endpoint_files_are_written_atomically_and_privately(tmp_path):
+    path = server.endpoint_file(tmp_path, 1)
+    server.write_endpoint(path, {"port": 1})
+    assert json.loads(path.read_text()) == {"port": 1}
+    assert path.stat().st_mode & 0o077 == 0, oct(path.stat().st_mode)
+    assert [p.name for p in path.parent.iterdir()] == ["vllm-1.json"]
+
+
+def test_a_replica_that_never_comes_up_is_a_one_line_error_naming_its_log(tmp_path):
+    pytest.importorskip("httpx")
+    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "vllm-0.log").write_text("loading...\nOSError: no such model\n")
+    start = time.monotonic()
+    with pytest.raises(GeneratorUnreachable) as err:
+        VLLMGenerator(VLLMGeneratorOptions(startup_timeout=1.0), _ctx(tmp_path))
+    message = str(err.value)
+    assert time.monotonic() - start < 10
+    assert "\n" not in message and str(tmp_path / "logs" / "vllm-0.log") in message
+    assert "OSError: no such model" in message  # the last thing the server said
+
+
+def test_a_replica_whose_launcher_reported_a_failure_fails_at_once(tmp_path):
+    pytest.importorskip("httpx")
+    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
+
+    server.write_endpoint(
+        server.endpoint_file(tmp_path, 0), {"error": "vLLM failed its first request (HTTP 500: RuntimeError: boom)"}
+    )
+    start = time.monotonic()
+    with pytest.raises(GeneratorUnreachable, match="replica 0 failed to start: vLLM failed its first request"):
+        VLLMGenerator(VLLMGeneratorOptions(startup_timeout=60.0), _ctx(tmp_path))
+    assert time.monotonic() - start < 10
+
+
+def test_the_backend_is_registered_with_its_roles():
+    from forgerl.plugins import build_registry
+
+    backend = build_registry().get("generator", "vllm")
+    assert backend.implemented and backend.requires == ("vllm",) and backend.extra == "vllm"
+    assert backend.roles == "forgerl_plugins.generators.vllm.server:roles"
+    assert backend.load_factory().__name__ == "VLLMGenerator"
