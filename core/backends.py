@@ -84,6 +84,19 @@ class Backend:
         return model.model_validate(options or {})
 
 
+def lazy_options(package: str, names: tuple[str, ...]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for a registration module whose options models live in
+    ``<package>.options``: ``from pkg import XOptions`` keeps working, and listing
+    backends still never imports pydantic."""
+
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            return getattr(importlib.import_module(f"{package}.options"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
 def _import(ref: str) -> Any:
     module_name, _, attr = ref.partition(":")
     obj: Any = importlib.import_module(module_name)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forgerl.backends import ModelBackend
+from forgerl.backends import ModelBackend, lazy_options
 from forgerl.hookspecs import hookimpl
 
 
@@ -27,10 +27,5 @@ def forge_models():
     ]
 
 
-def __getattr__(name: str):
-    # The options models live in .options so that listing backends never imports pydantic.
-    if name in ("TinyModelOptions", "SmolLM2Options"):
-        from . import options
-
-        return getattr(options, name)
-    raise AttributeError(name)
+# Options models live in .options, imported on first use (listing backends never imports pydantic).
+__getattr__ = lazy_options(__name__, ("TinyModelOptions", "SmolLM2Options"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forgerl.backends import RewardBackend
+from forgerl.backends import RewardBackend, lazy_options
 from forgerl.hookspecs import hookimpl
 
 
@@ -25,10 +25,5 @@ def forge_rewards():
     ]
 
 
-def __getattr__(name: str):
-    # The options models live in .options so that listing backends never imports pydantic.
-    if name in ("MathAnswerOptions", "FormatOptions"):
-        from . import options
-
-        return getattr(options, name)
-    raise AttributeError(name)
+# Options models live in .options, imported on first use (listing backends never imports pydantic).
+__getattr__ = lazy_options(__name__, ("MathAnswerOptions", "FormatOptions"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forgerl.backends import TaskBackend
+from forgerl.backends import TaskBackend, lazy_options
 from forgerl.hookspecs import hookimpl
 
 
@@ -24,10 +24,5 @@ def forge_tasks():
     ]
 
 
-def __getattr__(name: str):
-    # The options models live in .options so that listing backends never imports pydantic.
-    if name in ("ArithmeticOptions", "FileTaskOptions"):
-        from . import options
-
-        return getattr(options, name)
-    raise AttributeError(name)
+# Options models live in .options, imported on first use (listing backends never imports pydantic).
+__getattr__ = lazy_options(__name__, ("ArithmeticOptions", "FileTaskOptions"))

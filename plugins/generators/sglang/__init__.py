@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forgerl.backends import GeneratorBackend
+from forgerl.backends import GeneratorBackend, lazy_options
 from forgerl.hookspecs import hookimpl
 
 
@@ -21,10 +21,5 @@ def forge_generators():
     ]
 
 
-def __getattr__(name: str):
-    # The options models live in .options so that listing backends never imports pydantic.
-    if name == "SGLangGeneratorOptions":
-        from . import options
-
-        return getattr(options, name)
-    raise AttributeError(name)
+# Options models live in .options, imported on first use (listing backends never imports pydantic).
+__getattr__ = lazy_options(__name__, ("SGLangGeneratorOptions",))

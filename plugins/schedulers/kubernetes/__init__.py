@@ -6,7 +6,7 @@ client is imported by :mod:`.scheduler` when the backend is built.
 
 from __future__ import annotations
 
-from forgerl.backends import SchedulerBackend
+from forgerl.backends import SchedulerBackend, lazy_options
 from forgerl.hookspecs import hookimpl
 
 
@@ -24,10 +24,5 @@ def forge_schedulers():
     ]
 
 
-def __getattr__(name: str):
-    # The options models live in .options so that listing backends never imports pydantic.
-    if name in ("KubernetesSchedulerOptions", "Volume", "Toleration", "DNS_LABEL", "QUANTITY"):
-        from . import options
-
-        return getattr(options, name)
-    raise AttributeError(name)
+# Options models live in .options, imported on first use (listing backends never imports pydantic).
+__getattr__ = lazy_options(__name__, ("KubernetesSchedulerOptions", "Volume", "Toleration", "DNS_LABEL", "QUANTITY"))

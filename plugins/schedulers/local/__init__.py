@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forgerl.backends import SchedulerBackend
+from forgerl.backends import SchedulerBackend, lazy_options
 from forgerl.hookspecs import hookimpl
 
 
@@ -18,10 +18,5 @@ def forge_schedulers():
     ]
 
 
-def __getattr__(name: str):
-    # The options models live in .options so that listing backends never imports pydantic.
-    if name == "LocalSchedulerOptions":
-        from . import options
-
-        return getattr(options, name)
-    raise AttributeError(name)
+# Options models live in .options, imported on first use (listing backends never imports pydantic).
+__getattr__ = lazy_options(__name__, ("LocalSchedulerOptions",))

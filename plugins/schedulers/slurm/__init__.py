@@ -7,7 +7,7 @@ the allocation (see :mod:`.render`); ``forge status|logs|cancel`` use squeue, sc
 
 from __future__ import annotations
 
-from forgerl.backends import SchedulerBackend
+from forgerl.backends import SchedulerBackend, lazy_options
 from forgerl.hookspecs import hookimpl
 
 
@@ -24,10 +24,5 @@ def forge_schedulers():
     ]
 
 
-def __getattr__(name: str):
-    # The options models live in .options so that listing backends never imports pydantic.
-    if name in ("SlurmSchedulerOptions", "slurm_memory", "memory_mb", "MEMORY_RE", "TIME_RE"):
-        from . import options
-
-        return getattr(options, name)
-    raise AttributeError(name)
+# Options models live in .options, imported on first use (listing backends never imports pydantic).
+__getattr__ = lazy_options(__name__, ("SlurmSchedulerOptions", "slurm_memory", "memory_mb", "MEMORY_RE", "TIME_RE"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from forgerl.backends import TrainerBackend
+from forgerl.backends import TrainerBackend, lazy_options
 from forgerl.hookspecs import hookimpl
 
 
@@ -19,10 +19,5 @@ def forge_trainers():
     ]
 
 
-def __getattr__(name: str):
-    # The options models live in .options so that listing backends never imports pydantic.
-    if name == "FSDPTrainerOptions":
-        from . import options
-
-        return getattr(options, name)
-    raise AttributeError(name)
+# Options models live in .options, imported on first use (listing backends never imports pydantic).
+__getattr__ = lazy_options(__name__, ("FSDPTrainerOptions",))
