@@ -12,10 +12,10 @@ $(STAMP): scripts/setup.sh pyproject.toml setup.py constraints.txt
 	@touch $@
 
 demo: setup
-	$(VENV)/bin/forge run
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/forge run
 
 test: setup
-	$(VENV)/bin/python -m pytest -q -p no:cacheprovider tests contrib/countdown/tests
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests contrib/countdown/tests
 
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not integration" tests

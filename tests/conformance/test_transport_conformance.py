@@ -16,12 +16,9 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import queue
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -31,6 +28,7 @@ from typing import Any
 import pytest
 
 from ..helpers.transport_receiver import digest, make_weights
+from .endpoints import Endpoint
 
 pytestmark = pytest.mark.integration
 
@@ -44,7 +42,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "nccl": {"bucket_mb": 4, "connect_timeout": 20},
     "rdma": {"chunk_mb": 4, "connect_timeout": 20},
 }
-HELPER = Path(__file__).resolve().parents[1] / "helpers" / "transport_receiver.py"
 #: Slack on top of a timeout for process scheduling on a busy 2-core machine.
 SLACK_S = 4.0
 
@@ -62,7 +59,7 @@ def endpoints():
     started: list[Endpoint] = []
     yield started
     for ep in started:
-        ep.kill()
+        ep.cleanup()
 
 
 def create(name: str) -> Any:
@@ -78,78 +75,31 @@ def expected(version: int, big: bool = False) -> dict[str, str]:
 # --------------------------------------------------------------------- processes
 
 
-class Endpoint:
-    """A helper process and the JSON events it prints."""
-
-    def __init__(self, args: list[str], label: str) -> None:
-        self.label = label
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HELPER), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self.events: queue.Queue[dict] = queue.Queue()
-        self.seen: list[dict] = []
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
-
-    def _read_stdout(self) -> None:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
-            if line.startswith("{"):
-                self.events.put(json.loads(line))
-
-    def _read_stderr(self) -> None:
-        for line in self.proc.stderr:  # type: ignore[union-attr]
-            self.stderr.append(line)
-
-    def wait(self, event: str, version: int | None = None, timeout: float = 30.0) -> dict:
-        """The next event of this kind (and version); fails with the process's stderr."""
-        end = time.monotonic() + timeout
-        while True:
-            try:
-                ev = self.events.get(timeout=max(0.0, min(0.2, end - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() >= end:
-                    raise AssertionError(
-                        f"{self.label}: no {event!r} event (version {version}) within {timeout} s; "
-                        f"events so far: {[e['event'] + str(e.get('version', '')) for e in self.seen]}; "
-                        f"exit {self.proc.poll()}; stderr tail:\n{''.join(self.stderr[-25:])}"
-                    ) from None
-                continue
-            self.seen.append(ev)
-            if ev["event"] == event and (version is None or ev.get("version") == version):
-                return ev
-            if ev["event"] == "error" and event != "error":
-                raise AssertionError(f"{self.label}: {ev['type']} instead of {event!r}: {ev['message']}")
-
-    def tell(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-
-    def finish(self, timeout: float = 30.0) -> int:
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(f"{self.label} did not exit within {timeout} s") from None
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-
-
 def start_receiver(
-    endpoints: list, name: str, spec: dict, worker_id: str, versions: list[int], timeout: float = 30.0,
-    die_when_started: int | None = None, rejoin: int | None = None, wait_go: bool = False,
+    endpoints: list,
+    name: str,
+    spec: dict,
+    worker_id: str,
+    versions: list[int],
+    timeout: float = 30.0,
+    die_when_started: int | None = None,
+    rejoin: int | None = None,
+    wait_go: bool = False,
 ) -> Endpoint:
-    args = ["--transport", name, "--options", json.dumps(OPTIONS[name]), "--spec", json.dumps(spec),
-            "--worker-id", worker_id, "--versions", ",".join(map(str, versions)), "--timeout", str(timeout)]
+    args = [
+        "--transport",
+        name,
+        "--options",
+        json.dumps(OPTIONS[name]),
+        "--spec",
+        json.dumps(spec),
+        "--worker-id",
+        worker_id,
+        "--versions",
+        ",".join(map(str, versions)),
+        "--timeout",
+        str(timeout),
+    ]
     if die_when_started is not None:
         args += ["--die-when-started", str(die_when_started)]
     if rejoin is not None:
@@ -178,21 +128,6 @@ def listening_ports() -> set[int]:
     return ports
 
 
-def children() -> list[int]:
-    me, out = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[1]) == me:
-            out.append(int(entry))
-    return out
-
-
 def shm_entries_of(pids: set[int]) -> list[str]:
     """Files in /dev/shm whose names carry one of these process ids (how shm temp files,
     torch's and gloo's segments are named)."""
@@ -203,9 +138,11 @@ def shm_entries_of(pids: set[int]) -> list[str]:
     return [n for n in names if any(str(p) in n for p in pids)]
 
 
-def close_and_check_clean(name: str, transport: Any, sender: Any, spec: dict, endpoints: list[Endpoint]) -> None:
+def close_and_check_clean(
+    name: str, transport: Any, sender: Any, spec: dict, endpoints: list[Endpoint]
+) -> None:
     """Close the sender; then nothing it or the receivers held may be left."""
-    pids = {os.getpid(), *(ep.proc.pid for ep in endpoints)}
+    pids = {os.getpid(), *(ep.pid for ep in endpoints)}
     engine_port = None
     if name == "rdma":
         engine_port = int(sender.session.rsplit(":", 1)[1])
@@ -214,8 +151,8 @@ def close_and_check_clean(name: str, transport: Any, sender: Any, spec: dict, en
         transport.close()
     for ep in endpoints:
         ep.kill()
-    leftover = [p for p in children() if p in {ep.proc.pid for ep in endpoints}]
-    assert not leftover, f"receiver processes still alive after close: {leftover}"
+    leftover = [ep.label for ep in endpoints if ep.alive()]
+    assert not leftover, f"helper processes still alive after close: {leftover}"
     if name in ("nccl", "rdma"):
         deadline = time.monotonic() + 5
         while spec["port"] in listening_ports() and time.monotonic() < deadline:
@@ -290,7 +227,7 @@ def test_delivery_dead_receiver_and_restarted_receiver(name: str, endpoints: lis
     assert rejoined.get("rejoined") and rejoined["digests"] == expected(3)
     closed = survivor.wait("closed")
     assert closed["registered_bytes"] == 0, f"{closed['registered_bytes']} bytes left registered"
-    assert survivor.finish() == 0, "".join(survivor.stderr[-20:])
+    assert survivor.finish() == 0, survivor.stderr_tail()
     close_and_check_clean(name, transport, sender, spec, endpoints)
 
 
@@ -305,8 +242,19 @@ def test_sender_dying_makes_receivers_time_out_cleanly(name: str, endpoints: lis
         options["port"] = free_port()
         spec = {"host": "127.0.0.1", "port": options["port"]}
     sender = Endpoint(
-        ["--role", "sender", "--transport", name, "--options", json.dumps(options), "--big",
-         "--versions", "1,2", "--timeout", "30"],
+        [
+            "--role",
+            "sender",
+            "--transport",
+            name,
+            "--options",
+            json.dumps(options),
+            "--big",
+            "--versions",
+            "1,2",
+            "--timeout",
+            "30",
+        ],
         f"sender ({name})",
     )
     endpoints.append(sender)

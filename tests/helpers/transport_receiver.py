@@ -72,7 +72,7 @@ def digest(name: str, t: Any) -> str:
     import torch
 
     data = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
-    head = f"{name}|{str(t.dtype)}|{tuple(t.shape)}|".encode()
+    head = f"{name}|{t.dtype!s}|{tuple(t.shape)}|".encode()
     return hashlib.sha256(head + data).hexdigest()
 
 
@@ -133,8 +133,15 @@ def receive_one(receiver: Any, version: int, args: argparse.Namespace, **extra: 
                 os.kill(os.getpid(), signal.SIGKILL)
             digests[name] = digest(name, t)
     except ForgeError as exc:
-        emit("error", version=version, type=type(exc).__name__, message=str(exc),
-             seconds=time.monotonic() - start, yielded=yielded, **extra)
+        emit(
+            "error",
+            version=version,
+            type=type(exc).__name__,
+            message=str(exc),
+            seconds=time.monotonic() - start,
+            yielded=yielded,
+            **extra,
+        )
         return
     emit("received", version=version, digests=digests, seconds=time.monotonic() - start, **extra)
 
@@ -156,7 +163,10 @@ def run_sender(args: argparse.Namespace) -> int:
         if cmd[0] == "send":
             version = int(cmd[1])
             try:
-                sender.send(WeightSet(version, prepared.get(version) or make_weights(version, big=args.big)), timeout=args.timeout)
+                sender.send(
+                    WeightSet(version, prepared.get(version) or make_weights(version, big=args.big)),
+                    timeout=args.timeout,
+                )
             except ForgeError as exc:
                 emit("send-error", version=version, type=type(exc).__name__, message=str(exc))
                 continue
@@ -179,8 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--die-when-started", type=int, default=None)
     p.add_argument("--wait-go", action="store_true", help="receiver: read a line from stdin before receiving")
-    p.add_argument("--rejoin", type=int, default=None,
-                   help="after --versions, receive this version again through a new receiver (a restart)")
+    p.add_argument(
+        "--rejoin",
+        type=int,
+        default=None,
+        help="after --versions, receive this version again through a new receiver (a restart)",
+    )
     p.add_argument("--big", action="store_true", help="sender: versions with a 64 MiB tensor")
     args = p.parse_args(argv)
     return run_sender(args) if args.role == "sender" else run_receiver(args)

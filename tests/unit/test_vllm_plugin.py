@@ -87,13 +87,30 @@ def test_a_replica_whose_launcher_reported_a_failure_fails_at_once(tmp_path):
     pytest.importorskip("httpx")
     from forgerl_plugins.generators.vllm.generator import VLLMGenerator
 
-    server.write_endpoint(
-        server.endpoint_file(tmp_path, 0), {"error": "vLLM failed its first request (HTTP 500: RuntimeError: boom)"}
-    )
+    error = "vLLM failed its first request (HTTP 500: RuntimeError: boom)"
+    server.write_endpoint(server.endpoint_file(tmp_path, 0), {"error": error, "time": time.time()})
     start = time.monotonic()
     with pytest.raises(GeneratorUnreachable, match="replica 0 failed to start: vLLM failed its first request"):
         VLLMGenerator(VLLMGeneratorOptions(startup_timeout=60.0), _ctx(tmp_path))
     assert time.monotonic() - start < 10
+
+
+def test_files_left_by_an_earlier_job_are_not_taken_for_this_ones(tmp_path):
+    """A resumed run's directory still holds the last job's endpoint files: an old failure
+    report and an endpoint of a server that is gone must not count."""
+    pytest.importorskip("httpx")
+    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
+
+    old = time.time() - 3600
+    server.write_endpoint(server.endpoint_file(tmp_path, 0), {"error": "old failure", "time": old})
+    port = server.free_port("127.0.0.1")  # nothing listens there
+    server.write_endpoint(
+        server.endpoint_file(tmp_path, 1),
+        {"instance": "old", "host": "127.0.0.1", "port": port, "api_key": "k", "started": old},
+    )
+    with pytest.raises(GeneratorUnreachable) as err:
+        VLLMGenerator(VLLMGeneratorOptions(replicas=2, startup_timeout=1.5), _ctx(tmp_path))
+    assert "did not become healthy" in str(err.value) and "old failure" not in str(err.value)
 
 
 def test_the_backend_is_registered_with_its_roles():

@@ -78,6 +78,7 @@ class _Replica:
     dispatched: int = 0
     failures: int = 0
     last_error: str = ""
+    last_load: list[Any] = field(default_factory=list)  # what its workers reported
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def describe(self) -> str:
@@ -147,19 +148,29 @@ class VLLMGenerator(Generator):
         )
 
     async def _first_contact(self, r: _Replica, deadline: float) -> None:
+        import httpx
+
+        # Files an earlier job left in this run directory (a resumed run) describe servers
+        # that are gone: a report of failure counts only if written since this job began;
+        # an endpoint only once the server behind it answers with its key.
+        not_before = _process_start_time() - 60.0
         while True:
             data = _read_endpoint(endpoint_file(self.run_dir, r.index))
             if data is not None and data.get("error"):
-                raise GeneratorUnreachable(
-                    f"vLLM replica {r.index} failed to start: {data['error']}; log: {r.log}"
-                )
-            if data is not None:
+                if float(data.get("time", 0)) >= not_before:
+                    raise GeneratorUnreachable(
+                        f"vLLM replica {r.index} failed to start: {data['error']}; log: {r.log}"
+                    )
+            elif data is not None:
                 self._attach(r, data)
-                if await self._healthy(r):
-                    await self._fetch_model_info(r)
-                    await self._probe_version(r)
-                    r.up = True
-                    return
+                try:
+                    if await self._healthy(r):
+                        await self._fetch_model_info(r)
+                        await self._probe_version(r)
+                        r.up = True
+                        return
+                except httpx.HTTPError as exc:  # e.g. 401: another server has that port now
+                    r.last_error = f"{type(exc).__name__}: {exc}"
             if time.monotonic() >= deadline:
                 last = _last_line(r.log)
                 said = f" (last log line: {last})" if last else ""
@@ -319,7 +330,9 @@ class VLLMGenerator(Generator):
                             f"request {request.request_id!r} failed on every vLLM replica "
                             f"({attempts} attempts): {'; '.join(errors[-3:])}"
                         ) from exc
-                    log.warning("vllm: request %s failed on %s; retrying elsewhere", request.request_id, why)
+                    log.warning(
+                        "vllm: request %s failed on replica %d (%s); retrying", request.request_id, r.index, why
+                    )
                 finally:
                     r.outstanding -= 1
                     if r.outstanding == 0:
@@ -433,6 +446,7 @@ class VLLMGenerator(Generator):
                 "seconds": time.perf_counter() - start,
                 "replicas": [r.index for r in done],
                 "errors": errors,
+                "workers": {r.index: r.last_load for r in targets},
             }
             await self._notify()
             if not done:
@@ -497,6 +511,7 @@ class VLLMGenerator(Generator):
             r.version = None
             raise TransportError(f"replica {r.index}: collective_rpc HTTP {resp.status_code}: {_error_message(resp)}")
         results = resp.json().get("results") or []
+        r.last_load = results
         failed = [x for x in results if not (isinstance(x, dict) and x.get("ok"))]
         if failed or not results:
             touched = any(isinstance(x, dict) and x.get("weights_touched") for x in failed) or not results
@@ -529,6 +544,8 @@ class VLLMGenerator(Generator):
             await asyncio.sleep(self.options.health_interval)
 
     async def _check(self, r: _Replica) -> None:
+        import httpx
+
         data = _read_endpoint(endpoint_file(self.run_dir, r.index))
         if data is not None and not data.get("error") and data.get("instance") != r.instance:
             log.info("vllm: replica %d (re)started at %s:%s", r.index, data.get("host"), data.get("port"))
@@ -541,11 +558,15 @@ class VLLMGenerator(Generator):
             return
         if await self._healthy(r):
             if not r.up:
-                if r.max_model_len is None:
-                    await self._fetch_model_info(r)
-                if not r.probed:
-                    await self._probe_version(r)
-                log.info("vllm: replica %d serving at %s (weights version %s)", r.index, r.url, r.version)
+                try:
+                    if r.max_model_len is None:
+                        await self._fetch_model_info(r)
+                    if not r.probed:
+                        await self._probe_version(r)
+                except httpx.HTTPError as exc:
+                    r.last_error = f"{type(exc).__name__}: {exc}"
+                    return
+                log.info("vllm: replica %d answers at %s (weights version %s)", r.index, r.url, r.version)
                 r.last_error = ""
             r.up = True
         elif r.failures >= _HEALTH_FAILURES and r.up:
@@ -630,6 +651,18 @@ class VLLMGenerator(Generator):
 
 class _ReplicaFailed(Exception):
     """The replica answered, but not with a usable result (5xx, 401, aborted)."""
+
+
+def _process_start_time() -> float:
+    """When this process started (wall clock), from /proc; now where that is unavailable."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        boot = next(
+            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+        )
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return time.time()
 
 
 def _read_endpoint(path: Path) -> dict[str, Any] | None:

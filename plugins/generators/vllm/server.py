@@ -254,8 +254,7 @@ def launch(run_dir: Path, replica: int) -> int:
         if stopping:
             return _wait(child, endpoint)
         if child.poll() is None and time.monotonic() >= deadline:
-            child.kill()
-            child.wait()
+            _stop(child)
             return _failed(endpoint, f"vLLM was not healthy after {options.startup_timeout:g} s")
         if child.poll() is not None:
             # Someone took the port between our probe and vLLM's bind: try another.
@@ -269,8 +268,14 @@ def launch(run_dir: Path, replica: int) -> int:
     # (e.g. a head size the CPU attention kernels lack). One token tells.
     problem = first_request(url, api_key)
     if problem is not None:
-        child.kill()
-        child.wait()
+        _stop(child)
+        head = re.search(r"Unsupported CPU attention configuration: head_dim=(\d+)", problem)
+        if head:  # say what to do first: the scheduler shows only the start of this line
+            return _failed(
+                endpoint,
+                f"vLLM's CPU attention has no kernels for this model's {head.group(1)}-wide heads (it needs "
+                f"32 or more): serve a model with wider heads, or use --generator hf ({problem})",
+            )
         return _failed(endpoint, f"vLLM failed its first request ({problem})")
     write_endpoint(
         endpoint,
@@ -331,6 +336,16 @@ def _failed(endpoint: Path, why: str) -> int:
     _say(why)
     write_endpoint(endpoint, {"error": why, "launcher_pid": os.getpid(), "time": time.time()})
     return 1
+
+
+def _stop(child: subprocess.Popen, grace: float = 15.0) -> None:
+    """SIGTERM first: vLLM's API server then stops its engine processes too."""
+    child.terminate()
+    try:
+        child.wait(grace)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
 
 
 def _port_free(host: str, port: int) -> bool:

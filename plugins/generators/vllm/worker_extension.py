@@ -22,15 +22,24 @@ from typing import Any
 
 
 class _Counted:
-    """Wraps a (name, tensor) iterator, counting what passes through it."""
+    """Wraps a (name, tensor) iterator, counting what passes through it and the time spent
+    producing it (the transport's share of a load; the rest is vLLM's)."""
 
     def __init__(self, items: Iterable[tuple[str, Any]]) -> None:
         self._items = iter(items)
         self.tensors = 0
         self.bytes = 0
+        self.read_seconds = 0.0
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
-        for name, tensor in self._items:
+        while True:
+            start = time.perf_counter()
+            try:
+                name, tensor = next(self._items)
+            except StopIteration:
+                return
+            finally:
+                self.read_seconds += time.perf_counter() - start
             self.tensors += 1
             self.bytes += tensor.numel() * tensor.element_size()
             yield name, tensor
@@ -57,6 +66,7 @@ class ForgeWorkerExtension:
         version = int(req["version"])
         start = time.perf_counter()
         counted = _Counted(())
+        waited = 0.0
         try:
             if req.get("source") == "base":
                 counted.tensors = -1  # unknown, but the weights are being replaced
@@ -66,6 +76,7 @@ class ForgeWorkerExtension:
                 # The wait for the version (and its timeout) happens in receive(), before
                 # a single tensor reaches the model.
                 counted = _Counted(receiver.receive(version, timeout=float(req["timeout"])))
+                waited = time.perf_counter() - start
                 self.reload_weights(weights_iterator=counted, is_checkpoint_format=True)
                 if counted.tensors == 0:
                     raise RuntimeError(f"weights version {version} held no tensors")
@@ -79,12 +90,17 @@ class ForgeWorkerExtension:
                 "rank": int(getattr(self, "rank", 0)),
             }
         self._forge_version = version
+        seconds = time.perf_counter() - start
         return {
             "ok": True,
             "version": version,
             "tensors": counted.tensors,
             "bytes": counted.bytes,
-            "seconds": time.perf_counter() - start,
+            "seconds": seconds,
+            # Waiting for the version to appear, reading it, and vLLM's loading and repacking.
+            "wait_seconds": waited,
+            "read_seconds": counted.read_seconds,
+            "load_seconds": seconds - waited - counted.read_seconds,
             "rank": int(getattr(self, "rank", 0)),
         }
 

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from forgerl.backends import TransportBackend
 from forgerl.hookspecs import hookimpl
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class NcclTransportOptions(BaseModel):
@@ -28,7 +27,12 @@ class NcclTransportOptions(BaseModel):
     connect_timeout: float = Field(
         30.0, gt=0, description="Seconds to reach the control store or to form a receiver's group."
     )
-    poll_interval: float = Field(0.01, gt=0, le=1, description="Seconds between control-store checks.")
+    poll_interval: float = Field(
+        0.02,
+        gt=0,
+        le=1,
+        description="Longest sleep between control-store checks (polls start at 0.5 ms and back off).",
+    )
 
 
 @hookimpl

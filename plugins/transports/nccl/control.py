@@ -16,7 +16,8 @@ import ipaddress
 import json
 import socket
 import time
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 #: Errors the store raises when its peer is gone, slow, or a key is missing in time.
 #: (torch's DistError and friends derive from RuntimeError.)
@@ -42,6 +43,29 @@ class Deadline:
 
     def sleep(self, seconds: float) -> None:
         time.sleep(max(0.0, min(seconds, self.remaining())))
+
+
+class Backoff:
+    """Sleeps of a polling loop: short right after something happened (the answer to a
+    request usually comes quickly), doubling up to ``ceiling`` while nothing does."""
+
+    FLOOR = 0.0005
+
+    def __init__(self, ceiling: float) -> None:
+        self.ceiling = max(self.FLOOR, ceiling)
+        self.current = self.FLOOR
+
+    def reset(self) -> None:
+        self.current = self.FLOOR
+
+    def next(self) -> float:
+        seconds = self.current
+        self.current = min(self.ceiling, self.current * 2)
+        return seconds
+
+    def sleep(self, deadline: Deadline | None = None) -> None:
+        seconds = self.next()
+        time.sleep(seconds if deadline is None else max(0.0, min(seconds, deadline.remaining())))
 
 
 def timedelta(seconds: float) -> datetime.timedelta:
@@ -106,7 +130,7 @@ class Control:
         self.namespace = namespace
 
     @classmethod
-    def connect(cls, host: str, port: int, namespace: str, timeout: float) -> "Control":
+    def connect(cls, host: str, port: int, namespace: str, timeout: float) -> Control:
         return cls(connect(host, port, min(timeout, MAX_OP_SECONDS)), namespace)
 
     def _bound(self, deadline: Deadline | None) -> None:

@@ -10,11 +10,14 @@ through ``torch.distributed.broadcast``.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 from typing import Any
 
 from forgerl_plugins.transports.nccl.control import timedelta
+
+log = logging.getLogger(__name__)
 
 _ENV_LOCK = threading.Lock()
 
@@ -90,5 +93,5 @@ def destroy(pg: Any, graceful: bool = True) -> None:
         try:
             fn()
             return
-        except Exception:  # noqa: BLE001 - best effort; the other method may work
-            continue
+        except Exception as exc:  # noqa: BLE001 - best effort; the other method may work
+            log.debug("process group %s() failed: %s", method, exc)

@@ -16,8 +16,9 @@ Used by the ``nccl`` and ``rdma`` transports.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -26,20 +27,20 @@ if TYPE_CHECKING:  # pragma: no cover
 ALIGN = 64
 
 
-def dtype_name(dtype: "torch.dtype") -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def dtype_of(name: str) -> "torch.dtype":
+def dtype_of(name: str) -> torch.dtype:
     import torch
 
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown torch dtype {name!r} in a weights layout")
+        raise ValueError(f"unknown torch dtype {name!r} in a weights layout")  # noqa: TRY004
     return dtype
 
 
-def tensor_bytes(t: "torch.Tensor") -> "torch.Tensor":
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     """A 1-D uint8 view of a contiguous tensor's bytes (0-d, empty and bool tensors too)."""
     import torch
 
@@ -86,10 +87,10 @@ class Layout:
     def build(
         cls,
         version: int,
-        tensors: Sequence[tuple[str, "torch.Tensor"]],
+        tensors: Sequence[tuple[str, torch.Tensor]],
         bucket_bytes: int,
         own_chunk_bytes: int | None = None,
-    ) -> "Layout":
+    ) -> Layout:
         assert bucket_bytes > 0, f"bucket_bytes must be positive, got {bucket_bytes}"
         own = bucket_bytes if own_chunk_bytes is None else min(own_chunk_bytes, bucket_bytes)
         entries: list[Entry] = []
@@ -107,7 +108,7 @@ class Layout:
 
     # -------------------------------------------------------------- reading out
 
-    def views(self, buffer: "torch.Tensor") -> Iterator[tuple[str, "torch.Tensor"]]:
+    def views(self, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` views into ``buffer`` (uint8, at least ``nbytes`` long), in order."""
         assert buffer.numel() >= self.nbytes, f"buffer of {buffer.numel()} bytes < layout {self.nbytes}"
         for e in self.entries:
@@ -131,7 +132,7 @@ class Layout:
         )
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "Layout":
+    def from_json(cls, text: str | bytes) -> Layout:
         d = json.loads(text)
         entries = tuple(Entry(n, dt, tuple(sh), off, nb) for n, dt, sh, off, nb in d["entries"])
         chunks = tuple(Chunk(s, e, tuple(ix)) for s, e, ix in d["chunks"])

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -42,12 +43,11 @@ from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.nccl import control, groups
-from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Control, Deadline
+from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Backoff, Control, Deadline
 from forgerl_plugins.transports.nccl.layout import Chunk, Layout, tensor_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
     from forgerl_plugins.transports.nccl import NcclTransportOptions
 
 log = logging.getLogger(__name__)
@@ -80,7 +80,7 @@ def default_timeout(options: Any, ctx: RunContext | None) -> float:
 @dataclass
 class _Version:
     layout: Layout
-    tensors: list["torch.Tensor"]
+    tensors: list[torch.Tensor]
 
     @property
     def version(self) -> int:
@@ -117,13 +117,17 @@ class _Delivery:
 
 
 class NcclSender(TransportSender):
-    def __init__(self, options: NcclTransportOptions, server: Any, port: int, timeout: float, release: Any) -> None:
+    def __init__(
+        self, options: NcclTransportOptions, server: Any, port: int, timeout: float, release: Any
+    ) -> None:
         self.options = options
         self.default_timeout = timeout
         self.port = port
         self._server = server
         self._release = release
-        self._address = control.local_address(options.host) if control.is_loopback(options.host) else options.host
+        self._address = (
+            control.local_address(options.host) if control.is_loopback(options.host) else options.host
+        )
         self._backend = groups.resolve_backend(options.backend)
         self._ctl = Control(server, NAMESPACE)  # this (the caller's) thread only
         self._cond = threading.Condition()
@@ -132,6 +136,7 @@ class NcclSender(TransportSender):
         self._delivery: _Delivery | None = None
         self._staging: dict[Any, list[Any]] = {}
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by send(): serve now, not at the next poll
         self._closed = False
         self.last_version: int | None = None
         #: Seconds and bytes of the last send (publish to the last acknowledgement).
@@ -143,16 +148,19 @@ class NcclSender(TransportSender):
     # ------------------------------------------------------------------ send
 
     def send(self, weights: WeightSet, timeout: float | None = None) -> None:
-        import time
-
         if self._closed:
             raise TransportError("nccl sender is closed")
         deadline = Deadline(self.default_timeout if timeout is None else timeout)
         version = int(weights.version)
         if self.last_version is not None and version <= self.last_version:
-            raise ValueError(f"weight versions must strictly increase: got {version} after {self.last_version}")
+            raise ValueError(
+                f"weight versions must strictly increase: got {version} after {self.last_version}"
+            )
         start = time.perf_counter()
-        tensors = [(name, t.detach() if t.is_contiguous() else t.detach().contiguous()) for name, t in weights.items()]
+        tensors = [
+            (name, t.detach() if t.is_contiguous() else t.detach().contiguous())
+            for name, t in weights.items()
+        ]
         bucket = self.options.bucket_mb * 2**20
         layout = Layout.build(version, tensors, bucket, OWN_CHUNK_BYTES)
         with self._cond:
@@ -165,6 +173,7 @@ class NcclSender(TransportSender):
             self._delivery = delivery
             self.last_version = version
             self._cond.notify_all()
+            self._wake.set()
             while not deadline.expired and not self._closed:
                 if all(m.delivered == version or m.failed for m in delivery.targets):
                     break
@@ -187,37 +196,53 @@ class NcclSender(TransportSender):
                 "until they register again (a restarted receiver does so itself)"
             )
             raise (TransportError if failed else TransportTimeout)(msg)
-        log.debug("nccl: version %d (%.1f MiB) reached %d receiver(s)", version, layout.nbytes / 2**20, len(delivery.targets))
+        log.debug(
+            "nccl: version %d (%.1f MiB) reached %d receiver(s)",
+            version,
+            layout.nbytes / 2**20,
+            len(delivery.targets),
+        )
 
     # ------------------------------------------------------------- membership
 
-    def _handle_events(self, ctl: Control, deadline: Deadline | None = None) -> None:
-        """Apply queued join/want events (caller holds ``_cond``)."""
-        for ev in ctl.pop_all(EVENTS, deadline):
+    def _handle_events(self, ctl: Control, deadline: Deadline | None = None) -> bool:
+        """Apply queued join/want events (caller holds ``_cond``); whether there were any."""
+        events = ctl.pop_all(EVENTS, deadline)
+        for ev in events:
             if ev.get("type") == "join":
                 for old in self._members.values():
                     if old.worker_id == ev["worker_id"] and old.failed is None:
                         old.failed = "replaced by a new incarnation of the same worker"
                 self._members[ev["nonce"]] = _Member(ev["worker_id"], ev["nonce"], int(ev["pid"]), ev["host"])
-                log.info("nccl: receiver %r registered (pid %s on %s)", ev["worker_id"], ev["pid"], ev["host"])
+                log.info(
+                    "nccl: receiver %r registered (pid %s on %s)", ev["worker_id"], ev["pid"], ev["host"]
+                )
             elif ev.get("type") == "want":
                 m = self._members.get(ev["nonce"])
                 if m is not None:
                     m.want_seq = max(m.want_seq, int(ev["seq"]))
         self._cond.notify_all()
+        return bool(events)
 
     # --------------------------------------------------------- service thread
 
     def _serve(self) -> None:
         ctl: Control | None = None
+        backoff = Backoff(self.options.poll_interval)
         while not self._stop.is_set():
             try:
                 if ctl is None:
                     ctl = Control.connect("127.0.0.1", self.port, NAMESPACE, self.options.connect_timeout)
                 with self._cond:
-                    self._handle_events(ctl)
+                    if self._handle_events(ctl):
+                        backoff.reset()
                     for m in self._members.values():
-                        if m.failed is None and m.channel is None and not m.forming and m.want_seq > m.offered_seq:
+                        if (
+                            m.failed is None
+                            and m.channel is None
+                            and not m.forming
+                            and m.want_seq > m.offered_seq
+                        ):
                             m.forming = True
                             threading.Thread(target=self._form, args=(m,), daemon=True).start()
                     current = self._current
@@ -232,13 +257,16 @@ class NcclSender(TransportSender):
                     ]
                 if batch and current is not None:
                     self._deliver(ctl, current, batch)
+                    backoff.reset()
                 self._reap(ctl)
-            except Exception:  # noqa: BLE001 - the thread must outlive any one failure
+            except Exception:
                 if self._stop.is_set():
                     break
                 log.exception("nccl sender: service loop error (continuing)")
                 ctl = None
-            self._stop.wait(self.options.poll_interval)
+            if self._wake.wait(backoff.next()):
+                self._wake.clear()
+                backoff.reset()
 
     def _form(self, m: _Member) -> None:
         """Build the channel with ``m`` (blocks until it joins, or connect_timeout)."""
@@ -321,16 +349,18 @@ class NcclSender(TransportSender):
         # A finished broadcast on the root only means the bytes left; the receiver's
         # acknowledgement means they all arrived and it holds the version.
         waiting = [(m, seq) for m, seq in active if m.failed is None]
+        backoff = Backoff(self.options.poll_interval)
         while waiting and not self._stop.is_set():
             still = []
             for m, seq in waiting:
                 try:
                     ack = ctl.get(member_key(m.nonce, "ack"), deadlines[m.nonce])
-                    closed = ctl.get(member_key(m.nonce, "closed"), deadlines[m.nonce])
+                    acked = ack is not None and int(ack) >= seq
+                    closed = None if acked else ctl.get(member_key(m.nonce, "closed"), deadlines[m.nonce])
                 except STORE_ERRORS as exc:
                     self._fail(m, f"control store error: {_short(exc)}")
                     continue
-                if ack is not None and int(ack) >= seq:
+                if acked:
                     with self._cond:
                         m.delivered = version
                         self._cond.notify_all()
@@ -342,7 +372,7 @@ class NcclSender(TransportSender):
                     still.append((m, seq))
             waiting = still
             if waiting:
-                self._stop.wait(self.options.poll_interval)
+                self._stop.wait(backoff.next())
 
     def _wait_works(self, works: list[tuple[_Member, Any]], deadlines: dict[str, Deadline]) -> None:
         for m, w in works:
@@ -437,7 +467,9 @@ class NcclReceiver(TransportReceiver):
     views of that buffer, valid until the next :meth:`receive` (copy them, as every
     generator does when it loads them)."""
 
-    def __init__(self, options: NcclTransportOptions, worker_id: str, host: str, port: int, timeout: float) -> None:
+    def __init__(
+        self, options: NcclTransportOptions, worker_id: str, host: str, port: int, timeout: float
+    ) -> None:
         self.options = options
         self.worker_id = worker_id
         self.host = host
@@ -467,7 +499,9 @@ class NcclReceiver(TransportReceiver):
                 self._ctl = Control.connect(self.host, self.port, NAMESPACE, self.options.connect_timeout)
             raw = self._ctl.get(LATEST, Deadline(MAX_QUERY))
         except STORE_ERRORS as exc:
-            raise TransportError(f"nccl: the sender at {self.host}:{self.port} is unreachable: {_short(exc)}") from exc
+            raise TransportError(
+                f"nccl: the sender at {self.host}:{self.port} is unreachable: {_short(exc)}"
+            ) from exc
         return None if raw is None else int(raw)
 
     def receive(self, version: int, timeout: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -518,13 +552,23 @@ class NcclReceiver(TransportReceiver):
 
     def _register(self, deadline: Deadline) -> None:
         if self._ctl is None:
-            self._ctl = Control.connect(self.host, self.port, NAMESPACE, min(self.options.connect_timeout, deadline.remaining() or 0.05))
+            self._ctl = Control.connect(
+                self.host,
+                self.port,
+                NAMESPACE,
+                min(self.options.connect_timeout, deadline.remaining() or 0.05),
+            )
         nonce = uuid.uuid4().hex[:16]
         self._ctl.set(member_key(nonce, "ack"), "-1", deadline)
         self._ctl.push(
             EVENTS,
-            {"type": "join", "nonce": nonce, "worker_id": self.worker_id, "pid": os.getpid(),
-             "host": control.local_address(self.host)},
+            {
+                "type": "join",
+                "nonce": nonce,
+                "worker_id": self.worker_id,
+                "pid": os.getpid(),
+                "host": control.local_address(self.host),
+            },
             deadline,
         )
         self._nonce, self._seq, self._want_sent = nonce, 0, False
@@ -539,20 +583,25 @@ class NcclReceiver(TransportReceiver):
             self._want_sent = True
         offer_key = member_key(nonce, f"offer/{seq}")
         offer: bytes | str | None = None
+        backoff = Backoff(self.options.poll_interval)
+        next_closed_check = 0.0
         while not deadline.expired:
-            closed = ctl.get(member_key(nonce, "closed"), deadline)
-            if closed is not None:
-                raise _ChannelBroken(closed.decode())
+            if time.monotonic() >= next_closed_check:  # rarely: it only matters when waiting long
+                closed = ctl.get(member_key(nonce, "closed"), deadline)
+                if closed is not None:
+                    raise _ChannelBroken(closed.decode())
+                next_closed_check = time.monotonic() + self.options.poll_interval
             if self._pg is None:
                 accept = ctl.get_json(member_key(nonce, "accept"), deadline)
                 if accept is not None:
                     self._connect_channel(accept["backend"], deadline)
+                    backoff.reset()
                     continue
             else:
                 offer = ctl.get(offer_key, deadline)
                 if offer is not None:
                     break
-            deadline.sleep(self.options.poll_interval)
+            backoff.sleep(deadline)
         if offer is None:
             # Withdraw the request, unless the sender took it in the meantime.
             got = ctl.compare_set(offer_key, "", WITHDRAWN, Deadline(MAX_QUERY))
@@ -577,7 +626,7 @@ class NcclReceiver(TransportReceiver):
         prefixed = PrefixStore(NAMESPACE + member_key(self._nonce, "pg/"), store)
         try:
             self._pg = groups.make_group(prefixed, 1, 2, backend, seconds, control.local_address(self.host))
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             raise _ChannelBroken(f"could not form the group with the sender: {_short(exc)}") from exc
         self._backend = backend
 
@@ -596,7 +645,8 @@ class NcclReceiver(TransportReceiver):
         self.progress = (layout.version, 0, layout.nbytes)
         try:
             works = [
-                (c, groups.broadcast(self._pg, self._buffer[c.start : c.end], 0, op_timeout)) for c in layout.chunks
+                (c, groups.broadcast(self._pg, self._buffer[c.start : c.end], 0, op_timeout))
+                for c in layout.chunks
             ]
             for c, w in works:
                 w.wait()
@@ -605,8 +655,10 @@ class NcclReceiver(TransportReceiver):
             if self._buffer.is_cuda:
                 # NCCL's wait() only orders streams; the acknowledgement must mean "arrived".
                 torch.cuda.current_stream(self._buffer.device).synchronize()
-        except Exception as exc:  # noqa: BLE001 - the sender died or stalled
-            raise _ChannelBroken(f"transfer of version {layout.version} broke after {done} of {layout.nbytes} bytes: {_short(exc)}") from exc
+        except Exception as exc:
+            raise _ChannelBroken(
+                f"transfer of version {layout.version} broke after {done} of {layout.nbytes} bytes: {_short(exc)}"
+            ) from exc
         self._held = layout
 
     def _abandon(self, reason: str) -> None:
@@ -615,7 +667,9 @@ class NcclReceiver(TransportReceiver):
         self._pg = None
         if self._ctl is not None and self._nonce is not None:
             try:
-                self._ctl.set(member_key(self._nonce, "closed"), f"receiver {self.worker_id}: {reason}", Deadline(1.0))
+                self._ctl.set(
+                    member_key(self._nonce, "closed"), f"receiver {self.worker_id}: {reason}", Deadline(1.0)
+                )
             except STORE_ERRORS:
                 pass
         self._nonce = None
@@ -632,7 +686,9 @@ class NcclReceiver(TransportReceiver):
             self._pg = None
         if self._ctl is not None and self._nonce is not None:
             try:
-                self._ctl.set(member_key(self._nonce, "closed"), f"receiver {self.worker_id} closed", Deadline(1.0))
+                self._ctl.set(
+                    member_key(self._nonce, "closed"), f"receiver {self.worker_id} closed", Deadline(1.0)
+                )
             except STORE_ERRORS:
                 pass
         self._ctl = None
@@ -691,7 +747,9 @@ class NcclTransport(Transport):
 
     def sender(self) -> NcclSender:
         port = self._ensure_server()
-        return NcclSender(self.options, self._server, port, default_timeout(self.options, self.ctx), self._release)
+        return NcclSender(
+            self.options, self._server, port, default_timeout(self.options, self.ctx), self._release
+        )
 
     def receiver(self, worker_id: str, spec: Mapping[str, Any] | None = None) -> NcclReceiver:
         if spec and spec.get("port"):

@@ -37,20 +37,20 @@ from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.nccl import control
-from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Control, Deadline
+from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Backoff, Control, Deadline
 from forgerl_plugins.transports.nccl.layout import Layout, tensor_bytes
 from forgerl_plugins.transports.rdma.engine import Engine
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
     from forgerl_plugins.transports.rdma import RdmaTransportOptions
 
 log = logging.getLogger(__name__)
 
 NAMESPACE = "forgerl/rdma/"
 EVENTS = "events"
-CURRENT = "current"
+CURRENT = "current"  # the newest version: layout, session, address
+LATEST = "latest"  # its number
 DEFAULT_TIMEOUT = 120.0
 MAX_QUERY = 5.0
 
@@ -97,7 +97,9 @@ class _Member:
 
 
 class RdmaSender(TransportSender):
-    def __init__(self, options: RdmaTransportOptions, server: Any, port: int, timeout: float, release: Any) -> None:
+    def __init__(
+        self, options: RdmaTransportOptions, server: Any, port: int, timeout: float, release: Any
+    ) -> None:
         self.options = options
         self.default_timeout = timeout
         self.port = port
@@ -129,9 +131,13 @@ class RdmaSender(TransportSender):
         deadline = Deadline(self.default_timeout if timeout is None else timeout)
         version = int(weights.version)
         if self.last_version is not None and version <= self.last_version:
-            raise ValueError(f"weight versions must strictly increase: got {version} after {self.last_version}")
+            raise ValueError(
+                f"weight versions must strictly increase: got {version} after {self.last_version}"
+            )
         start = time.perf_counter()
-        tensors = [(n, t.detach() if t.is_contiguous() else t.detach().contiguous()) for n, t in weights.items()]
+        tensors = [
+            (n, t.detach() if t.is_contiguous() else t.detach().contiguous()) for n, t in weights.items()
+        ]
         layout = Layout.build(version, tensors, self.options.chunk_mb * 2**20)
         # (No local reference to the store: an exception's frames would keep its port open.)
         slot = 0 if self._newest_slot is None else 1 - self._newest_slot
@@ -157,6 +163,7 @@ class RdmaSender(TransportSender):
             "layout": layout.to_json(),
         }
         self._ctl.set(CURRENT, json.dumps(offer), deadline)
+        self._ctl.set(LATEST, str(version), deadline)  # what receivers poll (small)
         self._newest_slot = slot
         self.last_version = version
         self._collect_joins(deadline)
@@ -191,6 +198,7 @@ class RdmaSender(TransportSender):
 
     def _wait_acks(self, targets: list[_Member], version: int, deadline: Deadline) -> None:
         waiting = list(targets)
+        backoff = Backoff(self.options.poll_interval)
         while waiting:
             acks = self._ctl.get_many([_key(m.nonce, "ack") for m in waiting], deadline)
             still = []
@@ -209,7 +217,7 @@ class RdmaSender(TransportSender):
                     m.failed = f"no acknowledgement of version {version} within {deadline.seconds:g} s"
                 return
             if waiting:
-                deadline.sleep(self.options.poll_interval)
+                backoff.sleep(deadline)
 
     def _drop(self, m: _Member) -> None:
         self._members.pop(m.nonce, None)
@@ -224,7 +232,7 @@ class RdmaSender(TransportSender):
             return
         self._closed = True
         try:
-            self._ctl.delete([CURRENT], Deadline(MAX_QUERY))
+            self._ctl.delete([LATEST, CURRENT], Deadline(MAX_QUERY))
             for m in self._members.values():
                 self._ctl.set(_key(m.nonce, "closed"), "the sender closed", Deadline(MAX_QUERY))
         except STORE_ERRORS:
@@ -247,13 +255,17 @@ class RdmaReceiver(TransportReceiver):
     """Reads versions into one registered buffer it reuses. The tensors :meth:`receive`
     yields are views of that buffer, valid until the next :meth:`receive`."""
 
-    def __init__(self, options: RdmaTransportOptions, worker_id: str, host: str, port: int, timeout: float) -> None:
+    def __init__(
+        self, options: RdmaTransportOptions, worker_id: str, host: str, port: int, timeout: float
+    ) -> None:
         self.options = options
         self.worker_id = worker_id
         self.host = host
         self.port = int(port)
         self.default_timeout = timeout
-        self._engine: Engine | None = Engine(control.local_address(host), options.protocol, options.device_name)
+        self._engine: Engine | None = Engine(
+            control.local_address(host), options.protocol, options.device_name
+        )
         self._ctl: Control | None = None
         self._nonce: str | None = None
         self._buffer: Any = None
@@ -274,20 +286,32 @@ class RdmaReceiver(TransportReceiver):
         try:
             if self._ctl is None:
                 self._ctl = Control.connect(self.host, self.port, NAMESPACE, self.options.connect_timeout)
-            cur = self._ctl.get_json(CURRENT, Deadline(MAX_QUERY))
+            latest = self._ctl.get(LATEST, Deadline(MAX_QUERY))
         except STORE_ERRORS as exc:
-            raise TransportError(f"rdma: the sender at {self.host}:{self.port} is unreachable: {_short(exc)}") from exc
-        return None if cur is None else int(cur["version"])
+            raise TransportError(
+                f"rdma: the sender at {self.host}:{self.port} is unreachable: {_short(exc)}"
+            ) from exc
+        return None if latest is None else int(latest)
 
     def _register(self, deadline: Deadline) -> None:
         if self._ctl is None:
-            self._ctl = Control.connect(self.host, self.port, NAMESPACE, max(0.05, min(self.options.connect_timeout, deadline.remaining())))
+            self._ctl = Control.connect(
+                self.host,
+                self.port,
+                NAMESPACE,
+                max(0.05, min(self.options.connect_timeout, deadline.remaining())),
+            )
         nonce = uuid.uuid4().hex[:16]
         self._ctl.set(_key(nonce, "ack"), "-1", deadline)
         self._ctl.push(
             EVENTS,
-            {"type": "join", "nonce": nonce, "worker_id": self.worker_id, "pid": os.getpid(),
-             "host": control.local_address(self.host)},
+            {
+                "type": "join",
+                "nonce": nonce,
+                "worker_id": self.worker_id,
+                "pid": os.getpid(),
+                "host": control.local_address(self.host),
+            },
             deadline,
         )
         self._nonce = nonce
@@ -300,20 +324,26 @@ class RdmaReceiver(TransportReceiver):
         if self._held is not None and self._held.version == version:
             return self._held.views(self._buffer)
         last_error = "not published yet"
+        backoff = Backoff(self.options.poll_interval)
+        next_closed_check = 0.0
         while not deadline.expired:
             try:
                 if self._ctl is None or self._nonce is None:
                     self._register(deadline)
                 ctl = self._ctl
                 assert ctl is not None and self._nonce is not None
-                if ctl.has(_key(self._nonce, "closed"), deadline):
-                    self._nonce = None  # dropped by the sender: register again, then read
+                if time.monotonic() >= next_closed_check:
+                    if ctl.has(_key(self._nonce, "closed"), deadline):
+                        self._nonce = None  # dropped by the sender: register again, then read
+                        continue
+                    next_closed_check = time.monotonic() + self.options.poll_interval
+                latest = ctl.get(LATEST, deadline)
+                if latest is None or int(latest) < version:
+                    last_error = f"newest published version: {'none' if latest is None else int(latest)}"
+                    backoff.sleep(deadline)
                     continue
                 cur = ctl.get_json(CURRENT, deadline)
-                if cur is None or int(cur["version"]) < version:
-                    newest = "none" if cur is None else cur["version"]
-                    last_error = f"newest published version: {newest}"
-                    deadline.sleep(self.options.poll_interval)
+                if cur is None:
                     continue
                 if int(cur["version"]) > version:
                     raise TransportError(
@@ -357,7 +387,10 @@ class RdmaReceiver(TransportReceiver):
         base, remote = self._buffer.data_ptr(), int(cur["address"])
         chunks = layout.chunks
         rc = self._engine.read(
-            cur["session"], [base + c.start for c in chunks], [remote + c.start for c in chunks], [c.nbytes for c in chunks]
+            cur["session"],
+            [base + c.start for c in chunks],
+            [remote + c.start for c in chunks],
+            [c.nbytes for c in chunks],
         )
         if rc != 0:
             return f"Mooncake read from {cur['session']} failed ({rc}): the sender may be gone"
@@ -417,7 +450,9 @@ class RdmaTransport(Transport):
 
     def sender(self) -> RdmaSender:
         port = self._ensure_server()
-        return RdmaSender(self.options, self._server, port, _default_timeout(self.options, self.ctx), self._release)
+        return RdmaSender(
+            self.options, self._server, port, _default_timeout(self.options, self.ctx), self._release
+        )
 
     def receiver(self, worker_id: str, spec: Mapping[str, Any] | None = None) -> RdmaReceiver:
         if spec and spec.get("port"):

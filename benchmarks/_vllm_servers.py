@@ -1,0 +1,73 @@
+"""Shared by the vLLM benchmarks: the plugin's servers for a config, on this machine.
+
+``plugin_servers(config, run_dir)`` starts the ``vllm`` server role with the local
+scheduler (exactly what ``forge run`` starts), connects a :class:`VLLMGenerator` with the
+shm transport, and stops everything on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+@contextlib.contextmanager
+def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tuple[Any, Any]]:
+    """Yields ``(generator, shm sender)`` for servers started from ``config``."""
+    from forgerl import runs
+    from forgerl.interfaces import RunContext
+    from forgerl.types import JobSpec
+    from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
+    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
+    from forgerl_plugins.generators.vllm.server import roles
+    from forgerl_plugins.schedulers.local import LocalSchedulerOptions
+    from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
+    from forgerl_plugins.transports.shm import ShmTransportOptions
+    from forgerl_plugins.transports.shm.transport import ShmTransport
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    runs.write_config(run_dir, config)
+    options = VLLMGeneratorOptions.model_validate(config.generator.options)
+    job = JobSpec("vllm-bench", str(run_dir), tuple(roles(options, RunContext(config=config, run_dir=run_dir))))
+    scheduler = LocalScheduler(LocalSchedulerOptions(stop_timeout=10))
+    started = threading.Event()
+
+    def supervise() -> None:  # children die with the thread that started them
+        handle = scheduler.submit(job)
+        started.set()
+        scheduler.wait(handle)
+
+    thread = threading.Thread(target=supervise, daemon=True)
+    thread.start()
+    started.wait(30)
+    transport = ShmTransport(ShmTransportOptions(), None)
+    ctx = RunContext(config=config, run_dir=run_dir, model_path=model_dir, extras={"transport": transport})
+    generator = sender = None
+    try:
+        generator = VLLMGenerator(options, ctx)
+        sender = transport.sender()
+        yield generator, sender
+    finally:
+        if generator is not None:
+            generator.close()
+        if sender is not None:
+            sender.close()
+        scheduler.cancel(str(run_dir))
+        thread.join(60)
+
+
+def resolved_config(model: str, sets: list[str]) -> Any:
+    from forgerl.config import build_config, resolve
+    from forgerl.plugins import build_registry
+
+    return resolve(build_config(flags={"model": model, "generator": "vllm"}, sets=sets), build_registry())
+
+
+def model_folder(config: Any) -> Path:
+    from forgerl.models import resolve_model
+    from forgerl.plugins import build_registry
+
+    return resolve_model(config.model, build_registry())
