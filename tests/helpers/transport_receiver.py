@@ -10,7 +10,7 @@ builds the receiver the way a generator worker does
 receives each version in turn and prints one JSON line per event on stdout: ``ready``,
 ``started`` (a transfer began: the receiver's ``progress`` moved), ``received`` (with a
 digest of every tensor), ``error`` (exception type, message, seconds, tensors yielded
-before it), ``closed`` (registered memory left, for rdma). ``--die-when-started V`` kills
+before it), ``closed`` (memory registered with Mooncake before and after closing, rdma). ``--die-when-started V`` kills
 the process with SIGKILL in the middle of receiving version V; ``--rejoin V`` then builds
 a new receiver under the same worker id (a restarted worker) and receives version V.
 
@@ -109,14 +109,21 @@ def run_receiver(args: argparse.Namespace) -> int:
     for version in [int(v) for v in args.versions.split(",") if v]:
         receive_one(receiver, version, args)
     stop.set()
+    registered = getattr(receiver, "registered_bytes", 0)
     receiver.close()
     if args.rejoin is not None:
         # A restarted generator worker: a new receiver under the same worker id, asking
         # for the version that is current now.
         receiver = transport.receiver(args.worker_id, json.loads(args.spec))
         receive_one(receiver, args.rejoin, args, rejoined=True)
+        registered = getattr(receiver, "registered_bytes", 0)
         receiver.close()
-    emit("closed", registered_bytes=getattr(receiver, "registered_bytes", 0))
+    # Memory the receiver had registered (rdma) before closing, and what is left after.
+    emit(
+        "closed",
+        registered_before_close=registered,
+        registered_bytes=getattr(receiver, "registered_bytes", 0),
+    )
     return 0
 
 

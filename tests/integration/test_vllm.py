@@ -111,7 +111,9 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     )
     runs.write_config(run_dir, config)
     options = VLLMGeneratorOptions.model_validate(config.generator.options)
-    job = JobSpec("vllm-test", str(run_dir), tuple(roles(options, RunContext(config=config, run_dir=run_dir))))
+    job = JobSpec(
+        "vllm-test", str(run_dir), tuple(roles(options, RunContext(config=config, run_dir=run_dir)))
+    )
     scheduler = LocalScheduler(LocalSchedulerOptions(stop_timeout=10))
     started = threading.Event()
 
@@ -290,7 +292,9 @@ def test_served_logprobs_equal_the_trainers_after_each_of_three_updates(cluster:
     for version in (1, 2, 3):
         _push(c, version)
         requests = [
-            GenerationRequest(f"v{version}-{j}-{t}", p, 4, SamplingParams(max_tokens=MAX_TOKENS, temperature=t))
+            GenerationRequest(
+                f"v{version}-{j}-{t}", p, 4, SamplingParams(max_tokens=MAX_TOKENS, temperature=t)
+            )
             for j, p in enumerate(prompts)
             for t in (1.0, 0.7)
         ]
@@ -388,7 +392,7 @@ def test_forge_run_end_to_end_survives_a_killed_replica(tmp_path: Path):
     out = tmp_path / "run"
     command = [
         sys.executable, "-m", "forgerl.cli", "run",
-        "--model", "tiny", "--set", "model.options.hidden_size=128",
+        "--model", "tiny",
         "--generator", "vllm", "--trainer", "fsdp", "--steps", "3",
         "--reward", "format", "--set", "rewards.0.options.pattern=\\d",
         "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=4",

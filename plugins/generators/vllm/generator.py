@@ -42,8 +42,7 @@ from .server import endpoint_file, is_cpu_build, log_file
 
 if TYPE_CHECKING:  # pragma: no cover
     import httpx
-
-    from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
+    from forgerl_plugins.generators.vllm.options import VLLMGeneratorOptions
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,6 +78,7 @@ class _Replica:
     failures: int = 0
     last_error: str = ""
     last_load: list[Any] = field(default_factory=list)  # what its workers reported
+    next_resync: float = 0.0  # monotonic time before which a failed re-sync is not retried
     idle: asyncio.Event = field(default_factory=asyncio.Event)
 
     def describe(self) -> str:
@@ -207,7 +207,10 @@ class VLLMGenerator(Generator):
         """Ask the workers which weights they hold: 0 for a fresh server (the model folder);
         a server this generator did not start may hold anything."""
         resp = await self._client.post(
-            r.url + "/collective_rpc", json={"method": "forge_policy_version"}, headers=r.headers, timeout=60.0
+            r.url + "/collective_rpc",
+            json={"method": "forge_policy_version"},
+            headers=r.headers,
+            timeout=60.0,
         )
         resp.raise_for_status()
         versions = {int(v) for v in resp.json().get("results") or []}
@@ -315,7 +318,11 @@ class VLLMGenerator(Generator):
                 except _Retry:
                     continue  # aborted for a weight update: resubmitted, not a failure
                 except (httpx.HTTPError, _ReplicaFailed) as exc:
-                    if r.updates != updates and r.instance == instance and self.options.update_policy == "abort":
+                    if (
+                        r.updates != updates
+                        and r.instance == instance
+                        and self.options.update_policy == "abort"
+                    ):
                         continue  # the abort of an update broke the request: resubmit
                     attempts += 1
                     why = f"{type(exc).__name__}: {exc}".strip()
@@ -331,7 +338,10 @@ class VLLMGenerator(Generator):
                             f"({attempts} attempts): {'; '.join(errors[-3:])}"
                         ) from exc
                     log.warning(
-                        "vllm: request %s failed on replica %d (%s); retrying", request.request_id, r.index, why
+                        "vllm: request %s failed on replica %d (%s); retrying",
+                        request.request_id,
+                        r.index,
+                        why,
                     )
                 finally:
                     r.outstanding -= 1
@@ -392,7 +402,9 @@ class VLLMGenerator(Generator):
                         f"no vLLM replica has served for {self.options.startup_timeout:g} s: {states}"
                     )
                 try:
-                    await asyncio.wait_for(self._changed.wait(), timeout=min(left, self.options.health_interval))
+                    await asyncio.wait_for(
+                        self._changed.wait(), timeout=min(left, self.options.health_interval)
+                    )
                 except asyncio.TimeoutError:
                     pass
 
@@ -403,7 +415,7 @@ class VLLMGenerator(Generator):
 
     def _take_out(self, r: _Replica, why: str) -> None:
         if r.up:
-            log.warning("vllm: taking %s out of service: %s", f"replica {r.index}", why)
+            log.warning("vllm: taking replica %d out of service: %s", r.index, why)
         r.up = False
         r.failures = _HEALTH_FAILURES
         r.last_error = why
@@ -452,7 +464,9 @@ class VLLMGenerator(Generator):
             if not done:
                 raise TransportError(f"no vLLM replica loaded weights version {version}: {'; '.join(errors)}")
             for e in errors:
-                log.warning("vllm: weights version %d not loaded on %s (reloaded before it serves again)", version, e)
+                log.warning(
+                    "vllm: weights version %d not loaded on %s (reloaded before it serves again)", version, e
+                )
 
     async def _update_replica(self, r: _Replica, version: int) -> None:
         import httpx
@@ -494,7 +508,9 @@ class VLLMGenerator(Generator):
             request["source"] = "base"
         else:
             if transport is None:
-                raise TransportError("vllm generator: no transport in RunContext.extras['transport'] to receive weights from")
+                raise TransportError(
+                    "vllm generator: no transport in RunContext.extras['transport'] to receive weights from"
+                )
             request["source"] = "transport"
             request["transport"] = {
                 "name": self.ctx.config.transport.name,
@@ -503,13 +519,19 @@ class VLLMGenerator(Generator):
             }
         resp = await self._client.post(
             r.url + "/collective_rpc",
-            json={"method": "forge_load_weights", "args": [json.dumps(request)], "timeout": timeout + _LOAD_MARGIN},
+            json={
+                "method": "forge_load_weights",
+                "args": [json.dumps(request)],
+                "timeout": timeout + _LOAD_MARGIN,
+            },
             headers=r.headers,
             timeout=timeout + 2 * _LOAD_MARGIN,
         )
         if resp.status_code != 200:
             r.version = None
-            raise TransportError(f"replica {r.index}: collective_rpc HTTP {resp.status_code}: {_error_message(resp)}")
+            raise TransportError(
+                f"replica {r.index}: collective_rpc HTTP {resp.status_code}: {_error_message(resp)}"
+            )
         results = resp.json().get("results") or []
         r.last_load = results
         failed = [x for x in results if not (isinstance(x, dict) and x.get("ok"))]
@@ -517,13 +539,18 @@ class VLLMGenerator(Generator):
             touched = any(isinstance(x, dict) and x.get("weights_touched") for x in failed) or not results
             if touched:
                 r.version = None
-            what = "; ".join(str(x.get("error") if isinstance(x, dict) else x) for x in failed) or "no worker answered"
+            what = (
+                "; ".join(str(x.get("error") if isinstance(x, dict) else x) for x in failed)
+                or "no worker answered"
+            )
             raise TransportError(f"replica {r.index} did not load weights version {version}: {what}")
         r.version = version
         log.debug("vllm: replica %d loaded version %d: %s", r.index, version, results)
 
     async def _admin(self, r: _Replica, path: str, params: dict[str, str] | None = None) -> None:
-        resp = await self._client.post(r.url + path, params=params, headers=r.headers, timeout=_HEALTH_TIMEOUT * 6)
+        resp = await self._client.post(
+            r.url + path, params=params, headers=r.headers, timeout=_HEALTH_TIMEOUT * 6
+        )
         resp.raise_for_status()
 
     # ----------------------------------------------------------------- watching
@@ -535,11 +562,17 @@ class VLLMGenerator(Generator):
                 await asyncio.gather(*(self._check(r) for r in self._replicas))
                 await self._notify()
                 for r in self._replicas:
-                    if r.up and not r.updating and r.version != self._version and not self._update_lock.locked():
+                    if (
+                        r.up
+                        and not r.updating
+                        and r.version != self._version
+                        and not self._update_lock.locked()
+                        and time.monotonic() >= r.next_resync
+                    ):
                         await self._resync(r)
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - the watcher must survive anything
+            except Exception:
                 log.exception("vllm: replica watcher failed; continuing")
             await asyncio.sleep(self.options.health_interval)
 
@@ -587,6 +620,8 @@ class VLLMGenerator(Generator):
                 await self._admin(r, "/reset_prefix_cache")
                 log.info("vllm: replica %d brought to weights version %d", r.index, version)
             except (TransportError, httpx.HTTPError) as exc:
+                # Retried later, or the next update loads it anyway.
+                r.next_resync = time.monotonic() + 10 * self.options.health_interval
                 log.warning(
                     "vllm: could not bring replica %d to version %d yet (%s); it serves once it has it",
                     r.index, version, exc,
@@ -641,7 +676,7 @@ class VLLMGenerator(Generator):
         if self._thread.is_alive():
             try:
                 self._call(shutdown(), timeout=10)
-            except Exception:  # noqa: BLE001 - closing must not raise
+            except Exception:
                 log.debug("vllm: shutdown of the HTTP client failed", exc_info=True)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=10)
@@ -658,7 +693,9 @@ def _process_start_time() -> float:
     try:
         ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
         boot = next(
-            float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime")
+            float(line.split()[1])
+            for line in Path("/proc/stat").read_text().splitlines()
+            if line.startswith("btime")
         )
         return boot + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError, StopIteration):

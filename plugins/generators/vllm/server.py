@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
     from forgerl.types import RoleSpec
-    from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
+    from forgerl_plugins.generators.vllm.options import VLLMGeneratorOptions
 
 ROLE = "vllm"
 ENDPOINT_DIR = "generators"
@@ -50,7 +50,15 @@ LOGPROBS_MODE = "processed_logprobs"
 DEFAULT_CPU_KV_CACHE_GB = 1.0
 # Variables the scheduler sets for torch.distributed rendezvous of trainer ranks; vLLM
 # sets up its own process group and must not pick up a rank or port meant for others.
-_TORCHRUN_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK")
+_TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+)
 
 
 def endpoint_file(run_dir: Path, replica: int) -> Path:
@@ -84,7 +92,13 @@ def roles(options: VLLMGeneratorOptions, ctx: RunContext) -> list[RoleSpec]:
     return [
         RoleSpec(
             name=ROLE,
-            command=(sys.executable, "-m", "forgerl_plugins.generators.vllm.server", "--run-dir", str(ctx.run_dir)),
+            command=(
+                sys.executable,
+                "-m",
+                "forgerl_plugins.generators.vllm.server",
+                "--run-dir",
+                str(ctx.run_dir),
+            ),
             replicas=options.replicas,
             resources=Resources(cpus=1, gpus=0 if cpu else options.tensor_parallel_size),
             max_restarts=options.max_restarts,
@@ -95,9 +109,7 @@ def roles(options: VLLMGeneratorOptions, ctx: RunContext) -> list[RoleSpec]:
 # ------------------------------------------------------------------- the vLLM command
 
 
-def server_command(
-    options: VLLMGeneratorOptions, model_dir: Path, model_dtype: str, port: int
-) -> list[str]:
+def server_command(options: VLLMGeneratorOptions, model_dir: Path, model_dtype: str, port: int) -> list[str]:
     """vLLM's OpenAI server for ``model_dir`` on ``options.host:port`` with our options."""
     dtype = model_dtype if options.dtype == "auto" else options.dtype
     args = [
@@ -212,13 +224,12 @@ def _say(message: str) -> None:
 
 
 def launch(run_dir: Path, replica: int) -> int:
+    import yaml
     from forgerl import runs
     from forgerl.config import validate_config
     from forgerl.models import resolve_model
     from forgerl.plugins import build_registry
-    from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
-
-    import yaml
+    from forgerl_plugins.generators.vllm.options import VLLMGeneratorOptions
 
     config = validate_config(yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text()), source=str(run_dir))
     options = VLLMGeneratorOptions.model_validate(config.generator.options)
@@ -232,7 +243,7 @@ def launch(run_dir: Path, replica: int) -> int:
     child: subprocess.Popen | None = None
     stopping: list[int] = []
 
-    def forward(signum: int, frame: object) -> None:  # noqa: ARG001
+    def forward(signum: int, frame: object) -> None:
         stopping.append(signum)
         if child is not None and child.poll() is None:
             child.send_signal(signum)
@@ -261,7 +272,9 @@ def launch(run_dir: Path, replica: int) -> int:
             if attempt < 2 and not _port_free(options.host, port):
                 _say(f"replica {replica}: port {port} was taken; retrying on another")
                 continue
-            return _failed(endpoint, f"vLLM exited with status {_exit_status(child.returncode)} before it was healthy")
+            return _failed(
+                endpoint, f"vLLM exited with status {_exit_status(child.returncode)} before it was healthy"
+            )
         break
     assert child is not None
     # Healthy is not enough: some models load and then fail at the first forward pass

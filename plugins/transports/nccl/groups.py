@@ -48,6 +48,7 @@ def make_group(store: Any, rank: int, size: int, backend: str, timeout: float, a
         opts._timeout = timedelta(timeout)
         # The address peers use to reach this process: loopback stays on loopback.
         opts._devices = [ProcessGroupGloo.create_device(hostname=address)]
+        opts._threads = int(os.environ.get("FORGE_GLOO_THREADS", "2"))  # TEMP
         return ProcessGroupGloo(store, rank, size, opts)
     if backend == "nccl":
         from torch.distributed import ProcessGroupNCCL

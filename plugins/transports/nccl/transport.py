@@ -57,8 +57,10 @@ EVENTS = "events"  # queue of {"type": "join"|"want", ...} from receivers
 LATEST = "latest"  # the newest published version
 META = "meta"  # its layout (JSON), for tools that only watch the store
 DEFAULT_TIMEOUT = 120.0
-#: Tensors at least this big are sent from their own memory (no packing copy).
-OWN_CHUNK_BYTES = 4 * 2**20
+#: Tensors at least this big are sent from their own memory (no packing copy); smaller
+#: ones are packed into bucket-sized chunks. Each gloo broadcast costs a handshake (about
+#: 1 ms on a busy machine), so fewer, bigger chunks win until packing costs more than that.
+OWN_CHUNK_BYTES = 16 * 2**20
 WITHDRAWN = "withdrawn"
 
 
@@ -320,19 +322,27 @@ class NcclSender(TransportSender):
             active.append((m, seq))
         if not active:
             return
-        # Every chunk is broadcast on every active channel; a packed chunk lives in one of
-        # two staging buffers per device, reused once every broadcast of it completed.
+        # Every chunk is broadcast on every active channel. A chunk that is (part of) one
+        # tensor already on the device goes from the tensor's memory; the others are packed
+        # into one of two staging buffers per device (packing the next while the previous
+        # is on the wire), reused once every broadcast of it completed.
         pending: dict[tuple[Any, int], list[tuple[_Member, Any]]] = {}
+        packed_count: dict[Any, int] = {}
         works: list[tuple[_Member, Any]] = []
-        for i, chunk in enumerate(layout.chunks):
+        for chunk in layout.chunks:
             by_device: dict[Any, list[_Member]] = {}
             for m, _ in active:
                 if m.failed is None:
                     by_device.setdefault(groups.device_for(m.backend), []).append(m)
             for device, members in by_device.items():
-                slot = (device, i % 2)
-                self._wait_works(pending.pop(slot, []), deadlines)
-                src, packed = self._source(current, chunk, device, i % 2)
+                src = self._direct(current, chunk, device)
+                slot = None
+                if src is None:
+                    n = packed_count.get(device, 0)
+                    packed_count[device] = n + 1
+                    slot = (device, n % 2)
+                    self._wait_works(pending.pop(slot, []), deadlines)
+                    src = self._pack(current, chunk, device, n % 2)
                 for m in members:
                     if m.failed is not None:
                         continue
@@ -341,7 +351,7 @@ class NcclSender(TransportSender):
                     except Exception as exc:  # noqa: BLE001
                         self._fail(m, f"broadcast failed: {_short(exc)}")
                         continue
-                    (pending.setdefault(slot, []) if packed else works).append((m, w))
+                    (works if slot is None else pending.setdefault(slot, [])).append((m, w))
         for ws in pending.values():
             works.extend(ws)
         self._wait_works(works, deadlines)
@@ -384,27 +394,35 @@ class NcclSender(TransportSender):
                 what = "timed out" if deadlines[m.nonce].expired else "failed"
                 self._fail(m, f"transfer {what}: {_short(exc)}")
 
-    def _source(self, current: _Version, chunk: Chunk, device: Any, slot: int) -> tuple[Any, bool]:
-        """The bytes of ``chunk`` on ``device``: the tensor's own memory when the chunk is
-        (part of) one tensor already there, else packed into staging buffer ``slot``."""
+    @staticmethod
+    def _direct(current: _Version, chunk: Chunk, device: Any) -> Any:
+        """The bytes of ``chunk`` in its tensor's own memory, when it is (part of) one tensor
+        already on ``device``; else None."""
+        if len(chunk.entries) != 1:
+            return None
+        e = current.layout.entries[chunk.entries[0]]
+        t = current.tensors[chunk.entries[0]]
+        if t.device != device:
+            return None
+        return tensor_bytes(t)[chunk.start - e.offset : chunk.end - e.offset]
+
+    def _pack(self, current: _Version, chunk: Chunk, device: Any, slot: int) -> Any:
+        """``chunk`` copied into staging buffer ``slot`` of ``device``."""
         import torch
 
         layout = current.layout
-        if len(chunk.entries) == 1:
-            e = layout.entries[chunk.entries[0]]
-            t = current.tensors[chunk.entries[0]]
-            if t.device == device:
-                return tensor_bytes(t)[chunk.start - e.offset : chunk.end - e.offset], False
         bufs = self._staging.setdefault(device, [None, None])
         buf = bufs[slot]
         if buf is None or buf.numel() < chunk.nbytes:
-            buf = bufs[slot] = torch.empty(chunk.nbytes, dtype=torch.uint8, device=device)
+            bufs[slot] = None  # free first: two of these may not fit on a GPU
+            size = max(chunk.nbytes, max((c.nbytes for c in layout.chunks if len(c.entries) > 1), default=0))
+            buf = bufs[slot] = torch.empty(size, dtype=torch.uint8, device=device)
         for ix in chunk.entries:
             e = layout.entries[ix]
             lo, hi = max(e.offset, chunk.start), min(e.end, chunk.end)
             src = tensor_bytes(current.tensors[ix])[lo - e.offset : hi - e.offset]
-            buf[lo - chunk.start : hi - chunk.start].copy_(src, non_blocking=False)
-        return buf[: chunk.nbytes], True
+            buf[lo - chunk.start : hi - chunk.start].copy_(src)
+        return buf[: chunk.nbytes]
 
     def _fail(self, m: _Member, reason: str) -> None:
         with self._cond:

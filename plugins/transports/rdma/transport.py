@@ -60,7 +60,13 @@ def _key(nonce: str, what: str) -> str:
 
 
 def _slot_key(slot: int) -> str:
+    """Which version a slot holds ("N"), or "writing:N" while it is being replaced."""
     return f"slot/{slot}"
+
+
+def _filled_key(slot: int) -> str:
+    """How many bytes of the slot's version are in place (it is published before it is full)."""
+    return f"filled/{slot}"
 
 
 def _short(exc: BaseException) -> str:
@@ -151,9 +157,7 @@ class RdmaSender(TransportSender):
             buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8)
             self._engine.register(buf)
             self._slots[slot] = buf
-        for (_, t), e in zip(tensors, layout.entries):
-            if e.nbytes:
-                buf[e.offset : e.end].copy_(tensor_bytes(t))
+        self._ctl.set(_filled_key(slot), "0", deadline)
         self._ctl.set(_slot_key(slot), str(version), deadline)
         offer = {
             "version": version,
@@ -164,6 +168,15 @@ class RdmaSender(TransportSender):
         }
         self._ctl.set(CURRENT, json.dumps(offer), deadline)
         self._ctl.set(LATEST, str(version), deadline)  # what receivers poll (small)
+        # Published before it is filled: receivers read each chunk as soon as it is packed
+        # (``filled`` says how far), so packing and reading overlap.
+        for chunk in layout.chunks:
+            for ix in chunk.entries:
+                e = layout.entries[ix]
+                lo, hi = max(e.offset, chunk.start), min(e.end, chunk.end)
+                buf[lo:hi].copy_(tensor_bytes(tensors[ix][1])[lo - e.offset : hi - e.offset])
+            self._ctl.set(_filled_key(slot), str(chunk.end), deadline)
+        self._ctl.set(_filled_key(slot), str(layout.nbytes), deadline)
         self._newest_slot = slot
         self.last_version = version
         self._collect_joins(deadline)
@@ -385,15 +398,28 @@ class RdmaReceiver(TransportReceiver):
         self._held = None  # the buffer is about to change
         self.progress = (version, 0, layout.nbytes)
         base, remote = self._buffer.data_ptr(), int(cur["address"])
-        chunks = layout.chunks
-        rc = self._engine.read(
-            cur["session"],
-            [base + c.start for c in chunks],
-            [remote + c.start for c in chunks],
-            [c.nbytes for c in chunks],
-        )
-        if rc != 0:
-            return f"Mooncake read from {cur['session']} failed ({rc}): the sender may be gone"
+        chunks, pos, done = layout.chunks, 0, 0
+        backoff = Backoff(self.options.poll_interval)
+        while pos < len(chunks):
+            filled = int(ctl.get(_filled_key(slot), deadline) or 0)
+            ready = [c for c in chunks[pos:] if c.end <= filled]
+            if not ready:
+                if deadline.expired:
+                    return f"version {version} was still being packed by the sender"
+                backoff.sleep(deadline)
+                continue
+            backoff.reset()
+            rc = self._engine.read(
+                cur["session"],
+                [base + c.start for c in ready],
+                [remote + c.start for c in ready],
+                [c.nbytes for c in ready],
+            )
+            if rc != 0:
+                return f"Mooncake read from {cur['session']} failed ({rc}): the sender may be gone"
+            pos += len(ready)
+            done = ready[-1].end
+            self.progress = (version, done, layout.nbytes)
         # The slot may have been rewritten while we read (we were slower than two sends):
         # then what we hold is torn, and is not yielded.
         if ctl.get(_slot_key(slot), deadline) != str(version).encode():

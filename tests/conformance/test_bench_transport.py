@@ -1,0 +1,47 @@
+"""`forge bench transport` as a user runs it: a small synthetic weight set through the
+transport and its raw path, machine-readable output."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib import metadata
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # Until the plugin's entry point is in pyproject.toml, load it by import path.
+    if not any(ep.name == "bench" for ep in metadata.entry_points(group="forgerl")):
+        env["FORGE_PLUGINS"] = ",".join(p for p in (env.get("FORGE_PLUGINS"), "forgerl_plugins.bench") if p)
+    return env
+
+
+@pytest.mark.parametrize("name", ["shm", "nccl"])
+def test_bench_transport_json(name: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "forgerl.cli", "bench", "transport", name, "--bytes", "8MB",
+         "--rounds", "2", "--json"],
+        check=False, capture_output=True, text=True, timeout=240, env=_env(),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert {"gbps", "raw_gbps", "ratio"} <= set(report), report
+    assert report["transport"] == name and report["bytes"] == 8_000_000 and report["receivers"] == 1
+    assert report["gbps"] > 0 and report["raw_gbps"] > 0
+    assert abs(report["ratio"] - report["gbps"] / report["raw_gbps"]) < 0.01, report
+    assert len(report["seconds"]) == len(report["raw_seconds"]) == 2
+
+
+def test_bench_transport_rejects_a_bad_size() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "forgerl.cli", "bench", "transport", "shm", "--bytes", "lots"],
+        check=False, capture_output=True, text=True, timeout=120, env=_env(),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "500MB" in proc.stderr and "Traceback" not in proc.stderr
