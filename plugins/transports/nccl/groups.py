@@ -48,7 +48,10 @@ def make_group(store: Any, rank: int, size: int, backend: str, timeout: float, a
         opts._timeout = timedelta(timeout)
         # The address peers use to reach this process: loopback stays on loopback.
         opts._devices = [ProcessGroupGloo.create_device(hostname=address)]
-        opts._threads = int(os.environ.get("FORGE_GLOO_THREADS", "2"))  # TEMP
+        # Each gloo op starts with a handshake between the two sides; with more ops in
+        # flight (one per thread) a handshake overlaps the previous chunk's bytes. 4 beat
+        # the default 2 by about 10% for 50-chunk versions on two busy cores.
+        opts._threads = 4
         return ProcessGroupGloo(store, rank, size, opts)
     if backend == "nccl":
         from torch.distributed import ProcessGroupNCCL
