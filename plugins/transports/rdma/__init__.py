@@ -2,38 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
-from forgerl.backends import TransportBackend
+from forgerl.backends import TransportBackend, lazy_options
 from forgerl.hookspecs import hookimpl
-from pydantic import BaseModel, ConfigDict, Field
-
-
-class RdmaTransportOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    protocol: Literal["rdma", "tcp"] = Field(
-        "rdma", description="Mooncake protocol; rdma falls back to TCP by itself where no RDMA NIC exists."
-    )
-    device_name: str = Field(
-        "", description="RDMA NIC(s) to use, e.g. mlx5_0 (empty: Mooncake discovers them)."
-    )
-    chunk_mb: int = Field(64, ge=1, description="Size of each read request of a batch, in MiB.")
-    host: str = Field(
-        "127.0.0.1",
-        description="Address of trainer rank 0 as generator workers reach it (engine and control store).",
-    )
-    port: int = Field(0, ge=0, le=65535, description="Port of the control store (0: any free port).")
-    timeout: float | None = Field(
-        None, gt=0, description="Default seconds for a send or receive (None: the run's transport.timeout)."
-    )
-    connect_timeout: float = Field(30.0, gt=0, description="Seconds to reach the control store.")
-    poll_interval: float = Field(
-        0.02,
-        gt=0,
-        le=1,
-        description="Longest sleep between control-store checks (polls start at 0.5 ms and back off).",
-    )
 
 
 @hookimpl
@@ -42,9 +12,13 @@ def forge_transports():
         TransportBackend(
             name="rdma",
             factory="forgerl_plugins.transports.rdma.transport:RdmaTransport",
-            options=RdmaTransportOptions,
+            options="forgerl_plugins.transports.rdma.options:RdmaTransportOptions",
             description="one-sided RDMA reads with a TCP fallback (Mooncake)",
             requires=("mooncake",),
             extra="rdma",
         )
     ]
+
+
+# Options models live in .options, imported on first use (listing backends never imports pydantic).
+__getattr__ = lazy_options(__name__, ("RdmaTransportOptions",))
