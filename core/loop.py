@@ -315,6 +315,7 @@ class Loop:
         scores = asyncio.run(go())
         correct = [_is_correct(s, cfg) for s in scores]
         self.time_totals["eval"] += time.perf_counter() - t
+        log.info("held-out accuracy after %d steps: %.4f (%d problems)", self.step, _mean(correct), len(scores))
         return {
             "eval/accuracy": _mean(correct),
             "eval/reward": _mean(s.value for s in scores),
