@@ -80,6 +80,18 @@ def parse_options(pairs: Iterable[str]) -> dict[str, Any]:
     return out
 
 
+def validated_options(name: str, options: dict[str, Any]) -> Any:
+    """The transport's options model, or a one-line ConfigError."""
+    from forgerl.plugins import build_registry
+    from pydantic import ValidationError
+
+    try:
+        return build_registry().require("transport", name).validate_options(options)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise ConfigError(f"bad --option for transport {name!r}: {problems}") from None
+
+
 def synthetic_weights(nbytes: int) -> dict[str, Any]:
     """bf16 tensors summing to ``nbytes`` (rounded down to an even count)."""
     import torch
@@ -169,7 +181,7 @@ class _TransportPath:
         from forgerl.plugins import build_registry
 
         backend = build_registry().require("transport", name)
-        self.options = backend.validate_options(options)
+        self.options = validated_options(name, options)
         self.transport = backend.create(self.options, None)
         self.sender = self.transport.sender()
         spec = self.transport.receiver_spec()
@@ -334,6 +346,7 @@ def run(
         raise ConfigError(
             f"forge bench transport knows the raw paths of {', '.join(RAW_PATHS)}, not {name!r}"
         )
+    validated_options(name, dict(options or {}))  # before allocating SIZE bytes
     weights = synthetic_weights(nbytes)
     payload = sum(t.numel() * t.element_size() for t in weights.values())
     versions = rounds + 1

@@ -44,7 +44,7 @@ from forgerl.interfaces import RunContext, Transport, TransportReceiver, Transpo
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.nccl import control, groups
 from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Backoff, Control, Deadline
-from forgerl_plugins.transports.nccl.layout import Chunk, Layout, tensor_bytes
+from forgerl_plugins.transports.nccl.layout import Chunk, Layout, copy_bytes, tensor_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -62,6 +62,7 @@ DEFAULT_TIMEOUT = 120.0
 #: 1 ms on a busy machine), so fewer, bigger chunks win until packing costs more than that.
 OWN_CHUNK_BYTES = 16 * 2**20
 WITHDRAWN = "withdrawn"
+SENDER_CLOSED = "the sender closed"
 
 
 def member_key(nonce: str, what: str) -> str:
@@ -258,7 +259,12 @@ class NcclSender(TransportSender):
                         and m.delivered != current.version
                     ]
                 if batch and current is not None:
-                    self._deliver(ctl, current, batch)
+                    try:
+                        self._deliver(ctl, current, batch)
+                    except Exception as exc:  # a bug, or the store gone: fail them now, not at the timeout
+                        for m in batch:
+                            self._fail(m, f"delivery failed: {type(exc).__name__}: {_short(exc)}")
+                        raise
                     backoff.reset()
                 self._reap(ctl)
             except Exception:
@@ -421,7 +427,7 @@ class NcclSender(TransportSender):
             e = layout.entries[ix]
             lo, hi = max(e.offset, chunk.start), min(e.end, chunk.end)
             src = tensor_bytes(current.tensors[ix])[lo - e.offset : hi - e.offset]
-            buf[lo - chunk.start : hi - chunk.start].copy_(src)
+            copy_bytes(buf[lo - chunk.start : hi - chunk.start], src)
         return buf[: chunk.nbytes]
 
     def _fail(self, m: _Member, reason: str) -> None:
@@ -460,7 +466,7 @@ class NcclSender(TransportSender):
             self._members.clear()
         for m in members:
             try:
-                self._ctl.set(member_key(m.nonce, "closed"), "the sender closed")
+                self._ctl.set(member_key(m.nonce, "closed"), SENDER_CLOSED)
             except STORE_ERRORS:
                 pass
             groups.destroy(m.channel, graceful=True)
@@ -607,6 +613,11 @@ class NcclReceiver(TransportReceiver):
             if time.monotonic() >= next_closed_check:  # rarely: it only matters when waiting long
                 closed = ctl.get(member_key(nonce, "closed"), deadline)
                 if closed is not None:
+                    if closed.decode() == SENDER_CLOSED:  # an orderly end: no point waiting
+                        raise TransportError(
+                            f"nccl receiver {self.worker_id}: the sender at {self.host}:{self.port} closed "
+                            "(the trainer finished or is restarting)"
+                        )
                     raise _ChannelBroken(closed.decode())
                 next_closed_check = time.monotonic() + self.options.poll_interval
             if self._pg is None:

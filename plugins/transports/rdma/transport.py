@@ -38,7 +38,7 @@ from forgerl.interfaces import RunContext, Transport, TransportReceiver, Transpo
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.nccl import control
 from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Backoff, Control, Deadline
-from forgerl_plugins.transports.nccl.layout import Layout, tensor_bytes
+from forgerl_plugins.transports.nccl.layout import Layout, copy_bytes, tensor_bytes
 from forgerl_plugins.transports.rdma.engine import Engine
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,6 +53,7 @@ CURRENT = "current"  # the newest version: layout, session, address
 LATEST = "latest"  # its number
 DEFAULT_TIMEOUT = 120.0
 MAX_QUERY = 5.0
+SENDER_CLOSED = "the sender closed"
 
 
 def _key(nonce: str, what: str) -> str:
@@ -174,7 +175,7 @@ class RdmaSender(TransportSender):
             for ix in chunk.entries:
                 e = layout.entries[ix]
                 lo, hi = max(e.offset, chunk.start), min(e.end, chunk.end)
-                buf[lo:hi].copy_(tensor_bytes(tensors[ix][1])[lo - e.offset : hi - e.offset])
+                copy_bytes(buf[lo:hi], tensor_bytes(tensors[ix][1])[lo - e.offset : hi - e.offset])
             self._ctl.set(_filled_key(slot), str(chunk.end), deadline)
         self._ctl.set(_filled_key(slot), str(layout.nbytes), deadline)
         self._newest_slot = slot
@@ -247,7 +248,7 @@ class RdmaSender(TransportSender):
         try:
             self._ctl.delete([LATEST, CURRENT], Deadline(MAX_QUERY))
             for m in self._members.values():
-                self._ctl.set(_key(m.nonce, "closed"), "the sender closed", Deadline(MAX_QUERY))
+                self._ctl.set(_key(m.nonce, "closed"), SENDER_CLOSED, Deadline(MAX_QUERY))
         except STORE_ERRORS:
             pass
         self._members.clear()
@@ -346,7 +347,13 @@ class RdmaReceiver(TransportReceiver):
                 ctl = self._ctl
                 assert ctl is not None and self._nonce is not None
                 if time.monotonic() >= next_closed_check:
-                    if ctl.has(_key(self._nonce, "closed"), deadline):
+                    closed = ctl.get(_key(self._nonce, "closed"), deadline)
+                    if closed is not None and closed.decode() == SENDER_CLOSED:
+                        raise TransportError(
+                            f"rdma receiver {self.worker_id}: the sender at {self.host}:{self.port} closed "
+                            "(the trainer finished or is restarting)"
+                        )
+                    if closed is not None:
                         self._nonce = None  # dropped by the sender: register again, then read
                         continue
                     next_closed_check = time.monotonic() + self.options.poll_interval
