@@ -42,7 +42,9 @@ def main() -> None:
         sys.exit(f"forge run failed with {proc.returncode}; see {out}/logs")
     summary = json.loads((out / "summary.json").read_text())
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    config = (out / "config.yaml").read_text()
+    import yaml
+
+    config = yaml.safe_load((out / "config.yaml").read_text())
     result = {
         "steps": summary["steps"],
         "eval_accuracy_start": summary["eval_accuracy_start"],
@@ -53,8 +55,8 @@ def main() -> None:
         "wall_minutes": round(wall / 60, 1),
         "time": summary["time"],
         "run_dir": str(out),
-        "generator": next((line.split(":", 1)[1].strip() for line in config.splitlines()
-                           if line.startswith("  name:")), None),
+        "generator": config["generator"]["name"],
+        "model": config["model"]["name"],
     }
     if args.json:
         print(json.dumps(result, indent=2))

@@ -19,9 +19,11 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -164,8 +166,19 @@ def close_and_check_clean(
         while spec["port"] in listening_ports() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert spec["port"] not in listening_ports(), f"control store port {spec['port']} still listening"
-        threads = [t.name for t in threading.enumerate() if t.name.startswith("forge-")]
-        assert not threads, f"transport threads still running after close: {threads}"
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and any(t.name.startswith("forge-") for t in threading.enumerate()):
+            time.sleep(0.05)
+        threads = [t for t in threading.enumerate() if t.name.startswith("forge-")]
+        frames = sys._current_frames()
+        stacks = "\n".join(
+            f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident]))}"
+            for t in threads
+            if t.ident in frames
+        )
+        assert not threads, (
+            f"transport threads still running after close: {[t.name for t in threads]}\n{stacks}"
+        )
     if name == "rdma":
         assert sender.registered_bytes == 0, f"{sender.registered_bytes} bytes still registered with Mooncake"
         assert engine_port not in listening_ports(), f"Mooncake engine port {engine_port} still listening"
