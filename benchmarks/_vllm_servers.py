@@ -2,7 +2,8 @@
 
 ``plugin_servers(config, run_dir)`` starts the ``vllm`` server role with the local
 scheduler (exactly what ``forge run`` starts), connects a :class:`VLLMGenerator` with the
-shm transport, and stops everything on exit.
+config's transport (built from the registry, as the trainer's rank 0 builds it), and
+stops everything on exit.
 """
 
 from __future__ import annotations
@@ -16,17 +17,16 @@ from typing import Any
 
 @contextlib.contextmanager
 def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tuple[Any, Any]]:
-    """Yields ``(generator, shm sender)`` for servers started from ``config``."""
+    """Yields ``(generator, transport sender)`` for servers started from ``config``."""
     from forgerl import runs
     from forgerl.interfaces import RunContext
+    from forgerl.plugins import build_registry
     from forgerl.types import JobSpec
     from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
     from forgerl_plugins.generators.vllm.generator import VLLMGenerator
     from forgerl_plugins.generators.vllm.server import roles
     from forgerl_plugins.schedulers.local import LocalSchedulerOptions
     from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
-    from forgerl_plugins.transports.shm import ShmTransportOptions
-    from forgerl_plugins.transports.shm.transport import ShmTransport
 
     run_dir.mkdir(parents=True, exist_ok=True)
     runs.write_config(run_dir, config)
@@ -45,8 +45,9 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
     thread = threading.Thread(target=supervise, daemon=True)
     thread.start()
     started.wait(30)
-    transport = ShmTransport(ShmTransportOptions(), None)
-    ctx = RunContext(config=config, run_dir=run_dir, model_path=model_dir, extras={"transport": transport})
+    ctx = RunContext(config=config, run_dir=run_dir, model_path=model_dir)
+    transport = build_registry().require("transport", config.transport.name).create(config.transport.options, ctx)
+    ctx.extras["transport"] = transport
     generator = sender = None
     try:
         generator = VLLMGenerator(options, ctx)
@@ -61,11 +62,12 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
         thread.join(60)
 
 
-def resolved_config(model: str, sets: list[str]) -> Any:
+def resolved_config(model: str, sets: list[str], transport: str = "shm") -> Any:
     from forgerl.config import build_config, resolve
     from forgerl.plugins import build_registry
 
-    return resolve(build_config(flags={"model": model, "generator": "vllm"}, sets=sets), build_registry())
+    flags = {"model": model, "generator": "vllm", "transport": transport}
+    return resolve(build_config(flags=flags, sets=sets), build_registry())
 
 
 def model_folder(config: Any) -> Path:

@@ -1,16 +1,17 @@
 """Weight-update latency into a running vLLM server, against a plain memcpy of the same bytes.
 
 Run: .venv/bin/python benchmarks/vllm_weight_update.py [--model smollm2-135m-instruct]
-     [--rounds 3] [--json]
+     [--transport shm|nccl|rdma] [--rounds 3] [--json]
 
 One server is started by the plugin's role (as ``forge run`` does); the benchmark plays
 the trainer: it holds the model in fp32 under Hugging Face names, and for each version it
-sends the full weights through the shm transport while ``VLLMGenerator.update_weights``
+sends the full weights through the chosen transport while ``VLLMGenerator.update_weights``
 loads them, exactly as the loop's ``sync_weights`` does. Reported per round:
 
 * ``sync``: wall time of the whole step (sender writes, replica pauses, its worker
   receives and reloads, the tied head is repacked, prefix cache reset, resume);
-* ``send``: the sender's part (writing the version into /dev/shm);
+* ``send``: the sender's part (for shm, writing the version into /dev/shm; for nccl and
+  rdma, until every receiver acknowledged it);
 * ``worker``: what the vLLM worker spent receiving and reloading;
 * the baseline: one memcpy of the same number of bytes between two warm buffers.
 
@@ -72,12 +73,13 @@ def main() -> None:
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--transport", default="shm", help="a transport's name: shm, nccl, rdma")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--set", action="append", default=[], help="more config, e.g. transport.timeout=300")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    config = resolved_config(args.model, ["generator.options.kv_cache_gb=1", *args.set])
+    config = resolved_config(args.model, ["generator.options.kv_cache_gb=1", *args.set], args.transport)
     model_dir = model_folder(config)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -127,6 +129,7 @@ def main() -> None:
     median_sync = statistics.median(r["sync_s"] for r in rounds)
     result = {
         "model": args.model,
+        "transport": args.transport,
         "bytes_sent": sent,
         "memcpy_s": baseline,
         "rounds": rounds,
@@ -137,13 +140,16 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{args.model}: {sent / 2**20:.0f} MiB per version (fp32, every name the trainer exports)")
+    print(
+        f"{args.model} through {args.transport}: {sent / 2**20:.0f} MiB per version "
+        "(fp32, every name the trainer exports)"
+    )
     print(
         f"  memcpy of the same bytes: {result['memcpy_s'] * 1e3:.0f} ms ({sent / result['memcpy_s'] / 1e9:.1f} GB/s)"
     )
     for r in rounds:
         print(
-            f"  version {r['version']}: sync {r['sync_s']:.2f} s = send {r['send_s']:.2f} s (trainer writes) "
+            f"  version {r['version']}: sync {r['sync_s']:.2f} s = send {r['send_s']:.2f} s (trainer side) "
             f"overlapping the worker's {r['worker_s']:.2f} s (waits {r['worker_wait_s']:.2f}, reads "
             f"{r['worker_read_s']:.2f}, vLLM loads+repacks {r['worker_load_s']:.2f}); pause/resume etc. "
             f"{r['sync_s'] - r['worker_s']:.2f} s"

@@ -41,4 +41,27 @@ if [ "${FORGE_SKIP_VLLM:-0}" != "1" ]; then
     fi
 fi
 
+# Mooncake's TransferEngine for the `rdma` transport (it falls back to TCP where no RDMA
+# card exists, so the same call runs here). Its library links against libibverbs, which
+# comes from the system's packages. FORGE_SKIP_RDMA=1 leaves both out.
+if [ "${FORGE_SKIP_RDMA:-0}" != "1" ]; then
+    if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+        if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+            echo "forgerl: installing libibverbs1 (apt-get) for the rdma transport"
+            export DEBIAN_FRONTEND=noninteractive
+            apt-get install -y -qq libibverbs1 >/dev/null 2>&1 \
+                || { apt-get update -qq >/dev/null && apt-get install -y -qq libibverbs1 >/dev/null; }
+        else
+            echo "forgerl: libibverbs1 is missing; install it (e.g. sudo apt-get install libibverbs1)" \
+                "for the rdma transport, or set FORGE_SKIP_RDMA=1" >&2
+            exit 2
+        fi
+    fi
+    if [ "$GPU" = "1" ]; then
+        $PIP install --quiet --disable-pip-version-check -e ".[rdma-gpu]"
+    else
+        $PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[rdma]"
+    fi
+fi
+
 echo "forgerl: environment ready in $VENV (gpu=$GPU)"

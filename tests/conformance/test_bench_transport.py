@@ -4,30 +4,24 @@ transport and its raw path, machine-readable output."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from importlib import metadata
 
 import pytest
+
+from ..helpers.requires import require_mooncake
 
 pytestmark = pytest.mark.integration
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    # Until the plugin's entry point is in pyproject.toml, load it by import path.
-    if not any(ep.name == "bench" for ep in metadata.entry_points(group="forgerl")):
-        env["FORGE_PLUGINS"] = ",".join(p for p in (env.get("FORGE_PLUGINS"), "forgerl_plugins.bench") if p)
-    return env
-
-
-@pytest.mark.parametrize("name", ["shm", "nccl"])
+@pytest.mark.parametrize("name", ["shm", "nccl", "rdma"])
 def test_bench_transport_json(name: str) -> None:
+    if name == "rdma":
+        require_mooncake()
     proc = subprocess.run(
         [sys.executable, "-m", "forgerl.cli", "bench", "transport", name, "--bytes", "8MB",
          "--rounds", "2", "--json"],
-        check=False, capture_output=True, text=True, timeout=240, env=_env(),
+        check=False, capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
@@ -41,7 +35,7 @@ def test_bench_transport_json(name: str) -> None:
 def test_bench_transport_rejects_a_bad_size() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "forgerl.cli", "bench", "transport", "shm", "--bytes", "lots"],
-        check=False, capture_output=True, text=True, timeout=120, env=_env(),
+        check=False, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "500MB" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,7 +1,8 @@
-"""`forge run` end to end over the nccl and rdma transports: the tiny model, the hf
-generator in the trainer's process (its receiver talks to the sender through the
-transport like any other), the fsdp trainer. The served logprobs must equal the
-trainer's after every update, which only holds if each version arrived bit-exact."""
+"""`forge run` end to end over the nccl and rdma transports: the tiny model, the fsdp
+trainer, and either generator: hf in the trainer's process (its receiver talks to the
+sender through the transport like any other) or a real vLLM server (a receiver in its
+worker). The served logprobs must equal the trainer's after every update, which only
+holds if each version arrived bit-exact."""
 
 from __future__ import annotations
 
@@ -14,39 +15,51 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from ..helpers.requires import require_mooncake
+
+# A vLLM server's start-up on a busy two-core machine takes minutes.
+pytestmark = [pytest.mark.integration, pytest.mark.hard_timeout(900)]
 
 FORGE = [sys.executable, "-m", "forgerl.cli"]
 SMALL = [
     "--model", "tiny",
-    "--generator", "hf",
+    "--trainer", "fsdp",
     "--steps", "2",
     "--set", "loop.prompts_per_step=2",
     "--set", "loop.group_size=4",
     "--set", "loop.sampling.max_tokens=12",
     "--set", "loop.eval_size=4",
     "--set", "transport.timeout=60",
+    "--set", "logging.progress=false",
 ]  # fmt: skip
+VLLM = ["--set", "generator.options.kv_cache_gb=0.25"]
+NO_VLLM = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install 'forgerl[vllm]')"
+)
 
 
 @pytest.mark.parametrize(
-    ("transport", "ranks"),
+    ("generator", "transport", "ranks"),
     [
         # Two trainer ranks: the transport's private group must not disturb FSDP's default group.
-        ("nccl", 2),
-        ("rdma", 1),
+        ("hf", "nccl", 2),
+        ("hf", "rdma", 1),
+        # The receivers live inside vLLM's workers (the plugin's worker extension builds them).
+        pytest.param("vllm", "nccl", 2, marks=[pytest.mark.vllm, NO_VLLM]),
+        pytest.param("vllm", "rdma", 1, marks=[pytest.mark.vllm, NO_VLLM]),
     ],
 )
-def test_forge_run_over_transport(tmp_path: Path, transport: str, ranks: int) -> None:
-    if transport == "rdma" and importlib.util.find_spec("mooncake") is None:
-        pytest.skip("rdma needs Mooncake: pip install 'forgerl[rdma]'")
+def test_forge_run_over_transport(tmp_path: Path, generator: str, transport: str, ranks: int) -> None:
+    if transport == "rdma":
+        require_mooncake()
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [*FORGE, "run", *SMALL, "--transport", transport, "--set", f"trainer.ranks={ranks}", "--output", str(out)],
-        check=False, capture_output=True, text=True, timeout=300, env={**os.environ},
-    )  # fmt: skip
-    log = out / "logs" / "trainer-0.log"
-    assert proc.returncode == 0, proc.stderr[-3000:] + (log.read_text()[-3000:] if log.exists() else "")
+    command = [*FORGE, "run", *SMALL, "--generator", generator, "--transport", transport,
+               "--set", f"trainer.ranks={ranks}", "--output", str(out)]  # fmt: skip
+    if generator == "vllm":
+        command += VLLM
+    proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=840, env={**os.environ})
+    logs = sorted((out / "logs").glob("*.log")) if (out / "logs").exists() else []
+    assert proc.returncode == 0, proc.stderr[-3000:] + "".join(f"\n--- {p.name}\n{p.read_text()[-2000:]}" for p in logs)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["policy_version"] for r in rows] == [1, 2]

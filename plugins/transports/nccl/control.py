@@ -25,6 +25,8 @@ STORE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError)
 
 #: Longest single store operation: a store op that takes longer means the other side froze.
 MAX_OP_SECONDS = 10.0
+#: Shortest bound given to one store operation, however little of a deadline is left.
+MIN_OP_SECONDS = 2.0
 
 
 class Deadline:
@@ -117,44 +119,64 @@ def connect(host: str, port: int, timeout: float) -> Any:
 
 
 class Control:
-    """A namespaced view of the control store with a deadline on every operation.
+    """A namespaced view of the control store with a bound on every operation.
+
+    Two rules learnt the hard way: a TCPStore client whose operation timed out is left
+    out of step with its server (the late reply answers the next request), so after any
+    failed operation the connection is replaced before the next one; and operations get
+    at least ``MIN_OP_SECONDS`` even when the caller's deadline is nearly spent, because a
+    timeout that fires on a healthy but busy server breaks the connection for nothing.
+    Callers bound their own loops by their deadlines.
 
     Not thread-safe: each thread that talks to the store makes its own ``Control``.
     """
 
-    def __init__(self, store: Any, namespace: str) -> None:
+    def __init__(self, store: Any, namespace: str, host: str | None = None, port: int | None = None) -> None:
+        self.namespace = namespace
+        self._address = (host, port)
+        self._use(store)
+        self._broken = False
+
+    def _use(self, store: Any) -> None:
         from torch.distributed import PrefixStore
 
         self.raw = store
-        self.store = PrefixStore(namespace, store)
-        self.namespace = namespace
+        self.store = PrefixStore(self.namespace, store)
 
     @classmethod
     def connect(cls, host: str, port: int, namespace: str, timeout: float) -> Control:
-        return cls(connect(host, port, min(timeout, MAX_OP_SECONDS)), namespace)
+        return cls(connect(host, port, min(timeout, MAX_OP_SECONDS)), namespace, host, port)
 
-    def _bound(self, deadline: Deadline | None) -> None:
+    def _call(self, deadline: Deadline | None, fn: Any, *args: Any) -> Any:
+        if self._broken:
+            host, port = self._address
+            if host is None or port is None:
+                raise RuntimeError("control store connection broke and cannot be re-established")
+            self._use(connect(host, port, MAX_OP_SECONDS))
+            self._broken = False
         seconds = MAX_OP_SECONDS if deadline is None else min(MAX_OP_SECONDS, deadline.remaining())
         # On the TCPStore itself: a PrefixStore's own timeout does not reach its socket.
-        self.raw.set_timeout(timedelta(seconds))
+        self.raw.set_timeout(timedelta(max(MIN_OP_SECONDS, seconds)))
+        try:
+            return fn(*args)
+        except STORE_ERRORS:
+            self._broken = True
+            raise
 
     def set(self, key: str, value: str | bytes, deadline: Deadline | None = None) -> None:
-        self._bound(deadline)
-        self.store.set(key, value)
+        self._call(deadline, self.store.set, key, value)
 
     def set_json(self, key: str, value: Any, deadline: Deadline | None = None) -> None:
         self.set(key, json.dumps(value, separators=(",", ":")), deadline)
 
     def has(self, key: str, deadline: Deadline | None = None) -> bool:
-        self._bound(deadline)
-        return bool(self.store.check([key]))
+        return bool(self._call(deadline, self.store.check, [key]))
 
     def get(self, key: str, deadline: Deadline | None = None) -> bytes | None:
         """The value, or None when the key does not exist (never waits for it)."""
-        self._bound(deadline)
-        if not self.store.check([key]):
+        if not self.has(key, deadline):
             return None
-        return self.store.get(key)
+        return self._call(deadline, self.store.get, key)
 
     def get_json(self, key: str, deadline: Deadline | None = None) -> Any:
         raw = self.get(key, deadline)
@@ -164,28 +186,21 @@ class Control:
         """Values of keys that must all exist (one round trip)."""
         if not keys:
             return []
-        self._bound(deadline)
-        return list(self.store.multi_get(keys))
+        return list(self._call(deadline, self.store.multi_get, keys))
 
     def compare_set(self, key: str, expected: str, desired: str, deadline: Deadline | None = None) -> str:
         """Atomically set ``key`` to ``desired`` if it holds ``expected`` ("" = absent);
         returns the value it holds afterwards (``desired`` when this call won)."""
-        self._bound(deadline)
-        return self.store.compare_set(key, expected, desired).decode()
+        return self._call(deadline, self.store.compare_set, key, expected, desired).decode()
 
     def delete(self, keys: Iterable[str], deadline: Deadline | None = None) -> None:
-        self._bound(deadline)
         for key in keys:
-            self.store.delete_key(key)
+            self._call(deadline, self.store.delete_key, key)
 
     def push(self, queue: str, value: Any, deadline: Deadline | None = None) -> None:
-        self._bound(deadline)
-        self.store.queue_push(queue, json.dumps(value, separators=(",", ":")))
+        self._call(deadline, self.store.queue_push, queue, json.dumps(value, separators=(",", ":")))
 
     def pop_all(self, queue: str, deadline: Deadline | None = None) -> list[Any]:
         """Every value queued now, oldest first (never waits)."""
-        self._bound(deadline)
-        out = []
-        for _ in range(int(self.store.queue_len(queue))):
-            out.append(json.loads(self.store.queue_pop(queue, False)))
-        return out
+        n = int(self._call(deadline, self.store.queue_len, queue))
+        return [json.loads(self._call(deadline, self.store.queue_pop, queue, False)) for _ in range(n)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 from forgerl_plugins.transports.nccl.control import timedelta
@@ -83,6 +84,55 @@ def broadcast(pg: Any, tensor: Any, root: int, timeout: float) -> Any:
     opts.rootTensor = 0
     opts.timeout = timedelta(timeout)
     return pg.broadcast([tensor], opts)
+
+
+def wait(work: Any, deadline: Any) -> None:
+    """Wait for ``work`` until ``deadline`` (a :class:`~.control.Deadline`); raises what
+    the work raised, or TimeoutError. Polls instead of ``work.wait()``, which trusts the
+    backend to honour its own timeout."""
+    from forgerl_plugins.transports.nccl.control import Backoff
+
+    backoff = Backoff(0.01)
+    while not work.is_completed():
+        if deadline.expired:
+            raise TimeoutError(f"the transfer did not complete within {deadline.seconds:g} s")
+        time.sleep(backoff.next())
+    work.wait()
+
+
+def destroy_soon(holder: list[Any]) -> None:
+    """Abort a broken group in the background, and let go of it there.
+
+    ``holder`` is a list holding the only reference to the group (the caller keeps no
+    other). A gloo op waiting on a peer that died before it answered stays pending until
+    its own timeout, and abort() does not cancel it; the group's destructor waits for
+    it. Whoever drops the last reference runs that destructor, so it must be this
+    thread, never the caller's."""
+
+    def teardown() -> None:
+        pg = holder.pop() if holder else None
+        destroy(pg, graceful=False)
+        del pg  # the destructor (possibly waiting out pending ops) runs here
+
+    threading.Thread(target=teardown, name="forge-group-teardown", daemon=True).start()
+
+
+def destroy_all(holder: list[Any], graceful: bool, timeout: float) -> bool:
+    """Tear down the groups in ``holder`` (which holds the only references to them),
+    waiting at most ``timeout`` seconds; whether it finished. If not, the rest, and the
+    groups' destructors, go on in the background."""
+
+    def teardown() -> None:
+        while holder:
+            pg = holder.pop()
+            if pg is not None:
+                destroy(pg, graceful)
+            del pg
+
+    t = threading.Thread(target=teardown, name="forge-group-teardown", daemon=True)
+    t.start()
+    t.join(timeout)
+    return not t.is_alive()
 
 
 def destroy(pg: Any, graceful: bool = True) -> None:

@@ -25,6 +25,12 @@ class NcclTransportOptions(BaseModel):
     connect_timeout: float = Field(
         30.0, gt=0, description="Seconds to reach the control store or to form a receiver's group."
     )
+    stall_timeout: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a receiver may go without a chunk completing (or without acknowledging after "
+        "its last one) before it is dropped as dead, so that the others go on.",
+    )
     poll_interval: float = Field(
         0.02,
         gt=0,

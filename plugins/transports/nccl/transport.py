@@ -132,7 +132,7 @@ class NcclSender(TransportSender):
             control.local_address(options.host) if control.is_loopback(options.host) else options.host
         )
         self._backend = groups.resolve_backend(options.backend)
-        self._ctl = Control(server, NAMESPACE)  # this (the caller's) thread only
+        self._ctl = Control(server, NAMESPACE, "127.0.0.1", port)  # the caller's thread only
         self._cond = threading.Condition()
         self._members: dict[str, _Member] = {}
         self._current: _Version | None = None
@@ -328,6 +328,7 @@ class NcclSender(TransportSender):
             active.append((m, seq))
         if not active:
             return
+        progress = {m.nonce: time.monotonic() for m, _ in active}  # when a chunk of each last completed
         # Every chunk is broadcast on every active channel. A chunk that is (part of) one
         # tensor already on the device goes from the tensor's memory; the others are packed
         # into one of two staging buffers per device (packing the next while the previous
@@ -347,7 +348,7 @@ class NcclSender(TransportSender):
                     n = packed_count.get(device, 0)
                     packed_count[device] = n + 1
                     slot = (device, n % 2)
-                    self._wait_works(pending.pop(slot, []), deadlines)
+                    self._wait_works(pending.pop(slot, []), deadlines, progress)
                     src = self._pack(current, chunk, device, n % 2)
                 for m in members:
                     if m.failed is not None:
@@ -360,11 +361,12 @@ class NcclSender(TransportSender):
                     (works if slot is None else pending.setdefault(slot, [])).append((m, w))
         for ws in pending.values():
             works.extend(ws)
-        self._wait_works(works, deadlines)
+        self._wait_works(works, deadlines, progress)
         _synchronize(self._staging)
         # A finished broadcast on the root only means the bytes left; the receiver's
         # acknowledgement means they all arrived and it holds the version.
         waiting = [(m, seq) for m, seq in active if m.failed is None]
+        sent = time.monotonic()
         backoff = Backoff(self.options.poll_interval)
         while waiting and not self._stop.is_set():
             still = []
@@ -382,23 +384,47 @@ class NcclSender(TransportSender):
                         self._cond.notify_all()
                 elif closed is not None:
                     self._fail(m, f"it gave up: {closed.decode()}")
-                elif deadlines[m.nonce].expired:
-                    self._fail(m, f"no acknowledgement of version {version} in time")
+                elif deadlines[m.nonce].expired or time.monotonic() - sent > self.options.stall_timeout:
+                    self._fail(m, f"no acknowledgement of version {version} after its last chunk (dead?)")
                 else:
                     still.append((m, seq))
             waiting = still
             if waiting:
                 self._stop.wait(backoff.next())
 
-    def _wait_works(self, works: list[tuple[_Member, Any]], deadlines: dict[str, Deadline]) -> None:
-        for m, w in works:
-            if m.failed is not None:
-                continue
-            try:
-                w.wait()
-            except Exception as exc:  # noqa: BLE001 - a dead or stuck peer
-                what = "timed out" if deadlines[m.nonce].expired else "failed"
-                self._fail(m, f"transfer {what}: {_short(exc)}")
+    def _wait_works(
+        self, works: list[tuple[_Member, Any]], deadlines: dict[str, Deadline], progress: dict[str, float]
+    ) -> None:
+        """Wait until every work is done or its receiver failed. A work that fails fails
+        its receiver; so does its deadline, and so does a stall: no chunk of that
+        receiver completed for ``stall_timeout`` seconds (``progress``: when one last
+        did). A receiver that died before answering leaves gloo ops pending until their
+        own timeout — the stall rule frees the others, who share the staging buffers."""
+        waiting = [(m, w) for m, w in works if m.failed is None]
+        backoff = Backoff(self.options.poll_interval)
+        while waiting:
+            still = []
+            for m, w in waiting:
+                if m.failed is not None:
+                    continue
+                if w.is_completed():
+                    try:
+                        w.wait()  # returns at once; raises what the work raised
+                        progress[m.nonce] = time.monotonic()
+                    except Exception as exc:  # noqa: BLE001 - a dead or stuck peer
+                        self._fail(m, f"transfer failed: {_short(exc)}")
+                elif deadlines[m.nonce].expired:
+                    self._fail(m, "transfer timed out")
+                elif time.monotonic() - progress[m.nonce] > self.options.stall_timeout:
+                    self._fail(
+                        m,
+                        f"transfer stalled: no chunk completed for {self.options.stall_timeout:g} s (dead?)",
+                    )
+                else:
+                    still.append((m, w))
+            waiting = still
+            if waiting:
+                time.sleep(backoff.next())
 
     @staticmethod
     def _direct(current: _Version, chunk: Chunk, device: Any) -> Any:
@@ -444,8 +470,8 @@ class NcclSender(TransportSender):
             for m in dead:
                 del self._members[m.nonce]
         for m in dead:
-            groups.destroy(m.channel, graceful=False)
-            m.channel = None
+            holder, m.channel = [m.channel], None
+            groups.destroy_soon(holder)  # never in this thread: it may wait for a dead peer
             try:
                 ctl.set(member_key(m.nonce, "closed"), f"dropped by the sender: {m.failed}")
             except STORE_ERRORS:
@@ -461,16 +487,24 @@ class NcclSender(TransportSender):
         with self._cond:
             self._cond.notify_all()
         self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            log.warning("nccl sender: the service thread did not stop within 10 s")
         with self._cond:
             members = list(self._members.values())
             self._members.clear()
         for m in members:
             try:
-                self._ctl.set(member_key(m.nonce, "closed"), SENDER_CLOSED)
+                self._ctl.set(member_key(m.nonce, "closed"), SENDER_CLOSED, Deadline(1.0))
             except STORE_ERRORS:
                 pass
-            groups.destroy(m.channel, graceful=True)
+        holder = []
+        for m in members:
+            holder.append(m.channel)
             m.channel = None
+        if not groups.destroy_all(holder, graceful=True, timeout=10):
+            log.warning(
+                "nccl sender: tearing down its groups took over 10 s; left to finish in the background"
+            )
         self._current = None
         self._staging.clear()
         self._ctl = None  # type: ignore[assignment]
@@ -677,8 +711,9 @@ class NcclReceiver(TransportReceiver):
                 (c, groups.broadcast(self._pg, self._buffer[c.start : c.end], 0, op_timeout))
                 for c in layout.chunks
             ]
+            op_deadline = Deadline(op_timeout + 1.0)
             for c, w in works:
-                w.wait()
+                groups.wait(w, op_deadline)
                 done += c.nbytes
                 self.progress = (layout.version, done, layout.nbytes)
             if self._buffer.is_cuda:
@@ -692,8 +727,8 @@ class NcclReceiver(TransportReceiver):
 
     def _abandon(self, reason: str) -> None:
         """Leave this channel: the next receive registers afresh."""
-        groups.destroy(self._pg, graceful=False)
-        self._pg = None
+        holder, self._pg = [self._pg], None
+        groups.destroy_soon(holder)  # a broken group's teardown may wait for its dead peer
         if self._ctl is not None and self._nonce is not None:
             try:
                 self._ctl.set(
@@ -711,8 +746,9 @@ class NcclReceiver(TransportReceiver):
             return
         self._closed = True
         if self._pg is not None:
-            groups.destroy(self._pg, graceful=True)
-            self._pg = None
+            holder, self._pg = [self._pg], None
+            if not groups.destroy_all(holder, graceful=True, timeout=10):
+                log.warning("nccl receiver %s: tearing down its group took over 10 s", self.worker_id)
         if self._ctl is not None and self._nonce is not None:
             try:
                 self._ctl.set(

@@ -113,7 +113,7 @@ class RdmaSender(TransportSender):
         self._server = server
         self._release = release
         self._engine = Engine(_address(options.host), options.protocol, options.device_name)
-        self._ctl = Control(server, NAMESPACE)
+        self._ctl = Control(server, NAMESPACE, "127.0.0.1", port)
         self._slots: list[Any] = [None, None]
         self._newest_slot: int | None = None
         self._members: dict[str, _Member] = {}

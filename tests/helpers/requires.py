@@ -1,0 +1,20 @@
+"""The one rule for tests that need an optional backend's package: skip with the install
+line, unless the environment says the package must be there (CI sets FORGE_REQUIRE_RDMA=1,
+so a broken Mooncake install fails the run instead of quietly skipping its tests)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+
+def require_mooncake() -> None:
+    """Skip (or, under FORGE_REQUIRE_RDMA=1, fail) a test that needs Mooncake."""
+    if importlib.util.find_spec("mooncake") is not None:
+        return
+    reason = "rdma needs Mooncake: pip install 'forgerl[rdma]' (mooncake-transfer-engine-non-cuda)"
+    if os.environ.get("FORGE_REQUIRE_RDMA") == "1":
+        pytest.fail(f"FORGE_REQUIRE_RDMA=1 but {reason}")
+    pytest.skip(reason)
