@@ -46,7 +46,9 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
     thread.start()
     started.wait(30)
     ctx = RunContext(config=config, run_dir=run_dir, model_path=model_dir)
-    transport = build_registry().require("transport", config.transport.name).create(config.transport.options, ctx)
+    transport = (
+        build_registry().require("transport", config.transport.name).create(config.transport.options, ctx)
+    )
     ctx.extras["transport"] = transport
     generator = sender = None
     try:

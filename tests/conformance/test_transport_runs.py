@@ -57,9 +57,13 @@ def test_forge_run_over_transport(tmp_path: Path, generator: str, transport: str
                "--set", f"trainer.ranks={ranks}", "--output", str(out)]  # fmt: skip
     if generator == "vllm":
         command += VLLM
-    proc = subprocess.run(command, check=False, capture_output=True, text=True, timeout=840, env={**os.environ})
+    proc = subprocess.run(
+        command, check=False, capture_output=True, text=True, timeout=840, env={**os.environ}
+    )
     logs = sorted((out / "logs").glob("*.log")) if (out / "logs").exists() else []
-    assert proc.returncode == 0, proc.stderr[-3000:] + "".join(f"\n--- {p.name}\n{p.read_text()[-2000:]}" for p in logs)
+    assert proc.returncode == 0, proc.stderr[-3000:] + "".join(
+        f"\n--- {p.name}\n{p.read_text()[-2000:]}" for p in logs
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert [r["policy_version"] for r in rows] == [1, 2]

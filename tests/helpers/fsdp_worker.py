@@ -33,7 +33,6 @@ def make_batch(rows: int, vocab_size: int, pad_id: int, seed: int = 0, length: i
     """A right-padded batch of prompt + completion rows with varied lengths, advantages
     of both signs and zero behaviour logprobs (set them with :func:`on_policy`)."""
     import torch
-
     from forgerl.types import TrainBatch
 
     gen = torch.Generator().manual_seed(seed)
@@ -68,8 +67,13 @@ def on_policy(trainer, batch):
     return dataclasses.replace(batch, behaviour_logprobs=lp)
 
 
-def make_context(model_dir: Path, run_dir: Path, algorithm: dict[str, Any] | None = None, rank: int = 0,
-                 world_size: int = 1):
+def make_context(
+    model_dir: Path,
+    run_dir: Path,
+    algorithm: dict[str, Any] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+):
     from forgerl.config import RunConfig
     from forgerl.interfaces import RunContext
 
@@ -82,8 +86,15 @@ def make_context(model_dir: Path, run_dir: Path, algorithm: dict[str, Any] | Non
     return RunContext(config=config, run_dir=run_dir, model_path=model_dir, rank=rank, world_size=world_size)
 
 
-def make_trainer(model_dir: Path, run_dir: Path, micro_batch_size: int, algorithm: dict[str, Any] | None = None,
-                 rank: int = 0, world_size: int = 1, **options: Any):
+def make_trainer(
+    model_dir: Path,
+    run_dir: Path,
+    micro_batch_size: int,
+    algorithm: dict[str, Any] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    **options: Any,
+):
     from forgerl_plugins.trainers.fsdp import FSDPTrainerOptions
     from forgerl_plugins.trainers.fsdp.trainer import FSDPTrainer
 

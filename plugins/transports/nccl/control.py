@@ -204,3 +204,81 @@ class Control:
         """Every value queued now, oldest first (never waits)."""
         n = int(self._call(deadline, self.store.queue_len, queue))
         return [json.loads(self._call(deadline, self.store.queue_pop, queue, False)) for _ in range(n)]
+
+
+# ====================================================== the transport object around it
+
+#: Seconds a send or receive may take when neither the options nor the run say.
+DEFAULT_TIMEOUT = 120.0
+
+
+def short(exc: BaseException) -> str:
+    """First line of an exception (torch's store errors carry C++ stack traces)."""
+    lines = str(exc).strip().splitlines()
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+class StoreHostedTransport:
+    """What the ``nccl`` and ``rdma`` transport objects share: the trainer side hosts the
+    control store (started on the first ``sender()`` or ``receiver_spec()``), and a
+    receiver in another process finds it through :meth:`receiver_spec`, or through
+    ``options.host``/``options.port`` when the store listens on a fixed port.
+
+    Subclasses set ``name`` and build their sender and receiver from :meth:`_hosted`
+    and :meth:`_sender_address`.
+    """
+
+    name = ""
+
+    def __init__(self, options: Any, ctx: Any = None) -> None:
+        import threading
+
+        self.options = options
+        self.ctx = ctx
+        self._server: Any = None
+        self._port: int | None = None
+        self._lock = threading.Lock()
+
+    def default_timeout(self) -> float:
+        """The transport's own ``timeout`` option, else the run's ``transport.timeout``."""
+        if self.options.timeout is not None:
+            return float(self.options.timeout)
+        if self.ctx is not None:
+            return float(self.ctx.config.transport.timeout)
+        return DEFAULT_TIMEOUT
+
+    def _hosted(self) -> tuple[Any, int]:
+        """The store this process hosts (started now if need be) and its port."""
+        with self._lock:
+            if self._server is None:
+                self._server = start_server(self.options.port, self.options.connect_timeout)
+                self._port = int(self._server.port)
+            assert self._port is not None
+            return self._server, self._port
+
+    def _release(self) -> None:
+        """Called by the sender when it closes: the store goes with it."""
+        with self._lock:
+            self._server = None
+
+    def receiver_spec(self) -> dict[str, Any]:
+        return {"host": self.options.host, "port": self._hosted()[1]}
+
+    def _sender_address(self, spec: Any) -> tuple[str, int]:
+        """Where a receiver reaches the store: the spec, this process's own store, or
+        the fixed address in the options."""
+        if spec and spec.get("port"):
+            return str(spec.get("host") or self.options.host), int(spec["port"])
+        if self._server is not None:
+            return "127.0.0.1", int(self._port or 0)
+        if self.options.port:
+            return self.options.host, self.options.port
+        from forgerl.errors import TransportError
+
+        raise TransportError(
+            f"{self.name} receiver does not know where the sender is: pass the sender's receiver_spec() "
+            "or set transport.options.host and transport.options.port"
+        )
+
+    def close(self) -> None:
+        self._release()

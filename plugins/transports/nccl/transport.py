@@ -43,7 +43,7 @@ from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.nccl import control, groups
-from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Backoff, Control, Deadline
+from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Backoff, Control, Deadline, short
 from forgerl_plugins.transports.nccl.layout import Chunk, Layout, copy_bytes, tensor_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,7 +56,6 @@ NAMESPACE = "forgerl/nccl/"
 EVENTS = "events"  # queue of {"type": "join"|"want", ...} from receivers
 LATEST = "latest"  # the newest published version
 META = "meta"  # its layout (JSON), for tools that only watch the store
-DEFAULT_TIMEOUT = 120.0
 #: Tensors at least this big are sent from their own memory (no packing copy); smaller
 #: ones are packed into bucket-sized chunks. Each gloo broadcast costs a handshake (about
 #: 1 ms on a busy machine), so fewer, bigger chunks win until packing costs more than that.
@@ -67,14 +66,6 @@ SENDER_CLOSED = "the sender closed"
 
 def member_key(nonce: str, what: str) -> str:
     return f"m/{nonce}/{what}"
-
-
-def default_timeout(options: Any, ctx: RunContext | None) -> float:
-    if options.timeout is not None:
-        return float(options.timeout)
-    if ctx is not None:
-        return float(ctx.config.transport.timeout)
-    return DEFAULT_TIMEOUT
 
 
 # ============================================================================ sender
@@ -263,7 +254,7 @@ class NcclSender(TransportSender):
                         self._deliver(ctl, current, batch)
                     except Exception as exc:  # a bug, or the store gone: fail them now, not at the timeout
                         for m in batch:
-                            self._fail(m, f"delivery failed: {type(exc).__name__}: {_short(exc)}")
+                            self._fail(m, f"delivery failed: {type(exc).__name__}: {short(exc)}")
                         raise
                     backoff.reset()
                 self._reap(ctl)
@@ -291,7 +282,7 @@ class NcclSender(TransportSender):
         except Exception as exc:  # noqa: BLE001 - any failure drops this receiver only
             with self._cond:
                 m.forming = False
-                m.failed = f"could not form its group: {type(exc).__name__}: {_short(exc)}"
+                m.failed = f"could not form its group: {type(exc).__name__}: {short(exc)}"
                 self._cond.notify_all()
             return
         with self._cond:
@@ -320,7 +311,7 @@ class NcclSender(TransportSender):
             try:
                 got = ctl.compare_set(member_key(m.nonce, f"offer/{seq}"), "", offer, deadlines[m.nonce])
             except STORE_ERRORS as exc:
-                self._fail(m, f"control store error: {_short(exc)}")
+                self._fail(m, f"control store error: {short(exc)}")
                 continue
             m.offered_seq = seq
             if got == WITHDRAWN:
@@ -356,7 +347,7 @@ class NcclSender(TransportSender):
                     try:
                         w = groups.broadcast(m.channel, src, 0, deadlines[m.nonce].remaining())
                     except Exception as exc:  # noqa: BLE001
-                        self._fail(m, f"broadcast failed: {_short(exc)}")
+                        self._fail(m, f"broadcast failed: {short(exc)}")
                         continue
                     (works if slot is None else pending.setdefault(slot, [])).append((m, w))
         for ws in pending.values():
@@ -376,7 +367,7 @@ class NcclSender(TransportSender):
                     acked = ack is not None and int(ack) >= seq
                     closed = None if acked else ctl.get(member_key(m.nonce, "closed"), deadlines[m.nonce])
                 except STORE_ERRORS as exc:
-                    self._fail(m, f"control store error: {_short(exc)}")
+                    self._fail(m, f"control store error: {short(exc)}")
                     continue
                 if acked:
                     with self._cond:
@@ -412,7 +403,7 @@ class NcclSender(TransportSender):
                         w.wait()  # returns at once; raises what the work raised
                         progress[m.nonce] = time.monotonic()
                     except Exception as exc:  # noqa: BLE001 - a dead or stuck peer
-                        self._fail(m, f"transfer failed: {_short(exc)}")
+                        self._fail(m, f"transfer failed: {short(exc)}")
                 elif deadlines[m.nonce].expired:
                     self._fail(m, "transfer timed out")
                 elif time.monotonic() - progress[m.nonce] > self.options.stall_timeout:
@@ -547,7 +538,7 @@ class NcclReceiver(TransportReceiver):
         try:  # register now, so that the next send counts on us; else on first receive
             self._register(Deadline(min(5.0, options.connect_timeout)))
         except STORE_ERRORS as exc:
-            log.info("nccl receiver %s: sender not reachable yet (%s); will retry", worker_id, _short(exc))
+            log.info("nccl receiver %s: sender not reachable yet (%s); will retry", worker_id, short(exc))
             self._disconnect()
 
     def latest_version(self) -> int | None:
@@ -558,7 +549,7 @@ class NcclReceiver(TransportReceiver):
             raw = self._ctl.get(LATEST, Deadline(MAX_QUERY))
         except STORE_ERRORS as exc:
             raise TransportError(
-                f"nccl: the sender at {self.host}:{self.port} is unreachable: {_short(exc)}"
+                f"nccl: the sender at {self.host}:{self.port} is unreachable: {short(exc)}"
             ) from exc
         return None if raw is None else int(raw)
 
@@ -588,7 +579,7 @@ class NcclReceiver(TransportReceiver):
                 deadline.sleep(self.options.poll_interval)
                 continue
             except STORE_ERRORS as exc:
-                last_error = f"sender unreachable: {_short(exc)}"
+                last_error = f"sender unreachable: {short(exc)}"
                 self._abandon(last_error)
                 self._disconnect()
                 deadline.sleep(0.25)
@@ -690,7 +681,7 @@ class NcclReceiver(TransportReceiver):
         try:
             self._pg = groups.make_group(prefixed, 1, 2, backend, seconds, control.local_address(self.host))
         except Exception as exc:
-            raise _ChannelBroken(f"could not form the group with the sender: {_short(exc)}") from exc
+            raise _ChannelBroken(f"could not form the group with the sender: {short(exc)}") from exc
         self._backend = backend
 
     def _receive_into_buffer(self, layout: Layout, deadline: Deadline) -> None:
@@ -721,7 +712,7 @@ class NcclReceiver(TransportReceiver):
                 torch.cuda.current_stream(self._buffer.device).synchronize()
         except Exception as exc:
             raise _ChannelBroken(
-                f"transfer of version {layout.version} broke after {done} of {layout.nbytes} bytes: {_short(exc)}"
+                f"transfer of version {layout.version} broke after {done} of {layout.nbytes} bytes: {short(exc)}"
             ) from exc
         self._held = layout
 
@@ -774,61 +765,23 @@ def _synchronize(devices: Mapping[Any, Any]) -> None:
 MAX_QUERY = 5.0
 
 
-def _short(exc: BaseException) -> str:
-    """First line of an exception (torch's store errors carry C++ stack traces)."""
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
-
-
 # ========================================================================= transport
 
 
-class NcclTransport(Transport):
+class NcclTransport(control.StoreHostedTransport, Transport):
     """Factory ``NcclTransport(options, ctx)``. On the trainer, ``sender()`` starts the
     control store; ``receiver_spec()`` tells receivers in other processes where it is.
     In a receiver's process build it with ``ctx=None`` and pass that spec."""
 
+    name = "nccl"
+
     def __init__(self, options: NcclTransportOptions, ctx: RunContext | None = None) -> None:
-        self.options = options
-        self.ctx = ctx
-        self._server: Any = None
-        self._port: int | None = None
-        self._lock = threading.Lock()
-
-    def _ensure_server(self) -> int:
-        with self._lock:
-            if self._server is None:
-                self._server = control.start_server(self.options.port, self.options.connect_timeout)
-                self._port = int(self._server.port)
-            assert self._port is not None
-            return self._port
-
-    def _release(self) -> None:
-        with self._lock:
-            self._server = None
-
-    def receiver_spec(self) -> dict[str, Any]:
-        return {"host": self.options.host, "port": self._ensure_server()}
+        super().__init__(options, ctx)
 
     def sender(self) -> NcclSender:
-        port = self._ensure_server()
-        return NcclSender(
-            self.options, self._server, port, default_timeout(self.options, self.ctx), self._release
-        )
+        server, port = self._hosted()
+        return NcclSender(self.options, server, port, self.default_timeout(), self._release)
 
     def receiver(self, worker_id: str, spec: Mapping[str, Any] | None = None) -> NcclReceiver:
-        if spec and spec.get("port"):
-            host, port = str(spec.get("host") or self.options.host), int(spec["port"])
-        elif self._server is not None:
-            host, port = "127.0.0.1", int(self._port or 0)
-        elif self.options.port:
-            host, port = self.options.host, self.options.port
-        else:
-            raise TransportError(
-                "nccl receiver does not know where the sender is: pass the sender's receiver_spec() "
-                "or set transport.options.host and transport.options.port"
-            )
-        return NcclReceiver(self.options, worker_id, host, port, default_timeout(self.options, self.ctx))
-
-    def close(self) -> None:
-        self._release()
+        host, port = self._sender_address(spec)
+        return NcclReceiver(self.options, worker_id, host, port, self.default_timeout())

@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -37,7 +36,7 @@ from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.nccl import control
-from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Backoff, Control, Deadline
+from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Backoff, Control, Deadline, short
 from forgerl_plugins.transports.nccl.layout import Layout, copy_bytes, tensor_bytes
 from forgerl_plugins.transports.rdma.engine import Engine
 
@@ -51,7 +50,6 @@ NAMESPACE = "forgerl/rdma/"
 EVENTS = "events"
 CURRENT = "current"  # the newest version: layout, session, address
 LATEST = "latest"  # its number
-DEFAULT_TIMEOUT = 120.0
 MAX_QUERY = 5.0
 SENDER_CLOSED = "the sender closed"
 
@@ -68,19 +66,6 @@ def _slot_key(slot: int) -> str:
 def _filled_key(slot: int) -> str:
     """How many bytes of the slot's version are in place (it is published before it is full)."""
     return f"filled/{slot}"
-
-
-def _short(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0][:300] if lines else type(exc).__name__
-
-
-def _default_timeout(options: Any, ctx: RunContext | None) -> float:
-    if options.timeout is not None:
-        return float(options.timeout)
-    if ctx is not None:
-        return float(ctx.config.transport.timeout)
-    return DEFAULT_TIMEOUT
 
 
 def _address(host: str) -> str:
@@ -289,7 +274,7 @@ class RdmaReceiver(TransportReceiver):
         try:
             self._register(Deadline(min(5.0, options.connect_timeout)))
         except STORE_ERRORS as exc:
-            log.info("rdma receiver %s: sender not reachable yet (%s); will retry", worker_id, _short(exc))
+            log.info("rdma receiver %s: sender not reachable yet (%s); will retry", worker_id, short(exc))
             self._ctl = None
 
     @property
@@ -303,7 +288,7 @@ class RdmaReceiver(TransportReceiver):
             latest = self._ctl.get(LATEST, Deadline(MAX_QUERY))
         except STORE_ERRORS as exc:
             raise TransportError(
-                f"rdma: the sender at {self.host}:{self.port} is unreachable: {_short(exc)}"
+                f"rdma: the sender at {self.host}:{self.port} is unreachable: {short(exc)}"
             ) from exc
         return None if latest is None else int(latest)
 
@@ -378,7 +363,7 @@ class RdmaReceiver(TransportReceiver):
                 last_error = error
                 deadline.sleep(self.options.poll_interval)
             except STORE_ERRORS as exc:
-                last_error = f"sender unreachable: {_short(exc)}"
+                last_error = f"sender unreachable: {short(exc)}"
                 self._ctl, self._nonce = None, None
                 deadline.sleep(0.25)
         raise TransportTimeout(
@@ -455,51 +440,19 @@ class RdmaReceiver(TransportReceiver):
 # ========================================================================= transport
 
 
-class RdmaTransport(Transport):
+class RdmaTransport(control.StoreHostedTransport, Transport):
     """Factory ``RdmaTransport(options, ctx)``; same shape as the nccl transport: the
     trainer side hosts the control store, receivers get :meth:`receiver_spec`."""
 
+    name = "rdma"
+
     def __init__(self, options: RdmaTransportOptions, ctx: RunContext | None = None) -> None:
-        self.options = options
-        self.ctx = ctx
-        self._server: Any = None
-        self._port: int | None = None
-        self._lock = threading.Lock()
-
-    def _ensure_server(self) -> int:
-        with self._lock:
-            if self._server is None:
-                self._server = control.start_server(self.options.port, self.options.connect_timeout)
-                self._port = int(self._server.port)
-            assert self._port is not None
-            return self._port
-
-    def _release(self) -> None:
-        with self._lock:
-            self._server = None
-
-    def receiver_spec(self) -> dict[str, Any]:
-        return {"host": self.options.host, "port": self._ensure_server()}
+        super().__init__(options, ctx)
 
     def sender(self) -> RdmaSender:
-        port = self._ensure_server()
-        return RdmaSender(
-            self.options, self._server, port, _default_timeout(self.options, self.ctx), self._release
-        )
+        server, port = self._hosted()
+        return RdmaSender(self.options, server, port, self.default_timeout(), self._release)
 
     def receiver(self, worker_id: str, spec: Mapping[str, Any] | None = None) -> RdmaReceiver:
-        if spec and spec.get("port"):
-            host, port = str(spec.get("host") or self.options.host), int(spec["port"])
-        elif self._server is not None:
-            host, port = "127.0.0.1", int(self._port or 0)
-        elif self.options.port:
-            host, port = self.options.host, self.options.port
-        else:
-            raise TransportError(
-                "rdma receiver does not know where the sender is: pass the sender's receiver_spec() "
-                "or set transport.options.host and transport.options.port"
-            )
-        return RdmaReceiver(self.options, worker_id, host, port, _default_timeout(self.options, self.ctx))
-
-    def close(self) -> None:
-        self._release()
+        host, port = self._sender_address(spec)
+        return RdmaReceiver(self.options, worker_id, host, port, self.default_timeout())
