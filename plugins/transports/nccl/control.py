@@ -206,6 +206,35 @@ class Control:
         return [json.loads(self._call(deadline, self.store.queue_pop, queue, False)) for _ in range(n)]
 
 
+# ===================================================================== membership
+
+
+def member_key(nonce: str, what: str) -> str:
+    """A key about one registered receiver (``ack``, ``closed``, offers...)."""
+    return f"m/{nonce}/{what}"
+
+
+def join(ctl: Control, events: str, worker_id: str, sender_host: str, deadline: Deadline) -> str:
+    """Register a receiver with the sender: a fresh nonce (one per incarnation, so a
+    restarted worker is a new member), its ``ack`` key at -1, and a ``join`` event on the
+    ``events`` queue naming the worker, its pid and the address it reaches the sender
+    from (what the sender's errors name). Returns the nonce."""
+    import os
+    import uuid
+
+    nonce = uuid.uuid4().hex[:16]
+    ctl.set(member_key(nonce, "ack"), "-1", deadline)
+    event = {
+        "type": "join",
+        "nonce": nonce,
+        "worker_id": worker_id,
+        "pid": os.getpid(),
+        "host": local_address(sender_host),
+    }
+    ctl.push(events, event, deadline)
+    return nonce
+
+
 # ====================================================== the transport object around it
 
 #: Seconds a send or receive may take when neither the options nor the run say.

@@ -34,7 +34,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -43,7 +42,14 @@ from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.nccl import control, groups
-from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Backoff, Control, Deadline, short
+from forgerl_plugins.transports.nccl.control import (
+    STORE_ERRORS,
+    Backoff,
+    Control,
+    Deadline,
+    member_key,
+    short,
+)
 from forgerl_plugins.transports.nccl.layout import Chunk, Layout, copy_bytes, tensor_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,10 +68,6 @@ META = "meta"  # its layout (JSON), for tools that only watch the store
 OWN_CHUNK_BYTES = 16 * 2**20
 WITHDRAWN = "withdrawn"
 SENDER_CLOSED = "the sender closed"
-
-
-def member_key(nonce: str, what: str) -> str:
-    return f"m/{nonce}/{what}"
 
 
 # ============================================================================ sender
@@ -607,19 +609,7 @@ class NcclReceiver(TransportReceiver):
                 NAMESPACE,
                 min(self.options.connect_timeout, deadline.remaining() or 0.05),
             )
-        nonce = uuid.uuid4().hex[:16]
-        self._ctl.set(member_key(nonce, "ack"), "-1", deadline)
-        self._ctl.push(
-            EVENTS,
-            {
-                "type": "join",
-                "nonce": nonce,
-                "worker_id": self.worker_id,
-                "pid": os.getpid(),
-                "host": control.local_address(self.host),
-            },
-            deadline,
-        )
+        nonce = control.join(self._ctl, EVENTS, self.worker_id, self.host, deadline)
         self._nonce, self._seq, self._want_sent = nonce, 0, False
 
     def _take_one(self, deadline: Deadline) -> Layout | None:

@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,7 +34,14 @@ from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.nccl import control
-from forgerl_plugins.transports.nccl.control import STORE_ERRORS, Backoff, Control, Deadline, short
+from forgerl_plugins.transports.nccl.control import (
+    STORE_ERRORS,
+    Backoff,
+    Control,
+    Deadline,
+    member_key,
+    short,
+)
 from forgerl_plugins.transports.nccl.layout import Layout, copy_bytes, tensor_bytes
 from forgerl_plugins.transports.rdma.engine import Engine
 
@@ -52,10 +57,6 @@ CURRENT = "current"  # the newest version: layout, session, address
 LATEST = "latest"  # its number
 MAX_QUERY = 5.0
 SENDER_CLOSED = "the sender closed"
-
-
-def _key(nonce: str, what: str) -> str:
-    return f"m/{nonce}/{what}"
 
 
 def _slot_key(slot: int) -> str:
@@ -199,13 +200,13 @@ class RdmaSender(TransportSender):
         waiting = list(targets)
         backoff = Backoff(self.options.poll_interval)
         while waiting:
-            acks = self._ctl.get_many([_key(m.nonce, "ack") for m in waiting], deadline)
+            acks = self._ctl.get_many([member_key(m.nonce, "ack") for m in waiting], deadline)
             still = []
             for m, ack in zip(waiting, acks):
                 m.acked = max(m.acked, int(ack))
                 if m.acked >= version:
                     continue
-                closed = self._ctl.get(_key(m.nonce, "closed"), deadline)
+                closed = self._ctl.get(member_key(m.nonce, "closed"), deadline)
                 if closed is not None:
                     m.failed = f"it gave up: {closed.decode()}"
                 else:
@@ -222,7 +223,9 @@ class RdmaSender(TransportSender):
         self._members.pop(m.nonce, None)
         log.warning("rdma: receiver %s dropped: %s", m.label(), m.failed)
         try:
-            self._ctl.set(_key(m.nonce, "closed"), f"dropped by the sender: {m.failed}", Deadline(MAX_QUERY))
+            self._ctl.set(
+                member_key(m.nonce, "closed"), f"dropped by the sender: {m.failed}", Deadline(MAX_QUERY)
+            )
         except STORE_ERRORS:
             pass
 
@@ -233,7 +236,7 @@ class RdmaSender(TransportSender):
         try:
             self._ctl.delete([LATEST, CURRENT], Deadline(MAX_QUERY))
             for m in self._members.values():
-                self._ctl.set(_key(m.nonce, "closed"), SENDER_CLOSED, Deadline(MAX_QUERY))
+                self._ctl.set(member_key(m.nonce, "closed"), SENDER_CLOSED, Deadline(MAX_QUERY))
         except STORE_ERRORS:
             pass
         self._members.clear()
@@ -300,20 +303,7 @@ class RdmaReceiver(TransportReceiver):
                 NAMESPACE,
                 max(0.05, min(self.options.connect_timeout, deadline.remaining())),
             )
-        nonce = uuid.uuid4().hex[:16]
-        self._ctl.set(_key(nonce, "ack"), "-1", deadline)
-        self._ctl.push(
-            EVENTS,
-            {
-                "type": "join",
-                "nonce": nonce,
-                "worker_id": self.worker_id,
-                "pid": os.getpid(),
-                "host": control.local_address(self.host),
-            },
-            deadline,
-        )
-        self._nonce = nonce
+        self._nonce = control.join(self._ctl, EVENTS, self.worker_id, self.host, deadline)
 
     def receive(self, version: int, timeout: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         if self._closed:
@@ -332,7 +322,7 @@ class RdmaReceiver(TransportReceiver):
                 ctl = self._ctl
                 assert ctl is not None and self._nonce is not None
                 if time.monotonic() >= next_closed_check:
-                    closed = ctl.get(_key(self._nonce, "closed"), deadline)
+                    closed = ctl.get(member_key(self._nonce, "closed"), deadline)
                     if closed is not None and closed.decode() == SENDER_CLOSED:
                         raise TransportError(
                             f"rdma receiver {self.worker_id}: the sender at {self.host}:{self.port} closed "
@@ -358,7 +348,7 @@ class RdmaReceiver(TransportReceiver):
                     )
                 error = self._read(ctl, cur, deadline)
                 if error is None:
-                    ctl.set(_key(self._nonce, "ack"), str(version), deadline)
+                    ctl.set(member_key(self._nonce, "ack"), str(version), deadline)
                     return self._held.views(self._buffer)  # type: ignore[union-attr]
                 last_error = error
                 deadline.sleep(self.options.poll_interval)
@@ -426,7 +416,9 @@ class RdmaReceiver(TransportReceiver):
         self._closed = True
         if self._ctl is not None and self._nonce is not None:
             try:
-                self._ctl.set(_key(self._nonce, "closed"), f"receiver {self.worker_id} closed", Deadline(1.0))
+                self._ctl.set(
+                    member_key(self._nonce, "closed"), f"receiver {self.worker_id} closed", Deadline(1.0)
+                )
             except STORE_ERRORS:
                 pass
         self._ctl = None
