@@ -6,7 +6,9 @@ goes through the store. Every call is bounded: :class:`Control` sets the store's
 from the caller's :class:`Deadline` before each operation, so a frozen or dead sender
 turns into a timeout, never a hang.
 
-Used by the ``nccl`` and ``rdma`` transports.
+Used by the ``nccl`` and ``rdma`` transports, which also share what is built on it here:
+receiver registration (:func:`join`) and the transport object that hosts the store on
+the trainer and tells receivers where it is (:class:`StoreHostedTransport`).
 """
 
 from __future__ import annotations
@@ -14,10 +16,15 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
+import os
 import socket
+import threading
 import time
+import uuid
 from collections.abc import Iterable
 from typing import Any
+
+from forgerl.errors import TransportError
 
 #: Errors the store raises when its peer is gone, slow, or a key is missing in time.
 #: (torch's DistError and friends derive from RuntimeError.)
@@ -219,9 +226,6 @@ def join(ctl: Control, events: str, worker_id: str, sender_host: str, deadline: 
     restarted worker is a new member), its ``ack`` key at -1, and a ``join`` event on the
     ``events`` queue naming the worker, its pid and the address it reaches the sender
     from (what the sender's errors name). Returns the nonce."""
-    import os
-    import uuid
-
     nonce = uuid.uuid4().hex[:16]
     ctl.set(member_key(nonce, "ack"), "-1", deadline)
     event = {
@@ -260,8 +264,6 @@ class StoreHostedTransport:
     name = ""
 
     def __init__(self, options: Any, ctx: Any = None) -> None:
-        import threading
-
         self.options = options
         self.ctx = ctx
         self._server: Any = None
@@ -302,8 +304,6 @@ class StoreHostedTransport:
             return "127.0.0.1", int(self._port or 0)
         if self.options.port:
             return self.options.host, self.options.port
-        from forgerl.errors import TransportError
-
         raise TransportError(
             f"{self.name} receiver does not know where the sender is: pass the sender's receiver_spec() "
             "or set transport.options.host and transport.options.port"
