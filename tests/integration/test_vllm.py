@@ -284,6 +284,47 @@ def test_completions_carry_token_ids_and_the_trainers_logprobs(cluster: Cluster)
     assert all(n > 0 for n in served), f"requests per replica: {served} (no balancing?)"
 
 
+def test_seeded_sampling_repeats_whatever_the_batch_or_replica(cluster: Cluster):
+    """A seeded request samples the same tokens every time: alone or batched with others,
+    on either replica. Prompts of hundreds of tokens: on vLLM's CPU build a seeded request
+    whose prompt was prefilled in chunks killed the engine, so the plugin turns chunked
+    prefill off there."""
+    import random
+
+    from forgerl.types import GenerationRequest, SamplingParams
+
+    c = cluster
+    rng = random.Random(7)
+    vocab = len(c.tokenizer)
+    prompts = [[rng.randrange(10, vocab) for _ in range(rng.randrange(300, 700))] for _ in range(4)]
+    # On random prompts the tiny model is nearly certain at T = 1 (p ~ 0.99); T = 2 makes
+    # the n samples of a request differ, so equal results mean the seeds did it.
+    hot = 2.0  # (vLLM's largest)
+
+    def batch(tag: str, order: list[int]) -> dict[int, list[tuple[int, ...]]]:
+        requests = [
+            GenerationRequest(
+                f"{tag}-{i}", prompts[i], 4, SamplingParams(max_tokens=12, temperature=hot, seed=50 + i)
+            )
+            for i in order
+        ]
+        return {i: [tuple(x.token_ids) for x in cs] for i, cs in zip(order, _generate(c.generator, requests))}
+
+    first = batch("a", [0, 1, 2, 3])
+    again = batch("b", [3, 2, 1, 0])  # another batch composition, balanced across both replicas
+    alone = {i: batch(f"c{i}", [i])[i] for i in (0, 3)}
+    assert again == first
+    assert all(alone[i] == first[i] for i in alone)
+    assert any(len(set(samples)) > 1 for samples in first.values()), (
+        "the n samples of a request never differed"
+    )
+    reseeded = _generate(
+        c.generator,
+        [GenerationRequest("d", prompts[0], 4, SamplingParams(max_tokens=12, temperature=hot, seed=999))],
+    )[0]
+    assert [tuple(x.token_ids) for x in reseeded] != first[0], "another seed sampled the same tokens"
+
+
 def test_served_logprobs_equal_the_trainers_after_each_of_three_updates(cluster: Cluster):
     from forgerl.types import GenerationRequest, SamplingParams
 

@@ -52,6 +52,25 @@ def test_the_server_command_passes_options_through(tmp_path):
     )
 
 
+def test_on_the_cpu_build_prompts_are_prefilled_whole_so_seeds_work(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 2048}')
+    monkeypatch.setattr(server, "is_cpu_build", lambda: True)
+    text = " ".join(server.server_command(VLLMGeneratorOptions(), tmp_path, "float32", 1))
+    assert "--no-enable-chunked-prefill --max-num-batched-tokens 2048" in text
+    # max_model_len bounds prompts when set; the user's engine_args come last and win.
+    options = VLLMGeneratorOptions(max_model_len=512, engine_args={"enable_chunked_prefill": True})
+    cmd = server.server_command(options, tmp_path, "float32", 1)
+    assert "--max-num-batched-tokens 512" in " ".join(cmd)
+    assert cmd.index("--enable-chunked-prefill") > cmd.index("--no-enable-chunked-prefill")
+    # No seeds, no need: chunked prefill stays on (vLLM's default).
+    cmd = server.server_command(VLLMGeneratorOptions(send_seed=False), tmp_path, "float32", 1)
+    assert "--no-enable-chunked-prefill" not in cmd
+    monkeypatch.setattr(server, "is_cpu_build", lambda: False)  # GPU builds rewind seeded generators
+    assert "--no-enable-chunked-prefill" not in server.server_command(
+        VLLMGeneratorOptions(), tmp_path, "float32", 1
+    )
+
+
 def test_the_server_environment_has_dev_mode_and_the_key_but_no_trainer_rendezvous(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("RANK", "0")

@@ -38,7 +38,7 @@ from forgerl.errors import GeneratorError, GeneratorUnreachable, TransportError
 from forgerl.interfaces import Generator, RunContext
 from forgerl.types import Completion, FinishReason, GenerationRequest, GeneratorHealth
 
-from .server import endpoint_file, is_cpu_build, log_file
+from .server import endpoint_file, log_file
 
 if TYPE_CHECKING:  # pragma: no cover
     import httpx
@@ -102,7 +102,7 @@ class VLLMGenerator(Generator):
         # httpx logs every request at INFO: thousands of lines per step in the trainer's log.
         if logging.getLogger("httpx").level == logging.NOTSET:
             logging.getLogger("httpx").setLevel(logging.WARNING)
-        self.send_seed = options.send_seed if options.send_seed is not None else not is_cpu_build()
+        self.send_seed = options.send_seed  # on the CPU build, see server.whole_prefill_flags
         self._version = 0
         self._closed = False
         self._replicas = [_Replica(i, log_file(self.run_dir, i)) for i in range(options.replicas)]

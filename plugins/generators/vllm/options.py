@@ -37,10 +37,11 @@ class VLLMGeneratorOptions(BaseModel):
     health_interval: float = Field(2.0, gt=0, description="Seconds between health checks of each replica.")
     max_restarts: int = Field(3, ge=0, description="Times the scheduler restarts a replica that dies.")
     host: str = Field("127.0.0.1", description="Address the servers bind to (loopback by default).")
-    send_seed: bool | None = Field(
-        None,
-        description="Send per-request seeds to vLLM (default: on GPU builds only; seeded "
-        "requests can crash vLLM's CPU engine).",
+    send_seed: bool = Field(
+        True,
+        description="Send per-request seeds to vLLM, so sampling is reproducible (default: on). On "
+        "vLLM's CPU build this also turns chunked prefill off, which seeded requests need there; "
+        "false leaves both off.",
     )
     env: dict[str, str] = Field(
         default_factory=dict, description="Extra environment of the server processes."

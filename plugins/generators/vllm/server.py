@@ -136,8 +136,31 @@ def server_command(options: VLLMGeneratorOptions, model_dir: Path, model_dtype: 
         kv_gb = DEFAULT_CPU_KV_CACHE_GB
     if kv_gb is not None:
         args += ["--kv-cache-memory-bytes", str(int(kv_gb * 2**30))]
-    args += engine_arg_flags(options.engine_args)
+    if is_cpu_build() and options.send_seed:
+        args += whole_prefill_flags(options, model_dir)
+    args += engine_arg_flags(options.engine_args)  # last: the user's own say wins
     return args
+
+
+def whole_prefill_flags(options: VLLMGeneratorOptions, model_dir: Path) -> list[str]:
+    """Prefill every prompt in one piece, so seeded requests work on vLLM's CPU build.
+
+    With chunked prefill, vLLM discards the token sampled after a partial prefill and
+    rewinds the request's generator (``set_offset``), which a CPU ``torch.Generator``
+    cannot do: the engine dies with "CPU Generator does not use offset". Whole prefills
+    never discard a sample, and a seeded request then samples the same tokens whatever
+    it is batched with. The batch token budget must hold the longest prompt."""
+    longest = options.max_model_len
+    if longest is None:
+        try:
+            config = json.loads((model_dir / "config.json").read_text())
+            longest = int(config.get("max_position_embeddings") or 0) or None
+        except (OSError, ValueError):
+            longest = None
+    flags = ["--no-enable-chunked-prefill"]
+    if longest is not None:
+        flags += ["--max-num-batched-tokens", str(longest)]
+    return flags
 
 
 def engine_arg_flags(engine_args: dict[str, Any]) -> list[str]:
