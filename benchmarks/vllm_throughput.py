@@ -5,7 +5,9 @@ Run: .venv/bin/python benchmarks/vllm_throughput.py [--model smollm2-135m-instru
 
 Both sides get the same prompts (the arithmetic task's, through the model's chat
 template, as the loop sends them), the same sampling (T = 1, logprobs of the sampled
-token) and the same engine settings (dtype, eager, KV cache size, logprobs mode). First
+token, a seed per prompt as the loop sends) and the same engine settings (dtype, eager,
+KV cache size, logprobs mode, and on vLLM's CPU build whole prefills, which seeds need
+there). First
 vLLM offline in a child process, then one server started by the plugin's role and driven
 through ``VLLMGenerator.generate`` (HTTP, one request per prompt with ``n``). Each side
 warms up once, then runs ``--rounds`` timed rounds; generated tokens per second of the
@@ -55,12 +57,16 @@ def offline_child(spec_path: str) -> None:
         enforce_eager=spec["enforce_eager"],
         kv_cache_memory_bytes=spec["kv_cache_bytes"],
         logprobs_mode="processed_logprobs",
+        **spec["engine_kwargs"],
     )
-    params = SamplingParams(
-        n=spec["n"], max_tokens=spec["max_tokens"], temperature=1.0, top_p=1.0, logprobs=0
-    )
+    params = [
+        SamplingParams(
+            n=spec["n"], max_tokens=spec["max_tokens"], temperature=1.0, top_p=1.0, logprobs=0, seed=i
+        )
+        for i in range(len(spec["prompts"]))
+    ]
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
-    llm.generate(prompts[:1], params, use_tqdm=False)  # warm-up
+    llm.generate(prompts[:1], params[:1], use_tqdm=False)  # warm-up
     rounds = []
     for _ in range(spec["rounds"]):
         start = time.perf_counter()
@@ -81,6 +87,20 @@ def run_offline(spec: dict) -> list[dict]:
         return json.loads(Path(spec["out"]).read_text())
 
 
+def engine_kwargs(config, model_dir: Path) -> dict:
+    """What the plugin's server adds for seeds on the CPU build, as ``LLM(...)`` arguments."""
+    from forgerl_plugins.generators.vllm import VLLMGeneratorOptions, server
+
+    options = VLLMGeneratorOptions.model_validate(config.generator.options)
+    if not (server.is_cpu_build() and options.send_seed):
+        return {}
+    flags = server.whole_prefill_flags(options, model_dir)
+    out: dict = {"enable_chunked_prefill": False}
+    if "--max-num-batched-tokens" in flags:
+        out["max_num_batched_tokens"] = int(flags[flags.index("--max-num-batched-tokens") + 1])
+    return out
+
+
 # ------------------------------------------------------------------------- plugin
 
 
@@ -89,8 +109,10 @@ def run_plugin(
 ) -> list[dict]:
     from forgerl.types import GenerationRequest, SamplingParams
 
-    sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0)
-    requests = [GenerationRequest(f"p{i}", ids, n, sampling) for i, ids in enumerate(prompts)]
+    requests = [
+        GenerationRequest(f"p{i}", ids, n, SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i))
+        for i, ids in enumerate(prompts)
+    ]
     out = []
     with (
         tempfile.TemporaryDirectory() as tmp,
@@ -137,6 +159,7 @@ def main() -> None:
         "n": args.n,
         "max_tokens": args.max_tokens,
         "rounds": args.rounds,
+        "engine_kwargs": engine_kwargs(config, model_dir),
     }
     offline = run_offline(spec)
     plugin = run_plugin(config, model_dir, prompts, args.n, args.max_tokens, args.rounds)
