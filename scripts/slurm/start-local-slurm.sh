@@ -110,14 +110,30 @@ running() {
     [[ -r /proc/$pid/comm && $(</proc/$pid/comm) == "$1" ]]
 }
 
-# start NAME CMD...: start CMD in its own session, record its pid, unless already up.
+# stale NAME: true when the running NAME's working directory was deleted (it was started
+# from a checkout since removed); job steps it spawns would inherit that directory and
+# slurmstepd prints an error into every job's output.
+stale() {
+    local pid
+    pid=$(<"$STATE/$1.pid")
+    [[ $(readlink "/proc/$pid/cwd" 2>/dev/null) == *" (deleted)" ]]
+}
+
+# start NAME CMD...: start CMD in its own session from /, record its pid, unless already up.
 start() {
     local name=$1; shift
+    if running "$name" && stale "$name"; then
+        local pid
+        pid=$(<"$STATE/$name.pid")
+        echo "start-local-slurm: restarting $name (pid $pid): its working directory was deleted"
+        kill "$pid" 2>/dev/null || true
+        for _ in $(seq 100); do [[ -e /proc/$pid ]] || break; sleep 0.1; done
+    fi
     if running "$name"; then
         echo "start-local-slurm: $name already running (pid $(<"$STATE/$name.pid"))"
         return
     fi
-    setsid "$@" >"$STATE/log/$name.out" 2>&1 < /dev/null &
+    ( cd / && exec setsid "$@" >"$STATE/log/$name.out" 2>&1 < /dev/null ) &
     echo $! > "$STATE/$name.pid"
 }
 
