@@ -94,11 +94,8 @@ def engine_kwargs(config, model_dir: Path) -> dict:
     options = VLLMGeneratorOptions.model_validate(config.generator.options)
     if not (server.is_cpu_build() and options.send_seed):
         return {}
-    flags = server.whole_prefill_flags(options, model_dir)
-    out: dict = {"enable_chunked_prefill": False}
-    if "--max-num-batched-tokens" in flags:
-        out["max_num_batched_tokens"] = int(flags[flags.index("--max-num-batched-tokens") + 1])
-    return out
+    args = server.whole_prefill_args(options, model_dir)
+    return {k: v for k, v in args.items() if v is not None}
 
 
 # ------------------------------------------------------------------------- plugin

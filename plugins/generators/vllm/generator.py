@@ -102,7 +102,7 @@ class VLLMGenerator(Generator):
         # httpx logs every request at INFO: thousands of lines per step in the trainer's log.
         if logging.getLogger("httpx").level == logging.NOTSET:
             logging.getLogger("httpx").setLevel(logging.WARNING)
-        self.send_seed = options.send_seed  # on the CPU build, see server.whole_prefill_flags
+        self.send_seed = options.send_seed  # on the CPU build, see server.whole_prefill_args
         self._version = 0
         self._closed = False
         self._replicas = [_Replica(i, log_file(self.run_dir, i)) for i in range(options.replicas)]

@@ -137,12 +137,12 @@ def server_command(options: VLLMGeneratorOptions, model_dir: Path, model_dtype: 
     if kv_gb is not None:
         args += ["--kv-cache-memory-bytes", str(int(kv_gb * 2**30))]
     if is_cpu_build() and options.send_seed:
-        args += whole_prefill_flags(options, model_dir)
+        args += engine_arg_flags(whole_prefill_args(options, model_dir))
     args += engine_arg_flags(options.engine_args)  # last: the user's own say wins
     return args
 
 
-def whole_prefill_flags(options: VLLMGeneratorOptions, model_dir: Path) -> list[str]:
+def whole_prefill_args(options: VLLMGeneratorOptions, model_dir: Path) -> dict[str, Any]:
     """Prefill every prompt in one piece, so seeded requests work on vLLM's CPU build.
 
     With chunked prefill, vLLM discards the token sampled after a partial prefill and
@@ -157,10 +157,7 @@ def whole_prefill_flags(options: VLLMGeneratorOptions, model_dir: Path) -> list[
             longest = int(config.get("max_position_embeddings") or 0) or None
         except (OSError, ValueError):
             longest = None
-    flags = ["--no-enable-chunked-prefill"]
-    if longest is not None:
-        flags += ["--max-num-batched-tokens", str(longest)]
-    return flags
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": longest}  # None: vLLM's default
 
 
 def engine_arg_flags(engine_args: dict[str, Any]) -> list[str]:
