@@ -35,6 +35,12 @@ class VLLMGeneratorOptions(BaseModel):
     )
     request_timeout: float = Field(600.0, gt=0, description="Seconds one generation request may take.")
     health_interval: float = Field(2.0, gt=0, description="Seconds between health checks of each replica.")
+    liveness_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a running server may leave /health unanswered before its launcher kills "
+        "it as hung (then it is restarted and re-synced like a crashed one).",
+    )
     max_restarts: int = Field(3, ge=0, description="Times the scheduler restarts a replica that dies.")
     host: str = Field("127.0.0.1", description="Address the servers bind to (loopback by default).")
     send_seed: bool = Field(

@@ -34,6 +34,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from . import liveness
+
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
     from forgerl.types import RoleSpec
@@ -325,7 +327,20 @@ def launch(run_dir: Path, replica: int) -> int:
         },
     )
     _say(f"replica {replica}: healthy at {url} (pid {child.pid}); endpoint in {endpoint}")
-    return _wait(child, endpoint)
+    try:
+        hung = liveness.watch(
+            child,
+            lambda timeout: healthy(url, timeout),
+            interval=options.health_interval,
+            timeout=options.liveness_timeout,
+            stopping=lambda: bool(stopping),
+        )
+    finally:
+        endpoint.unlink(missing_ok=True)
+    if hung:
+        _say(f"replica {replica}: {hung}")
+        return 1  # a failure: the scheduler restarts the replica
+    return _exit_status(child.returncode)
 
 
 def first_request(url: str, api_key: str, timeout: float = 120.0) -> str | None:
