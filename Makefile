@@ -3,7 +3,7 @@
 VENV := .venv
 STAMP := $(VENV)/.forgerl-setup
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast test-stress clean
 
 setup: $(STAMP)
 
@@ -16,6 +16,10 @@ demo: setup
 
 test: setup
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests contrib/countdown/tests
+
+# The suite under load: two busy loops on the cores, deadlines x3 (scripts/stress.sh).
+test-stress: setup
+	bash scripts/stress.sh
 
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not integration" tests

@@ -328,7 +328,10 @@ def test_rendezvous_variables_and_fresh_ports(tmp_path, scheduler):
         str(tmp_path / "a"),
         (
             RoleSpec("trainer", (PY, "-c", RENDEZVOUS), replicas=2, ranks_per_replica=2, primary=True),
-            RoleSpec("solo", (PY, "-c", RENDEZVOUS), env={"RANK": "7"}),  # forge's value wins
+            # Primary as well: the job ends when both roles are done. A role that is not
+            # primary is a server, stopped once the primaries finish, and under load it
+            # could be stopped before it printed anything (its log then held nothing).
+            RoleSpec("solo", (PY, "-c", RENDEZVOUS), env={"RANK": "7"}, primary=True),  # forge's RANK wins
         ),
     )
     b = JobSpec("b", str(tmp_path / "b"), (RoleSpec("trainer", (PY, "-c", RENDEZVOUS), ranks_per_replica=2),))

@@ -52,6 +52,8 @@ _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort":
 # connection takes it out at once.
 _HEALTH_FAILURES = 3
 _HEALTH_TIMEOUT = 10.0
+# Seconds an admin call (pause, resume, cache reset) may take.
+_ADMIN_TIMEOUT = 30.0
 # Margin on top of the transport's timeout for one weight load over HTTP.
 _LOAD_MARGIN = 60.0
 
@@ -72,7 +74,10 @@ class _Replica:
     updating: bool = False  # its weights are being replaced: no new requests
     version: int | None = None  # weights it serves; None: unknown (not asked yet, or a load failed half-way)
     probed: bool = False  # its workers were asked which version they hold
-    updates: int = 0  # weight updates started on it (tells an update's aborts from failures)
+    # Updates that aborted its requests. A request that overlapped one is resubmitted even
+    # if it finished: vLLM queues a request that reaches it while paused and runs it after
+    # the resume, on the new weights, so its answer cannot say which weights made it.
+    aborts: int = 0
     outstanding: int = 0
     dispatched: int = 0
     failures: int = 0
@@ -307,22 +312,20 @@ class VLLMGenerator(Generator):
                 r = await self._pick(tried)
                 body = self._body(request, r)
                 body["request_id"] = f"{request.request_id}-{os.urandom(4).hex()}"
-                version, instance, updates = r.version, r.instance, r.updates
+                version, instance, aborts = r.version, r.instance, r.aborts
                 assert version is not None, f"replica {r.index} was picked with unknown weights"
                 r.outstanding += 1
                 r.dispatched += 1
                 r.idle.clear()
                 try:
                     resp = await self._client.post(r.url + "/v1/completions", json=body, headers=r.headers)
-                    return self._completions(request, resp, r, version, aborted_by_us=r.updates != updates)
+                    if r.aborts != aborts and r.instance == instance:
+                        raise _Retry()  # an abort-policy update overlapped it: see _Replica.aborts
+                    return self._completions(request, resp, r, version)
                 except _Retry:
                     continue  # aborted for a weight update: resubmitted, not a failure
                 except (httpx.HTTPError, _ReplicaFailed) as exc:
-                    if (
-                        r.updates != updates
-                        and r.instance == instance
-                        and self.options.update_policy == "abort"
-                    ):
+                    if r.aborts != aborts and r.instance == instance:
                         continue  # the abort of an update broke the request: resubmit
                     attempts += 1
                     why = f"{type(exc).__name__}: {exc}".strip()
@@ -349,7 +352,7 @@ class VLLMGenerator(Generator):
                         r.idle.set()
 
     def _completions(
-        self, request: GenerationRequest, resp: httpx.Response, r: _Replica, version: int, aborted_by_us: bool
+        self, request: GenerationRequest, resp: httpx.Response, r: _Replica, version: int
     ) -> list[Completion]:
         if resp.status_code >= 500 or resp.status_code in (401, 403):
             # 5xx: the engine failed (it may be dying); 401: the replica restarted with a
@@ -361,8 +364,7 @@ class VLLMGenerator(Generator):
             )
         choices = sorted(resp.json()["choices"], key=lambda c: c["index"])
         if any(c.get("finish_reason") == "abort" for c in choices):
-            if aborted_by_us:
-                raise _Retry()  # an update of the abort policy stopped it: resubmit in full
+            # Not one of our updates (those are caught by _Replica.aborts): the server's own.
             raise _ReplicaFailed("the server aborted the request")
         if request.sampling.temperature <= 0 and len(choices) == 1:
             choices = choices * request.n  # greedy: every completion is the same
@@ -425,33 +427,36 @@ class VLLMGenerator(Generator):
     def update_weights(self, version: int) -> None:
         """Load ``version`` into every replica that is up (see the module docstring).
 
-        Succeeds when at least one replica loaded it; the others are reloaded by the
-        watcher before they serve again. Raises TransportError when none did (they then
-        keep serving the last version, or reload it where a load failed half-way).
+        From then on only ``version`` is served. A replica that missed it (down, hung, its
+        connection lost mid-load) is brought to it by the watcher before it serves again,
+        and generation waits for one that has it (up to ``startup_timeout``): a hung or
+        killed server is replaced by its launcher and the scheduler, not fatal. Raises
+        TransportError when replicas answered but could not load it (the transport or
+        the weights failed); they then keep serving the last version, or reload it where
+        a load failed half-way.
         """
         if self._closed:
             raise GeneratorError("the vllm generator is closed")
         self._call(self._update(int(version)))
 
     async def _update(self, version: int) -> None:
+        import httpx
+
         async with self._update_lock:
             targets = [r for r in self._replicas if r.up]
-            if not targets:
-                states = "; ".join(r.describe() for r in self._replicas)
-                raise TransportError(f"no vLLM replica is up to load weights version {version}: {states}")
             for r in targets:  # before any await: nothing new reaches any of them
                 r.updating = True
-                r.updates += 1
             start = time.perf_counter()
             results = await asyncio.gather(
                 *(self._update_replica(r, version) for r in targets), return_exceptions=True
             )
-            errors = []
-            for r, res in zip(targets, results):
-                if isinstance(res, BaseException):
-                    errors.append(f"replica {r.index}: {type(res).__name__}: {res}")
+            failures = [(r, res) for r, res in zip(targets, results) if isinstance(res, BaseException)]
+            errors = [f"replica {r.index}: {type(e).__name__}: {e}" for r, e in failures]
             done = [r for r in targets if r.version == version]
-            if done:
+            # Only unreachable replicas (no answer, or none up at all): they come back, or
+            # are replaced, and are brought to this version then.
+            unreachable = all(isinstance(e, httpx.HTTPError) for _, e in failures)
+            if done or unreachable:
                 self._version = version
             self.last_update = {
                 "version": version,
@@ -461,19 +466,31 @@ class VLLMGenerator(Generator):
                 "workers": {r.index: r.last_load for r in targets},
             }
             await self._notify()
-            if not done:
+            if not done and not unreachable:
                 raise TransportError(f"no vLLM replica loaded weights version {version}: {'; '.join(errors)}")
+            if not done:
+                states = "; ".join(r.describe() for r in self._replicas)
+                log.warning(
+                    "vllm: no replica could load weights version %d now; each is brought to it when it "
+                    "answers again (%s)", version, states,
+                )  # fmt: skip
             for e in errors:
                 log.warning(
                     "vllm: weights version %d not loaded on %s (reloaded before it serves again)", version, e
                 )
 
-    async def _update_replica(self, r: _Replica, version: int) -> None:
+    async def _update_replica(self, r: _Replica, version: int, policy: str | None = None) -> None:
+        """Pause ``r`` by ``policy`` (default: the configured one), load ``version``, reset
+        its prefix cache and resume it. The caller has set ``r.updating``."""
         import httpx
 
+        policy = policy or self.options.update_policy
         paused = False
         try:
-            if self.options.update_policy == "abort":
+            if policy == "abort":
+                # Before the pause: every request in flight now may be aborted, or queued
+                # and run on the new weights; _one resubmits all of them.
+                r.aborts += 1
                 await self._admin(r, "/pause", params={"mode": "abort"})
             else:
                 await r.idle.wait()  # our requests on it finish with the weights they started with
@@ -548,9 +565,9 @@ class VLLMGenerator(Generator):
         log.debug("vllm: replica %d loaded version %d: %s", r.index, version, results)
 
     async def _admin(self, r: _Replica, path: str, params: dict[str, str] | None = None) -> None:
-        resp = await self._client.post(
-            r.url + path, params=params, headers=r.headers, timeout=_HEALTH_TIMEOUT * 6
-        )
+        # Our own requests are drained or aborted before a pause, so these answer at once
+        # on a live server; one that does not is hung (its launcher replaces it).
+        resp = await self._client.post(r.url + path, params=params, headers=r.headers, timeout=_ADMIN_TIMEOUT)
         resp.raise_for_status()
 
     # ----------------------------------------------------------------- watching
@@ -606,18 +623,19 @@ class VLLMGenerator(Generator):
             self._take_out(r, r.last_error)
 
     async def _resync(self, r: _Replica) -> None:
-        """Bring ``r`` (restarted, or left behind by a failed load) to the current version
-        before it takes traffic."""
+        """Bring ``r`` (restarted, left behind by a failed load, or back from a hang) to the
+        current version before it takes traffic."""
         import httpx
 
         async with self._update_lock:
             version = self._version
-            if not r.up or r.version == version:
+            if not r.up or r.updating or r.version == version:
                 return
             r.updating = True
             try:
-                await self._load(r, version)
-                await self._admin(r, "/reset_prefix_cache")
+                # Requests may still be in flight on it (it was slow, not dead): abort
+                # them, never let them run on across the load.
+                await self._update_replica(r, version, policy="abort")
                 log.info("vllm: replica %d brought to weights version %d", r.index, version)
             except (TransportError, httpx.HTTPError) as exc:
                 # Retried later, or the next update loads it anyway.
@@ -626,8 +644,6 @@ class VLLMGenerator(Generator):
                     "vllm: could not bring replica %d to version %d yet (%s); it serves once it has it",
                     r.index, version, exc,
                 )  # fmt: skip
-            finally:
-                r.updating = False
         await self._notify()
 
     # ------------------------------------------------------------------ health
