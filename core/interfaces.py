@@ -144,9 +144,11 @@ class Trainer(Closeable, abc.ABC):
 class Reward(abc.ABC):
     """Scores a finished sample.
 
-    Implement :meth:`score` (blocking; the core runs it in a worker thread under a
-    timeout) or override :meth:`ascore`. Return a float or a :class:`RewardResult`.
-    Raising is allowed: the core scores that sample as failed and the run goes on.
+    Implement :meth:`score` (blocking; the core runs it in a worker process, built there
+    from the backend's name and options, and kills that process on timeout) or override
+    :meth:`ascore` (run on the event loop; it must not block). Return a float or a
+    :class:`RewardResult`. Raising is allowed: the core scores that sample as failed and
+    the run goes on.
     """
 
     def score(self, sample: RewardInput) -> float | RewardResult:

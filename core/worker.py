@@ -82,7 +82,7 @@ def run_worker(run_dir: Path) -> int:
     from forgerl.rewarding import RewardSet
 
     driver = TrainerDriver(trainer, world)
-    generator = sender = None
+    generator = sender = rewards = None
     try:
         task = registry.require("task", config.task.name).create(config.task.options, config.loop.seed)
         rewards = RewardSet.from_config(config, registry)
@@ -100,7 +100,7 @@ def run_worker(run_dir: Path) -> int:
 
         faulthandler.dump_traceback_later(60, exit=False)
         driver.stop()
-        for part in (generator, sender, trainer):
+        for part in (rewards, generator, sender, trainer):
             if part is not None:
                 try:
                     part.close()

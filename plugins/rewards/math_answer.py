@@ -11,8 +11,9 @@ answered by the last number of the answer, so that restating the question ("17 +
 which math-verify evaluates to 42) earns nothing.
 
 math-verify guards parsing and comparison with ``signal.alarm``, which only works in the
-main thread; the scoring engine calls rewards from worker threads under its own timeout,
-so this reward disables math-verify's (``parsing_timeout=None``, ``timeout_seconds=None``).
+main thread; the scoring engine may call rewards from threads (and enforces its own
+timeout by killing the worker process), so this reward disables math-verify's
+(``parsing_timeout=None``, ``timeout_seconds=None``).
 """
 
 from __future__ import annotations
