@@ -74,24 +74,27 @@ def plan(
     resume_dir: str | Path | None = None,
     create: bool = True,
 ) -> Plan:
-    """Resolve backends (they must be available here), choose the run directory and
-    build the job. With ``create`` the run directory is created and config.yaml written."""
+    """Resolve backends (they must be available here), choose the run directory, build the
+    job and run the pre-flight checks (:mod:`forgerl.preflight`). With ``create`` the run
+    directory is then created and config.yaml written: a mistake found before that leaves
+    nothing behind."""
+    from forgerl import preflight
+
     registry = registry or build_registry()
     config = resolve(config, registry, check_available=True)
     scheduler = registry.require("scheduler", config.scheduler.name).create(config.scheduler.options)
     if create:
         scheduler.check()  # e.g. no sbatch: fail before a run directory appears
-    if resume_dir is not None:
-        run_dir = runs.existing_run_dir(resume_dir)
+    fresh = resume_dir is None
+    run_dir = runs.planned_run_dir(config) if fresh else runs.existing_run_dir(resume_dir)
+    if create or not fresh:
         config = config.model_copy(update={"output": str(run_dir)})
-    elif create:
-        run_dir = runs.new_run_dir(config)
-        config = config.model_copy(update={"output": str(run_dir)})
-    else:
-        run_dir = (Path(config.output) if config.output else runs.default_run_dir()).resolve()
-    if create:
-        runs.write_config(run_dir, config)
     job = runs.build_job(config, registry, run_dir)
+    preflight.check_run(config, registry, scheduler, job, run_dir=run_dir, fresh=fresh)
+    if create:
+        if fresh:
+            runs.new_run_dir(config, run_dir)
+        runs.write_config(run_dir, config)
     return Plan(config, run_dir, job, scheduler, resumed=resume_dir is not None)
 
 

@@ -46,6 +46,10 @@ class Backend:
     implemented: bool = True
     #: Free-form facts for ``forge plugins list`` (e.g. how it is installed).
     info: dict[str, Any] = field(default_factory=dict)
+    #: Optional cheap check run by ``forge run`` before anything is created or started:
+    #: ``preflight(options)`` with the validated options raises a UserError for what the
+    #: user must fix (a missing or unreadable data file). "module:attr" is imported only then.
+    preflight: Callable[..., Any] | str | None = None
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can be used here, else one line saying why and what to do."""
@@ -76,6 +80,13 @@ class Backend:
     def create(self, options: "BaseModel | dict[str, Any] | None" = None, *args: Any, **kwargs: Any) -> Any:
         """Validate ``options`` and build the backend: ``factory(options, *args, **kwargs)``."""
         return self.load_factory()(self.validate_options(options), *args, **kwargs)
+
+    def check_before_run(self, options: "BaseModel | dict[str, Any] | None") -> None:
+        """Run the backend's :attr:`preflight` check (if it declares one) on ``options``."""
+        if self.preflight is None:
+            return
+        check = self.preflight if callable(self.preflight) else _import(self.preflight)
+        check(self.validate_options(options))
 
     def validate_options(self, options: "BaseModel | dict[str, Any] | None") -> "BaseModel":
         model = self.options_model

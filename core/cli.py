@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +38,23 @@ def _registry():
 
 
 def _fail(message: str) -> None:
-    click.echo(f"forge: error: {message}", err=True)
+    # One line, whatever the message holds: a user error is never spread over lines.
+    click.echo(f"forge: error: {' '.join(str(message).split())}", err=True)
+
+
+class _Terminated(BaseException):
+    """SIGINT, SIGTERM or SIGHUP arrived outside the local scheduler's supervision (which
+    handles them itself): stop at once. A BaseException, so ``except Exception`` blocks on
+    the way do not swallow it; not a KeyboardInterrupt, which click would turn into a
+    blank line plus "Aborted!"."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise _Terminated(signum)
 
 
 # ----------------------------------------------------------------------------- root
@@ -96,12 +114,17 @@ def _flags(kwargs: dict[str, Any]) -> dict[str, Any]:
 def run(config_file, sets, resume_dir, dry_run, wait, **kwargs) -> None:
     """Run (or submit) a post-training run."""
     from forgerl import api, runs
-    from forgerl.config import read_yaml
+    from forgerl.config import build_config, read_yaml
+
+    _refuse_conflicting_flags(config_file, resume_dir, kwargs.get("output"))
     registry = _registry()
     base = None
     if resume_dir:
         base = read_yaml(runs.existing_run_dir(resume_dir) / runs.CONFIG_FILE)
         base.pop("output", None)
+        saved = build_config(base=base)
+        given = build_config(sets=sets, flags=_flags(kwargs), base=base)
+        runs.check_resume_changes(saved, given, resume_dir)
     config = api.load_config(config_file, sets=sets, flags=_flags(kwargs), registry=registry, base=base)
     plan = api.plan(config, registry=registry, resume_dir=resume_dir, create=not dry_run)
     if dry_run:
@@ -120,6 +143,25 @@ def run(config_file, sets, resume_dir, dry_run, wait, **kwargs) -> None:
     click.echo(f"run directory: {plan.run_dir}", err=True)
     status = follow_run(plan.scheduler, handle, plan.run_dir, plan.config, progress=plan.config.logging.progress)
     sys.exit(0 if status.exit_code in (0, None) and status.state.value == "completed" else (status.exit_code or 1))
+
+
+def _refuse_conflicting_flags(config_file: str | None, resume_dir: str | None, output: str | None) -> None:
+    """Flags that would otherwise be silently ignored, or silently mean the default."""
+    from forgerl.errors import ConfigError
+
+    if output is not None and not output.strip():
+        raise ConfigError("--output is empty: give the run directory, or leave --output out for runs/<timestamp>")
+    if resume_dir is not None and not resume_dir.strip():
+        raise ConfigError("--resume is empty: give the run directory of the run to continue")
+    if resume_dir and config_file:
+        raise ConfigError(
+            f"give a config file or --resume, not both: a resumed run continues with {resume_dir}/config.yaml "
+            "(change its settings with --set)"
+        )
+    if resume_dir and output is not None:
+        raise ConfigError(
+            f"--resume continues the run in {resume_dir}; --output is for new runs (leave one of them out)"
+        )
 
 
 # -------------------------------------------------------------------------- plugins
@@ -304,17 +346,41 @@ def _add_plugin_commands() -> None:
         pass
 
 
+def _stop_on_termination() -> dict[int, Any]:
+    """Turn SIGINT/SIGTERM/SIGHUP into :class:`_Terminated`; returns the handlers to restore.
+
+    Without this, SIGTERM during start-up (reading the config, pre-flight checks) would
+    kill forge without a word. A signal the user chose to ignore (nohup) or handles
+    themselves (an embedding program) is left alone. Only the main thread can install
+    handlers."""
+    previous: dict[int, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL, signal.SIGHUP: signal.SIG_DFL}
+    for sig, default in defaults.items():
+        handler = signal.getsignal(sig)
+        if handler == default:
+            previous[sig] = handler
+            signal.signal(sig, _raise_terminated)
+    return previous
+
+
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     _State.debug = "--debug" in args or os.environ.get("FORGE_DEBUG", "") not in ("", "0")
+    previous_handlers = _stop_on_termination()
     try:
         _add_plugin_commands()
         cli.main(args=args, prog_name="forge", standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.ClickException as exc:
-        exc.show()
-        sys.exit(EXIT_USER_ERROR if exc.exit_code == 2 else exc.exit_code)
+        # A mistyped flag or argument is a user error like any other: one line, status 2.
+        hint = ""
+        if isinstance(exc, click.UsageError) and exc.ctx is not None:
+            hint = f" (see `{exc.ctx.command_path} --help`)"
+        _fail(exc.format_message() + hint)
+        sys.exit(EXIT_USER_ERROR)
     except click.exceptions.Abort:
         _fail("aborted")
         sys.exit(130)
@@ -326,6 +392,13 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         _fail("interrupted")
         sys.exit(130)
+    except _Terminated as exc:
+        _fail("interrupted" if exc.signum == signal.SIGINT else f"stopped by {signal.Signals(exc.signum).name}")
+        sys.exit(128 + exc.signum)
+    finally:
+        # In-process callers (tests, embedding) get their own handlers back.
+        for sig, handler in previous_handlers.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":  # pragma: no cover

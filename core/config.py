@@ -9,23 +9,41 @@ refine what a flag selected).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from forgerl.algorithms.config import AlgorithmConfig
 from forgerl.errors import BackendUnavailable, ConfigError
+from forgerl.options import OptionsModel
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.plugins import Registry
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
+# Upper bounds on sizes. They are far above any run these machines (or a cluster) can
+# place, and low enough that a typo such as `group_size: 1e12` is refused at validation
+# instead of allocating gigabytes or launching thousands of processes.
+MAX_STEPS = 10_000_000
+MAX_PROMPTS_PER_STEP = 65_536
+MAX_GROUP_SIZE = 1_024
+MAX_SAMPLES_PER_STEP = 1_048_576
+MAX_TOKENS = 1_048_576
+MAX_RANKS = 65_536
+MAX_REWARDS = 64
+MAX_SECONDS = 7 * 24 * 3600
+# numpy's legacy seeding takes 32-bit seeds; torch takes 64-bit ones.
+MAX_SEED = 2**32 - 1
+# Every integer in a config must fit a signed 64-bit integer (torch, numpy, C).
+INT64_MAX = 2**63 - 1
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+class _Strict(OptionsModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class BackendChoice(_Strict):
@@ -41,12 +59,20 @@ class GeneratorChoice(BackendChoice):
 
 class TrainerChoice(BackendChoice):
     name: str = Field("fsdp", description="Trainer backend.")
-    ranks: int = Field(1, ge=1, description="Trainer processes (torch.distributed ranks).")
+    ranks: int = Field(
+        1,
+        ge=1,
+        le=MAX_RANKS,
+        description=f"Trainer processes (torch.distributed ranks), at most {MAX_RANKS}; the scheduler "
+        "also refuses more than it can place (local: the cores this machine lets forge use).",
+    )
 
 
 class TransportChoice(BackendChoice):
     name: str = Field("shm", description="Weight transport from trainer to generators.")
-    timeout: float = Field(120.0, gt=0, description="Seconds a weight transfer may take before it fails.")
+    timeout: float = Field(
+        120.0, gt=0, le=MAX_SECONDS, description="Seconds a weight transfer may take before it fails (at most a week)."
+    )
 
 
 class SchedulerChoice(BackendChoice):
@@ -58,7 +84,9 @@ class TaskChoice(BackendChoice):
 
 
 class RewardChoice(BackendChoice):
-    weight: float = Field(1.0, description="Weight of this reward in the total (a weighted sum).")
+    weight: float = Field(
+        1.0, ge=-1e6, le=1e6, description="Weight of this reward in the total (a weighted sum); finite, |weight| <= 1e6."
+    )
 
 
 class ModelConfig(_Strict):
@@ -72,32 +100,66 @@ class ModelConfig(_Strict):
 
 
 class SamplingConfig(_Strict):
-    max_tokens: int = Field(64, ge=1, description="Most tokens per completion.")
-    temperature: float = Field(1.0, ge=0, description="0 is greedy.")
+    max_tokens: int = Field(
+        64,
+        ge=1,
+        le=MAX_TOKENS,
+        description=f"Most tokens per completion (at most {MAX_TOKENS}, and no more than the model's "
+        "context length, checked before a run starts).",
+    )
+    temperature: float = Field(1.0, ge=0, le=100, description="0 is greedy.")
     top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(-1, ge=-1, description="-1 disables top-k.")
+    top_k: int = Field(-1, ge=-1, le=1_000_000, description="-1 disables top-k.")
 
 
 class LoopConfig(_Strict):
-    steps: int = Field(20, ge=0, description="Training steps (optimiser updates) in the run.")
-    prompts_per_step: int = Field(8, ge=1, description="Prompt groups per training batch.")
-    group_size: int = Field(4, ge=1, description="Completions sampled per prompt (GRPO group).")
+    steps: int = Field(
+        20, ge=0, le=MAX_STEPS, description=f"Training steps (optimiser updates) in the run, at most {MAX_STEPS}."
+    )
+    prompts_per_step: int = Field(
+        8,
+        ge=1,
+        le=MAX_PROMPTS_PER_STEP,
+        description=f"Prompt groups per training batch, at most {MAX_PROMPTS_PER_STEP}; prompts_per_step x "
+        f"group_size at most {MAX_SAMPLES_PER_STEP}.",
+    )
+    group_size: int = Field(
+        4, ge=1, le=MAX_GROUP_SIZE, description=f"Completions sampled per prompt (GRPO group), at most {MAX_GROUP_SIZE}."
+    )
     max_staleness: int = Field(
         0, ge=0, description="Oldest policy version lag a sample may have when trained on; 0 = on-policy."
     )
-    eval_every: int = Field(0, ge=0, description="Evaluate every N steps (0: only at start and end).")
-    eval_size: int | None = Field(None, ge=1, description="Evaluate on the first N held-out problems.")
-    eval_temperature: float = Field(0.0, ge=0, description="Sampling temperature for evaluation (0 greedy).")
+    eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="Evaluate every N steps (0: only at start and end).")
+    eval_size: int | None = Field(
+        None, ge=1, le=MAX_SAMPLES_PER_STEP, description="Evaluate on the first N held-out problems."
+    )
+    eval_temperature: float = Field(0.0, ge=0, le=100, description="Sampling temperature for evaluation (0 greedy).")
     eval_at_start: bool = True
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    reward_timeout: float = Field(10.0, gt=0, description="Seconds per sample before a reward is failed.")
-    failed_reward: float = Field(0.0, description="Score of a sample whose reward raised or timed out.")
-    seed: int = Field(0, description="Seeds the task, sampling and initialisation.")
+    reward_timeout: float = Field(
+        10.0, gt=0, le=MAX_SECONDS, description="Seconds per sample before a reward is failed (at most a week)."
+    )
+    failed_reward: float = Field(
+        0.0, ge=-1e6, le=1e6, description="Score of a sample whose reward raised or timed out."
+    )
+    seed: int = Field(
+        0, ge=0, le=MAX_SEED, description=f"Seeds the task, sampling and initialisation (0 to {MAX_SEED})."
+    )
+
+    @model_validator(mode="after")
+    def _batch_is_placeable(self) -> "LoopConfig":
+        samples = self.prompts_per_step * self.group_size
+        if samples > MAX_SAMPLES_PER_STEP:
+            raise ValueError(
+                f"prompts_per_step x group_size = {self.prompts_per_step} x {self.group_size} = {samples} "
+                f"completions per step; at most {MAX_SAMPLES_PER_STEP}"
+            )
+        return self
 
 
 class CheckpointConfig(_Strict):
-    every: int = Field(10, ge=0, description="Checkpoint every N steps (0: only at exit).")
-    keep: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    every: int = Field(10, ge=0, le=MAX_STEPS, description="Checkpoint every N steps (0: only at exit).")
+    keep: int = Field(2, ge=1, le=1000, description="Checkpoints kept; older ones are deleted.")
 
 
 class LoggingConfig(_Strict):
@@ -120,13 +182,24 @@ class RunConfig(_Strict):
     transport: TransportChoice = Field(default_factory=TransportChoice)
     scheduler: SchedulerChoice = Field(default_factory=SchedulerChoice)
     rewards: list[RewardChoice] = Field(
-        default_factory=_default_rewards, min_length=1, description="Rewards, summed with their weights."
+        default_factory=_default_rewards,
+        min_length=1,
+        max_length=MAX_REWARDS,
+        description="Rewards, summed with their weights.",
     )
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
-    output: str | None = Field(None, description="Run directory (default runs/<timestamp>).")
+    output: str | None = Field(None, description="Run directory (default runs/<timestamp>); not empty.")
+
+    @field_validator("output")
+    @classmethod
+    def _output_names_a_place(cls, value: str | None) -> str | None:
+        # An empty --output would silently mean "the default place".
+        if value is not None and not value.strip():
+            raise ValueError("must name a directory, not be empty")
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -140,7 +213,9 @@ class RunConfig(_Strict):
         loop = data.get("loop") or {}
         sampling = loop.get("sampling") if isinstance(loop, dict) else None
         max_tokens = sampling.get("max_tokens") if isinstance(sampling, dict) else None
-        max_tokens = max_tokens or SamplingConfig.model_fields["max_tokens"].default
+        if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_TOKENS:
+            # A bad max_tokens is reported by its own field; derive from the default meanwhile.
+            max_tokens = SamplingConfig.model_fields["max_tokens"].default
         preset = algo.get("preset", "grpo")
         if algo.get("loss_agg", "constant_norm" if preset == "dr_grpo" else None) == "constant_norm":
             algo.setdefault("loss_norm_constant", max_tokens)
@@ -178,22 +253,64 @@ SINGLE_BACKEND_FIELDS = {
 }
 
 
+#: A config larger than this is not a config (a model file or a log given by mistake).
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (PyYAML silently
+    keeps the last one, so a duplicated section would hide half of what the user wrote)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # unhashable: the base class reports it
+                break
+            line = key_node.start_mark.line + 1
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is given twice (lines {seen[key]} and {line})", key_node.start_mark
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The top-level mapping of a YAML config file; ConfigError (one line) for anything else."""
     path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror or exc}") from None
+        with path.open("rb") as f:
+            # Read at most one byte past the limit: /dev/zero or a huge file must not fill memory.
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        reason = getattr(exc, "strerror", None) or str(exc)
+        raise ConfigError(f"cannot read config file {str(path)!r}: {reason}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES // 2**20} MiB, not a config file")
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); a config is a YAML file"
+        ) from None
+    try:
+        data = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(f"{path}{where}: not valid YAML ({' '.join(str(problem).split())})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a config") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections, not {type(data).__name__}")
+        raise ConfigError(f"{path}: the top level must be a mapping of sections, not {_describe(data)}")
     return data
 
 
@@ -204,11 +321,14 @@ def parse_set(assignments: Iterable[str]) -> list[tuple[list[str], Any]]:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {item!r}: expected dotted.key=value")
+        path = key.strip().split(".")
+        if any(not part.strip() for part in path):
+            raise ConfigError(f"--set {item!r}: {key.strip()!r} has an empty part; expected dotted.key=value")
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
+        except (yaml.YAMLError, RecursionError):
             value = raw
-        parsed.append((key.strip().split("."), value))
+        parsed.append((path, value))
     return parsed
 
 
@@ -218,10 +338,15 @@ def apply_set(data: dict[str, Any], path: list[str], value: Any) -> None:
         nxt = path[i + 1]
         if isinstance(node, list):
             node = node[_index(node, part, path)]
-            continue
-        if part not in node or node[part] is None:
-            node[part] = [] if nxt.isdigit() else {}
-        node = node[part]
+        else:
+            if part not in node or node[part] is None:
+                node[part] = [] if nxt.isdigit() else {}
+            node = node[part]
+        if not isinstance(node, (dict, list)):
+            where = ".".join(path[: i + 1])
+            raise ConfigError(
+                f"--set {'.'.join(path)}: {where} is {_describe(node)}, not a section with keys"
+            )
     last = path[-1]
     if isinstance(node, list):
         idx = int(last) if last.isdigit() else -1
@@ -231,6 +356,27 @@ def apply_set(data: dict[str, Any], path: list[str], value: Any) -> None:
             node[_index(node, last, path)] = value
     else:
         node[last] = value
+
+
+def _section(data: dict[str, Any], key: str, source: str) -> dict[str, Any]:
+    """``data[key]`` as a mapping a flag can write into (created when absent)."""
+    if key not in data:
+        data[key] = {}
+    section = data[key]
+    if not isinstance(section, dict):
+        raise ConfigError(f"{source}: {key}: must be a mapping of keys, not {_describe(section)}")
+    return section
+
+
+def _describe(value: Any) -> str:
+    if value is None:
+        return "null"
+    text = repr(value)
+    return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _index(node: list, part: str, path: list[str]) -> int:
@@ -258,15 +404,13 @@ def build_config(
         source = str(file)
     data = _deep_copy(data)
     # The CLI default rewards apply only when neither file nor flags name any.
-    if not data.get("rewards"):
+    if data.get("rewards") is None:
         data["rewards"] = [r.model_dump() for r in _default_rewards()]
     for key, value in (flags or {}).items():
         if value is None or (isinstance(value, (list, tuple)) and not value):
             continue
         if key in SINGLE_BACKEND_FIELDS:
-            section = data.setdefault(key, {})
-            if not isinstance(section, dict):
-                section = data[key] = {}
+            section = _section(data, key, source)
             if section.get("name") != value:
                 # A different backend does not understand the old one's options.
                 section["options"] = {}
@@ -274,9 +418,9 @@ def build_config(
         elif key == "rewards":
             data["rewards"] = [{"name": n} for n in value]
         elif key == "model":
-            data.setdefault("model", {})["name"] = value
+            _section(data, "model", source)["name"] = value
         elif key == "steps":
-            data.setdefault("loop", {})["steps"] = value
+            _section(data, "loop", source)["steps"] = value
         elif key == "output":
             data["output"] = value
         else:
@@ -300,11 +444,13 @@ def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
-        msg = err["msg"]
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown key (remove it, or see `forge config schema`)"
         elif "input" in err and not isinstance(err["input"], (dict, list)):
-            msg = f"{msg} (got {err['input']!r})"
+            got = repr(err["input"])
+            if got not in msg:
+                msg = f"{msg} (got {got if len(got) <= 80 else got[:77] + '...'})"
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
 
@@ -331,7 +477,27 @@ def resolve(config: RunConfig, registry: "Registry", *, check_available: bool = 
         if check_available and (reason := backend.unavailable_reason()):
             raise BackendUnavailable(f"{kind} {choice.name!r} is unavailable: {reason}")
     _check_model_name(config, registry)
+    _check_values(config.model_dump(mode="python"))
     return config
+
+
+def _check_values(data: Any) -> None:
+    """Every value of a resolved config, backend options included (a third-party options
+    model may not refuse them itself): floats finite, integers within int64, strings
+    without NUL bytes (no path or command can hold one)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:  # iterative: a deeply nested options block must not overflow the stack
+        where, value = stack.pop()
+        if isinstance(value, Mapping):
+            stack.extend((f"{where}.{k}" if where else str(k), v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((f"{where}.{i}", v) for i, v in enumerate(value))
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{where}: must be a finite number (got {value})")
+        elif _is_int(value) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+            raise ConfigError(f"{where}: {value} does not fit a 64-bit integer")
+        elif isinstance(value, str) and "\0" in value:
+            raise ConfigError(f"{where}: must not contain a NUL byte (got {value[:60]!r})")
 
 
 def _check_model_name(config: RunConfig, registry: "Registry") -> None:

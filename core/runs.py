@@ -36,14 +36,20 @@ def default_run_dir() -> Path:
     return Path("runs") / time.strftime("%Y%m%d-%H%M%S")
 
 
-def new_run_dir(config: "RunConfig") -> Path:
-    """Create the run directory for a fresh run; refuse one that already holds a run."""
+def planned_run_dir(config: "RunConfig") -> Path:
+    """Where a fresh run of ``config`` will live (nothing is created)."""
     run_dir = Path(config.output) if config.output else default_run_dir()
-    if (run_dir / CONFIG_FILE).exists():
-        raise ConfigError(
-            f"run directory {str(run_dir)!r} already holds a run; resume it with "
-            f"`forge run --resume {run_dir}` or choose another --output"
-        )
+    try:
+        return run_dir.resolve()
+    except (OSError, RuntimeError, ValueError) as exc:  # a symlink loop, a NUL byte
+        raise ConfigError(f"output {config.output!r} is not a usable path: {exc}") from None
+
+
+def new_run_dir(config: "RunConfig", run_dir: Path | None = None) -> Path:
+    """Create the run directory for a fresh run (``run_dir``, else the config's output);
+    refuse one that already holds a run."""
+    run_dir = run_dir if run_dir is not None else planned_run_dir(config)
+    check_output_location(run_dir)
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -51,11 +57,76 @@ def new_run_dir(config: "RunConfig") -> Path:
     return run_dir.resolve()
 
 
+def check_output_location(run_dir: Path) -> None:
+    """A fresh run can be created at ``run_dir``: it holds no run yet, and it or its nearest
+    existing parent is a writable directory. Creates nothing."""
+    try:
+        if (run_dir / CONFIG_FILE).exists():
+            raise ConfigError(
+                f"run directory {str(run_dir)!r} already holds a run; resume it with "
+                f"`forge run --resume {run_dir}` or choose another --output"
+            )
+        existing = run_dir
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        if not existing.is_dir():
+            what = "is a file" if existing == run_dir else f"is inside {str(existing)!r}, which is a file"
+            raise ConfigError(f"run directory {str(run_dir)!r} {what}; choose another --output")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"cannot create run directory {str(run_dir)!r}: {str(existing)!r} is not writable; "
+                "choose another --output"
+            )
+    except OSError as exc:
+        raise ConfigError(f"cannot use run directory {str(run_dir)!r}: {exc.strerror or exc}") from None
+
+
 def existing_run_dir(path: str | Path) -> Path:
     run_dir = Path(path)
     if not (run_dir / CONFIG_FILE).is_file():
         raise ResumeError(f"{str(run_dir)!r} is not a run directory (no {CONFIG_FILE}); give the --output of an earlier run")
     return run_dir.resolve()
+
+
+#: What a checkpoint depends on: a resumed run may not change these (--set, --model, ...).
+RESUME_FIXED = ("model", "task", "trainer.name", "loop.seed")
+
+
+def check_resume_changes(saved: "RunConfig", given: "RunConfig", run_dir: str | Path) -> None:
+    """``forge run --resume DIR`` with flags or ``--set``: they apply on top of the run's
+    saved config (more steps, other logging, another generator or transport), except for
+    what the checkpoint was made with (:data:`RESUME_FIXED`), which would only fail later
+    inside the trainer or the task."""
+    if given.output is not None:
+        raise ConfigError(
+            f"--resume continues the run in {run_dir}; output is for new runs (remove it from --set)"
+        )
+    for dotted in RESUME_FIXED:
+        before, after = saved.dump(), given.dump()
+        for part in dotted.split("."):
+            before, after = before[part], after[part]
+        difference = _first_difference(before, after, dotted)
+        if difference is not None:
+            where, was, now = difference
+            raise ConfigError(
+                f"--resume {run_dir}: {where} cannot change when resuming (the checkpoint was made with "
+                f"{_short(was)}, given {_short(now)}); start a new run with --output instead"
+            )
+
+
+def _first_difference(a: Any, b: Any, where: str) -> tuple[str, Any, Any] | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in [*a, *(k for k in b if k not in a)]:
+            found = _first_difference(a.get(key), b.get(key), f"{where}.{key}")
+            if found is not None:
+                return found
+        return None
+    return None if a == b else (where, a, b)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def write_config(run_dir: Path, config: "RunConfig") -> None:

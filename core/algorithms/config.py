@@ -17,7 +17,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
+
+from forgerl.options import OptionsModel
 
 PresetName = Literal["grpo", "dr_grpo", "dapo", "gspo"]
 
@@ -108,7 +110,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 _GRPO = PRESETS["grpo"]
 
 
-class AlgorithmConfig(BaseModel):
+class AlgorithmConfig(OptionsModel):
     """GRPO-family policy-gradient settings (the ``algorithm:`` block of a run config).
 
     Field defaults equal the ``grpo`` preset; a different ``preset`` replaces them for
@@ -116,7 +118,9 @@ class AlgorithmConfig(BaseModel):
     ``model_copy(update=...)``, which skips validation) rather than mutating.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # Floats finite and no booleans for numbers (OptionsModel): a NaN clip or an infinite
+    # KL weight would poison every step.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     preset: PresetName = Field(
         "grpo",

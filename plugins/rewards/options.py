@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from forgerl.options import OptionsModel
 
 
-class MathAnswerOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class MathAnswerOptions(OptionsModel):
     tag: str | None = Field(
         "answer",
         pattern=r"^[A-Za-z_][\w-]*$",
@@ -23,8 +23,7 @@ class MathAnswerOptions(BaseModel):
     )
 
 
-class FormatOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FormatOptions(OptionsModel):
 
     # Non-empty content: "<answer></answer>" alone must not earn the format reward.
     pattern: str = Field(

@@ -20,6 +20,7 @@ def forge_tasks():
             factory="forgerl_plugins.tasks.file:FileTask",
             options="forgerl_plugins.tasks.options:FileTaskOptions",
             description="prompts and answers from a JSONL or Parquet file",
+            preflight="forgerl_plugins.tasks.file:preflight",
         ),
     ]
 

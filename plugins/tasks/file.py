@@ -25,6 +25,10 @@ EVAL_SEED = 20250101
 
 PARQUET_SUFFIXES = (".parquet", ".pq")
 
+#: The pre-flight check reads files up to this size whole, exactly as the run will; of
+#: larger ones it reads the first rows only (the rest is checked when the run loads them).
+PREFLIGHT_READ_WHOLE_BYTES = 64 * 2**20
+
 
 class FileTask(Task):
     def __init__(self, options: FileTaskOptions, seed: int = 0):
@@ -90,28 +94,32 @@ class FileTask(Task):
         return order
 
     def _problem(self, row: Mapping[str, Any], source: str, index: int) -> Problem:
-        o = self.options
-        where = f"{source} row {index + 1}"
-        if o.prompt_field not in row:
-            raise ConfigError(
-                f"{where}: no field {o.prompt_field!r} (fields: {', '.join(map(str, row)) or 'none'}); "
-                "set task.options.prompt_field"
-            )
-        prompt = _chat(row[o.prompt_field], o.system_prompt, where, o.prompt_field)
-        answer = ""
-        if o.answer_field is not None:
-            if o.answer_field not in row or row[o.answer_field] is None:
-                raise ConfigError(
-                    f"{where}: no field {o.answer_field!r} (fields: {', '.join(map(str, row))}); "
-                    "set task.options.answer_field, or answer_field: null for rewards that need no answer"
-                )
-            answer = str(row[o.answer_field])
-        problem_id = (
-            str(row[o.id_field]) if row.get(o.id_field) is not None else f"{Path(source).name}:{index}"
+        return problem_from_row(self.options, row, source, index)
+
+
+def problem_from_row(o: FileTaskOptions, row: Mapping[str, Any], source: str, index: int) -> Problem:
+    """Row ``index`` of ``source`` as a Problem; ConfigError when a configured field is missing."""
+    where = f"{source} row {index + 1}"
+    if o.prompt_field not in row:
+        raise ConfigError(
+            f"{where}: no field {o.prompt_field!r} (fields: {', '.join(map(str, row)) or 'none'}); "
+            "set task.options.prompt_field"
         )
-        used = {o.prompt_field, o.answer_field, o.id_field}
-        metadata = {k: v for k, v in row.items() if k not in used}
-        return Problem(id=problem_id, prompt=prompt, answer=answer, metadata=metadata)
+    prompt = _chat(row[o.prompt_field], o.system_prompt, where, o.prompt_field)
+    answer = ""
+    if o.answer_field is not None:
+        if o.answer_field not in row or row[o.answer_field] is None:
+            raise ConfigError(
+                f"{where}: no field {o.answer_field!r} (fields: {', '.join(map(str, row))}); "
+                "set task.options.answer_field, or answer_field: null for rewards that need no answer"
+            )
+        answer = str(row[o.answer_field])
+    problem_id = (
+        str(row[o.id_field]) if row.get(o.id_field) is not None else f"{Path(source).name}:{index}"
+    )
+    used = {o.prompt_field, o.answer_field, o.id_field}
+    metadata = {k: v for k, v in row.items() if k not in used}
+    return Problem(id=problem_id, prompt=prompt, answer=answer, metadata=metadata)
 
 
 def _chat(value: Any, system_prompt: str | None, where: str, field: str) -> list[dict[str, str]]:
@@ -157,6 +165,62 @@ def _split(problems: list[Problem], fraction: float, source: str) -> tuple[list[
     return train, evaluation
 
 
+# ------------------------------------------------------------------ pre-flight
+
+
+def preflight(options: FileTaskOptions) -> None:
+    """What ``forge run`` checks before it creates the run directory: the files exist, are
+    readable, non-empty regular files, and their rows have the configured fields. Small
+    files are loaded whole (every row, the eval split), large ones by their first rows."""
+    paths = [Path(options.path)] + ([Path(options.eval_path)] if options.eval_path else [])
+    sizes = [_checked_file(p) for p in paths]
+    if sum(sizes) <= PREFLIGHT_READ_WHOLE_BYTES:
+        FileTask(options)
+        return
+    for path in paths:
+        for i, row in enumerate(_first_rows(path, 16)):
+            problem_from_row(options, row, str(path), i)
+
+
+def _checked_file(path: Path) -> int:
+    """The size of ``path``; ConfigError when it is missing, not a regular file or empty."""
+    try:
+        if not path.exists():
+            raise ConfigError(f"task file {str(path)!r} does not exist (cwd: {Path.cwd()})")
+        if not path.is_file():
+            raise ConfigError(f"task file {str(path)!r} is not a regular file")
+        size = path.stat().st_size
+        with path.open("rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot read task file {str(path)!r}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a NUL byte in the path
+        raise ConfigError(f"task file {str(path)!r}: {exc}") from None
+    if size == 0:
+        raise ConfigError(f"task file {str(path)!r} is empty; it needs one problem per line (JSONL) or .parquet")
+    return size
+
+
+def _first_rows(path: Path, n: int) -> list[dict[str, Any]]:
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        return _read_parquet(path)[:n]  # pyarrow has no cheap partial read of a row group
+    rows: list[dict[str, Any]] = []
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    rows.append(_jsonl_row(path, lineno, line))
+                if len(rows) >= n:
+                    break
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason}); JSONL or .parquet expected") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read task file {str(path)!r}: {exc.strerror or exc}") from None
+    if not rows:
+        raise ConfigError(f"task file {str(path)!r} has no rows (only blank lines)")
+    return rows
+
+
 # ------------------------------------------------------------------ reading files
 
 
@@ -166,9 +230,10 @@ def read_rows(path: Path) -> list[dict[str, Any]]:
         raise ConfigError(f"task file {str(path)!r} does not exist (cwd: {Path.cwd()})")
     if not path.is_file():
         raise ConfigError(f"task file {str(path)!r} is not a file")
-    if path.suffix.lower() in PARQUET_SUFFIXES:
-        return _read_parquet(path)
-    return _read_jsonl(path)
+    rows = _read_parquet(path) if path.suffix.lower() in PARQUET_SUFFIXES else _read_jsonl(path)
+    if not rows:
+        raise ConfigError(f"task file {str(path)!r} has no rows (it is empty or only blank lines)")
+    return rows
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -176,25 +241,25 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     try:
         with path.open(encoding="utf-8") as f:
             for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    hint = (
-                        " (expected JSON Lines: one object per line)"
-                        if path.suffix.lower() == ".json"
-                        else ""
-                    )
-                    raise ConfigError(f"{path}:{lineno}: not valid JSON: {exc.msg}{hint}") from None
-                if not isinstance(row, dict):
-                    raise ConfigError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
-                rows.append(row)
+                if line.strip():
+                    rows.append(_jsonl_row(path, lineno, line))
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text ({exc.reason}); JSONL or .parquet expected") from None
     except OSError as exc:
         raise ConfigError(f"cannot read task file {str(path)!r}: {exc.strerror or exc}") from None
     return rows
+
+
+def _jsonl_row(path: Path, lineno: int, line: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        hint = " (expected JSON Lines: one object per line)" if path.suffix.lower() == ".json" else ""
+        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        raise ConfigError(f"{path}:{lineno}: not valid JSON: {msg}{hint}") from None
+    if not isinstance(row, dict):
+        raise ConfigError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+    return row
 
 
 def _read_parquet(path: Path) -> list[dict[str, Any]]:

@@ -2,24 +2,25 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from forgerl.options import OptionsModel
 
 ARITHMETIC_OPERATIONS = ("+", "-", "*")
 
 
-class ArithmeticOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    min_value: int = Field(1, ge=0, description="Smallest operand.")
-    max_value: int = Field(20, ge=1, description="Largest operand.")
+class ArithmeticOptions(OptionsModel):
+    min_value: int = Field(1, ge=0, le=10**9, description="Smallest operand.")
+    max_value: int = Field(20, ge=1, le=10**9, description="Largest operand (at most 10^9).")
     operations: list[str] = Field(
         default_factory=lambda: ["+"], min_length=1, description="Operations to draw from: +, -, *."
     )
     allow_negative: bool = Field(
         False, description="Allow negative results of '-' (otherwise the larger operand comes first)."
     )
-    eval_size: int = Field(64, ge=1, description="Held-out problems (the same for every run seed).")
+    eval_size: int = Field(
+        64, ge=1, le=1_000_000, description="Held-out problems (the same for every run seed), at most 10^6."
+    )
     tag: str = Field("answer", pattern=r"^[A-Za-z_][\w-]*$", description="The prompt asks for <tag></tag>.")
 
     @field_validator("operations")
@@ -37,10 +38,10 @@ class ArithmeticOptions(BaseModel):
         return self
 
 
-class FileTaskOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    path: str = Field(description="JSONL (one object per line) or Parquet (.parquet) file of problems.")
+class FileTaskOptions(OptionsModel):
+    path: str = Field(
+        min_length=1, description="JSONL (one object per line) or Parquet (.parquet) file of problems."
+    )
     eval_path: str | None = Field(None, description="Held-out problems; without it, eval_fraction of path.")
     prompt_field: str = Field("prompt", description="Field holding a string or a list of chat messages.")
     answer_field: str | None = Field("answer", description="Field holding the reference; None: no answers.")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from forgerl.options import OptionsModel
 
 
-class HFGeneratorOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    batch_size: int = Field(16, ge=1, description="Sequences generated together in one forward pass.")
+class HFGeneratorOptions(OptionsModel):
+    batch_size: int = Field(16, ge=1, le=65_536, description="Sequences generated together in one forward pass.")
     dtype: str | None = Field(
         None,
         pattern="^(float32|bfloat16|float16)$",

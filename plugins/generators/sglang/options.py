@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from forgerl.options import OptionsModel
 
 
-class SGLangGeneratorOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    replicas: int = Field(1, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1)
+class SGLangGeneratorOptions(OptionsModel):
+    replicas: int = Field(1, ge=1, le=4096)
+    tensor_parallel_size: int = Field(1, ge=1, le=1024)

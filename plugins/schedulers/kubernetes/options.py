@@ -6,17 +6,17 @@ import posixpath
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from forgerl.options import OptionsModel
 
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 # Kubernetes resource quantity (cpu, memory, ephemeral storage): "16Gi", "500m", "1e3".
 QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkKMGTPE]i?)?$")
 
 
-class Volume(BaseModel):
+class Volume(OptionsModel):
     """A volume mounted into every pod: a PersistentVolumeClaim or a hostPath."""
-
-    model_config = ConfigDict(extra="forbid")
 
     name: str = Field(description="Volume name (a DNS label).")
     mount_path: str = Field(description="Where it appears in the containers (absolute).")
@@ -46,9 +46,7 @@ class Volume(BaseModel):
         return self
 
 
-class Toleration(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class Toleration(OptionsModel):
     key: str | None = None
     operator: Literal["Exists", "Equal"] = "Equal"
     value: str | None = None
@@ -56,9 +54,7 @@ class Toleration(BaseModel):
     toleration_seconds: int | None = Field(None, ge=0)
 
 
-class KubernetesSchedulerOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class KubernetesSchedulerOptions(OptionsModel):
     namespace: str = Field("default", description="Namespace the run's objects are created in.")
     image: str | None = Field(None, description="Container image with forgerl installed (required).")
     python: str = Field(
@@ -93,7 +89,9 @@ class KubernetesSchedulerOptions(BaseModel):
     kubeconfig: str | None = Field(None, description="Kubeconfig file (default: $KUBECONFIG, ~/.kube/config, "
                                    "or the in-cluster service account).")
     context: str | None = Field(None, description="Kubeconfig context (default: the current one).")
-    poll_interval: float = Field(5.0, gt=0, description="Longest wait between status checks in --wait.")
+    poll_interval: float = Field(
+        5.0, gt=0, le=3600, description="Longest wait between status checks in --wait."
+    )
 
     @field_validator("namespace")
     @classmethod

@@ -40,7 +40,7 @@ from forgerl.errors import ConfigError, JobNotFound, SchedulerError
 from forgerl.interfaces import Scheduler
 from forgerl.types import JobHandle, JobSpec, JobState, JobStatus
 
-from . import LocalSchedulerOptions, jobfile, procs
+from . import LocalSchedulerOptions, jobfile, placement, procs
 from .supervisor import LiveJob
 
 _ROLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -56,6 +56,13 @@ class LocalScheduler(Scheduler):
         self._jobs: dict[str, LiveJob] = {}
 
     # ------------------------------------------------------------------ submit / wait
+
+    def check_job(self, job: JobSpec) -> None:
+        """Before a run is created: refuse a job this machine cannot hold (more processes than
+        cores, more GPUs than visible; see :mod:`.placement`) with one line naming the numbers."""
+        _validate(job)
+        if not self.options.oversubscribe:
+            placement.check_placement(job)
 
     def submit(self, job: JobSpec) -> JobHandle:
         """Start every process of ``job``; returns at once. Call :meth:`wait` from the same

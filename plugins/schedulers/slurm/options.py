@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import re
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from forgerl.options import OptionsModel
 
 # Slurm's --mem: an integer with an optional K/M/G/T suffix (default megabytes). The
 # Kubernetes-style binary suffixes (Ki, Mi, Gi, Ti) mean the same thing and are accepted,
@@ -36,9 +38,7 @@ def memory_mb(value: str) -> int:
     return max(1, int(int(text.rstrip("KMGT")) * scale[unit]))
 
 
-class SlurmSchedulerOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class SlurmSchedulerOptions(OptionsModel):
     partition: str | None = Field(None, description="#SBATCH --partition (default: the cluster's default).")
     account: str | None = Field(None, description="#SBATCH --account.")
     qos: str | None = Field(None, description="#SBATCH --qos.")
@@ -81,9 +81,9 @@ class SlurmSchedulerOptions(BaseModel):
     )
     env: dict[str, str] = Field(default_factory=dict, description="Environment exported to every step.")
     stop_timeout: float = Field(
-        30.0, gt=0, description="Seconds the other roles get to exit after the primary role ends."
+        30.0, gt=0, le=86_400, description="Seconds the other roles get to exit after the primary role ends."
     )
-    poll_interval: float = Field(5.0, gt=0, description="Seconds between status checks in --wait.")
+    poll_interval: float = Field(5.0, gt=0, le=3600, description="Seconds between status checks in --wait.")
 
     @field_validator("memory")
     @classmethod

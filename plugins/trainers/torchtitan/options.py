@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from forgerl.options import OptionsModel
 
 
-class TorchTitanTrainerOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TorchTitanTrainerOptions(OptionsModel):
+    """No options yet (the backend is not implemented)."""
