@@ -80,3 +80,13 @@ class CheckpointError(ForgeError):
 
 class ResumeError(CheckpointError, UserError):
     """``--resume`` points at something that is not a resumable run directory."""
+
+
+class CheckpointUnusable(CheckpointError, UserError):
+    """A checkpoint (or one file of it) is missing, truncated, of another format or
+    tampered with; resuming falls back to an earlier checkpoint when one is usable."""
+
+
+class CheckpointWriteError(CheckpointError, UserError):
+    """A checkpoint could not be written (disk full, no permission); the previous one
+    stays usable and the run stops so that the user can fix the disk and resume."""

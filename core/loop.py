@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import signal
 import threading
 import time
@@ -22,7 +21,9 @@ from typing import Any
 from forgerl import checkpoint as ckpt
 from forgerl import runs
 from forgerl.batching import prepare_batch
+from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.config import RunConfig
+from forgerl.errors import CheckpointError, CheckpointUnusable, CheckpointWriteError
 from forgerl.interfaces import Generator, RunContext, Task
 from forgerl.metrics import MetricsWriter
 from forgerl.plugins import Registry
@@ -70,47 +71,50 @@ class Loop:
         self.eval_last: float | None = None
         self.stop_requested = threading.Event()
         self.last_batch_task_state: dict[str, Any] = {}
+        self.pending_restored: list[RolloutBatch] = []
 
     # -------------------------------------------------------------------- state
 
-    def loop_state(self, buffer: RolloutBuffer, task_state: dict[str, Any]) -> dict[str, Any]:
-        import numpy as np
-        import torch
-
-        return {
+    def snapshot(self, task_state: dict[str, Any], pending: list[RolloutBatch]) -> Snapshot:
+        """The loop's part of a checkpoint (JSON and arrays: nothing is pickled)."""
+        rng, arrays = capture_rng()
+        state = {
             "step": self.step,
             "policy_version": self.policy_version,
             "task_state": task_state,
-            "next_rollout_index": buffer.next_index,
+            "next_rollout_index": self.step + len(pending),
             "time_totals": self.time_totals,
             "eval_start": self.eval_start,
             "eval_last": self.eval_last,
-            "rng": {
-                "python": _encode(random.getstate()),
-                "numpy": _encode(np.random.get_state()),
-                "torch": _encode(torch.get_rng_state()),
-            },
+            "rng": rng,
         }
+        return Snapshot(state=state, rollouts=pending, arrays=arrays)
 
-    def restore(self, path: Path) -> list[RolloutBatch]:
-        import numpy as np
-        import torch
-
-        state, pending = ckpt.load_loop_state(path)
-        self.driver.call("load", path / "trainer")
+    def restore(self) -> Path | None:
+        """Resume from the newest usable checkpoint (trainer on every rank, then the loop's
+        state); returns its folder, or None when the run has no checkpoint yet."""
+        found = ckpt.restore(
+            self.run_dir, lambda folder: self.driver.call("load", folder), keep=self.config.checkpoint.keep
+        )
+        if found is None:
+            return None
+        path, snap = found
+        state = snap.state
         self.step = state["step"]
         self.policy_version = state["policy_version"]
         self.task.load_state_dict(state["task_state"])
-        self.time_totals.update(state.get("time_totals", {}))
-        self.eval_start = state.get("eval_start")
-        self.eval_last = state.get("eval_last")
+        self.time_totals.update(state["time_totals"])
+        self.eval_start = state["eval_start"]
+        self.eval_last = state["eval_last"]
         # Task state after the last batch that exists (trained or pending): the producer
         # continues from there.
         self.last_batch_task_state = state["task_state"]
-        random.setstate(_decode(state["rng"]["python"]))
-        np.random.set_state(_decode(state["rng"]["numpy"]))
-        torch.set_rng_state(_decode(state["rng"]["torch"]))
-        return pending
+        try:
+            restore_rng(snap)
+        except CheckpointError as exc:
+            raise CheckpointUnusable(f"{path / ckpt.LOOP_STATE}: {exc}") from None
+        self.pending_restored = snap.rollouts
+        return path
 
     # -------------------------------------------------------------------- run
 
@@ -118,11 +122,10 @@ class Loop:
         cfg = self.config
         steps = cfg.loop.steps
         S = cfg.loop.max_staleness
-        resume_from = ckpt.latest(self.run_dir)
         ckpt.clean_staging(self.run_dir)
-        pending: list[RolloutBatch] = []
+        resume_from = self.restore()
+        pending: list[RolloutBatch] = self.pending_restored
         if resume_from is not None:
-            pending = self.restore(resume_from)
             log.info("resumed from %s at step %d (policy version %d)", resume_from, self.step, self.policy_version)
         metrics = MetricsWriter(
             self.run_dir,
@@ -178,7 +181,13 @@ class Loop:
                     self.eval_last = row["eval/accuracy"]
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or self.step == steps:
                     t = time.perf_counter()
-                    self.save(buffer, producer)
+                    try:
+                        self.save(buffer, producer)
+                    except CheckpointWriteError:
+                        # The step happened: record it, then stop (the user frees space
+                        # and resumes from the previous checkpoint, which redoes it).
+                        _write_quietly(metrics, self.step, row)
+                        raise
                     self.time_totals["checkpoint"] += time.perf_counter() - t
                 metrics.write(self.step, row)
         except Interrupted:
@@ -193,7 +202,10 @@ class Loop:
         finally:
             buffer.stop()
             summary = self.summary(status)
-            runs.atomic_write_text(self.run_dir / runs.SUMMARY_FILE, json.dumps(summary, indent=2))
+            try:
+                runs.atomic_write_text(self.run_dir / runs.SUMMARY_FILE, json.dumps(summary, indent=2))
+            except OSError as exc:  # a full disk must not hide the error that ended the run
+                log.warning("could not write %s: %s", runs.SUMMARY_FILE, exc)
             self.registry.hooks.run_end(summary=summary, run_dir=self.run_dir)
             metrics.close()
         return summary
@@ -327,16 +339,20 @@ class Loop:
     def save(self, buffer: RolloutBuffer, producer: RolloutProducer) -> None:
         """Checkpoint at a step boundary: trainer state on all ranks, then the loop state,
         including rollouts already made for later steps (they were sampled from older
-        weights than the checkpoint holds, so they cannot be made again after resume)."""
+        weights than the checkpoint holds, so they cannot be made again after resume).
+        A full disk or an unwritable folder raises CheckpointWriteError and leaves the
+        previous checkpoint as the latest."""
         pending = [b for b in buffer.pending() if b.index >= self.step]
         # The producer may be consuming the task right now: use the state recorded with
         # the last finished batch, never the live one.
         task_state = pending[-1].task_state if pending else self.last_batch_task_state
-        path = ckpt.prepare(self.run_dir, self.step)
-        self.driver.call("save", path / "trainer")
-        state = self.loop_state(buffer, task_state)
-        state["next_rollout_index"] = self.step + len(pending)
-        ckpt.commit(self.run_dir, self.step, state, pending, keep=self.config.checkpoint.keep)
+        ckpt.save(
+            self.run_dir,
+            self.step,
+            self.snapshot(task_state, pending),
+            lambda folder: self.driver.call("save", folder),
+            keep=self.config.checkpoint.keep,
+        )
 
     def summary(self, status: str) -> dict[str, Any]:
         return {
@@ -371,18 +387,12 @@ def _replace(params: SamplingParams, **kw: Any) -> SamplingParams:
     return replace(params, **kw)
 
 
-def _encode(obj: Any) -> str:
-    import base64
-    import pickle
-
-    return base64.b64encode(pickle.dumps(obj)).decode()
-
-
-def _decode(s: str) -> Any:
-    import base64
-    import pickle
-
-    return pickle.loads(base64.b64decode(s))
+def _write_quietly(metrics: MetricsWriter, step: int, row: dict[str, Any]) -> None:
+    """Write a metrics row on the way out of a failed checkpoint: the disk may be full."""
+    try:
+        metrics.write(step, row)
+    except OSError as exc:
+        log.warning("could not write the metrics of step %d: %s", step, exc)
 
 
 def install_stop_handlers(loop: Loop | None) -> None:

@@ -15,10 +15,15 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from forgerl.errors import ForgeError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.interfaces import Trainer
+    from forgerl.spmd import TrainerDriver
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,7 +62,7 @@ def run_worker(run_dir: Path) -> int:
     from forgerl.interfaces import RunContext
     from forgerl.models import resolve_model
     from forgerl.plugins import build_registry
-    from forgerl.spmd import TrainerDriver, follow
+    from forgerl.spmd import TrainerDriver
 
     registry = build_registry()
     model_path = resolve_model(config.model, registry)
@@ -71,7 +76,7 @@ def run_worker(run_dir: Path) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            follow(trainer)
+            _follow_rank0(trainer, log)
         finally:
             trainer.close()
         return 0
@@ -99,7 +104,7 @@ def run_worker(run_dir: Path) -> int:
         import faulthandler
 
         faulthandler.dump_traceback_later(60, exit=False)
-        driver.stop()
+        _stop_other_ranks(driver, log)
         for part in (rewards, generator, sender, trainer):
             if part is not None:
                 try:
@@ -108,6 +113,33 @@ def run_worker(run_dir: Path) -> int:
                     log.exception("closing %s failed", type(part).__name__)
         faulthandler.cancel_dump_traceback_later()
     return 143 if summary["status"] == "interrupted" else 0
+
+
+def _follow_rank0(trainer: "Trainer", log: logging.Logger) -> None:
+    """Ranks > 0 run rank 0's calls until it says stop. A checkpoint that failed on every
+    rank at once (full disk; a checkpoint the trainer refuses while resuming) is rank 0's
+    to report and act on: it writes the step's metrics and stops the run, or tries an
+    earlier checkpoint. So keep following instead of dying with a second error."""
+    from forgerl.errors import CheckpointError
+    from forgerl.spmd import follow
+
+    while True:
+        try:
+            follow(trainer)
+            return
+        except CheckpointError as exc:
+            log.warning("%s (rank 0 decides what happens next)", exc)
+
+
+def _stop_other_ranks(driver: "TrainerDriver", log: logging.Logger) -> None:
+    """Tell ranks > 0 to stop. When one of them is dead (killed, crashed) this fails at
+    once (gloo: connection reset); say so instead of hiding the error that ended the run
+    behind a second traceback. The scheduler reports which rank died."""
+    try:
+        driver.stop()
+    except Exception as exc:  # noqa: BLE001 - the run is ending; this must not mask why
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        log.error("could not reach the other trainer ranks to stop them (one is gone?): %s", first[:300])
 
 
 if __name__ == "__main__":

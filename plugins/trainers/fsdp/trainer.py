@@ -18,7 +18,7 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forgerl.errors import CheckpointError, ConfigError
+from forgerl.errors import CheckpointUnusable, ConfigError
 from forgerl.interfaces import RunContext, Trainer
 from forgerl.types import TrainBatch, WeightSet
 
@@ -258,18 +258,42 @@ class FSDPTrainer(Trainer):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        from .checkpointing import failure
+
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+        try:
+            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
+        except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            # Collective: every rank gets every rank's errors, so all raise the same line.
+            err = failure(Path(path), exc, saving=True)
+            if err is None:
+                raise
+            raise err from err.__cause__
 
     def load(self, path: Path) -> None:
+        """Load a checkpoint written by :meth:`save` without unpickling anything but plain
+        data (see :mod:`.checkpointing`); CheckpointUnusable when it is missing or refused."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        from .checkpointing import SafePlanner, SafeReader, failure, read_metadata_safely
+
         if not (Path(path) / ".metadata").is_file():
-            raise CheckpointError(f"{path} is not a trainer checkpoint (no .metadata written by save())")
+            raise CheckpointUnusable(f"{path} is not a trainer checkpoint (no .metadata written by save())")
+        metadata = read_metadata_safely(Path(path))
         model_state, optim_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, checkpoint_id=str(path))
+        try:
+            dcp.load(state, storage_reader=SafeReader(Path(path), metadata), planner=SafePlanner())
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            err = failure(Path(path), exc, saving=False)
+            if err is None:
+                raise
+            raise err from err.__cause__
         set_state_dict(
             self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
