@@ -198,6 +198,11 @@ class Scheduler(abc.ABC):
     #: Whether ``submit`` returns while the job runs elsewhere (slurm, kubernetes), so
     #: that ``forge status|logs|cancel`` make sense, or runs it in the foreground (local).
     detached: bool = True
+    #: Whether the job's processes see this machine's files at the same paths (local,
+    #: Slurm on a shared filesystem). When False (Kubernetes pods), `forge run` does not
+    #: check the task files and model folder here before submitting: they live in the
+    #: pods' volumes.
+    shares_filesystem: bool = True
 
     def check(self) -> None:
         """Raise a user-fixable error when this scheduler cannot submit from here (no

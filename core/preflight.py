@@ -50,7 +50,7 @@ def check_run(
 
     if fresh:
         runs.check_output_location(run_dir)
-    local_files = bool(getattr(scheduler, "shares_filesystem", True))
+    local_files = scheduler.shares_filesystem
     context = model_context_length(config, registry, local_files=local_files)
     max_tokens = config.loop.sampling.max_tokens
     if context is not None and max_tokens >= context:

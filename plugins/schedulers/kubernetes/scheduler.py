@@ -80,6 +80,7 @@ def api_client(opts: KubernetesSchedulerOptions):
 
 class KubernetesScheduler(Scheduler):
     detached = True
+    shares_filesystem = False  # task files and models live in the pods' volumes
 
     def __init__(self, options: KubernetesSchedulerOptions | None = None):
         self.options = options or KubernetesSchedulerOptions()
