@@ -4,25 +4,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from forgerl.config import MAX_SECONDS
+from forgerl.options import OptionsModel
 
 
-class VLLMGeneratorOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class VLLMGeneratorOptions(OptionsModel):
 
-    replicas: int = Field(1, ge=1, description="vLLM server processes; requests are balanced across them.")
-    tensor_parallel_size: int = Field(1, ge=1, description="Tensor-parallel workers per replica.")
+    replicas: int = Field(1, ge=1, le=1024, description="vLLM server processes; requests are balanced across them.")
+    tensor_parallel_size: int = Field(1, ge=1, le=1024, description="Tensor-parallel workers per replica.")
     dtype: str = Field(
         "auto",
         pattern="^(auto|float32|bfloat16|float16)$",
         description="Serving dtype (auto: model.dtype of the run, so sampler and trainer agree).",
     )
-    max_model_len: int | None = Field(None, ge=1, description="Context length (default: the model's).")
+    max_model_len: int | None = Field(None, ge=1, le=2**24, description="Context length (default: the model's).")
     kv_cache_gb: float | None = Field(
-        None, gt=0, description="KV cache per replica in GiB (default: 1 on CPU, vLLM's own on GPU)."
+        None, gt=0, le=1 << 20, description="KV cache per replica in GiB (default: 1 on CPU, vLLM's own on GPU)."
     )
     enforce_eager: bool = Field(True, description="No torch.compile / CUDA graphs: fast start-up.")
-    max_concurrency: int = Field(64, ge=1, description="HTTP requests in flight across all replicas.")
+    max_concurrency: int = Field(64, ge=1, le=1 << 20, description="HTTP requests in flight across all replicas.")
     update_policy: str = Field(
         "wait",
         pattern="^(wait|abort)$",
@@ -31,17 +33,19 @@ class VLLMGeneratorOptions(BaseModel):
     startup_timeout: float = Field(
         300.0,
         gt=0,
+        le=MAX_SECONDS,
         description="Seconds to wait for a replica to become healthy (at start and after a restart).",
     )
-    request_timeout: float = Field(600.0, gt=0, description="Seconds one generation request may take.")
-    health_interval: float = Field(2.0, gt=0, description="Seconds between health checks of each replica.")
+    request_timeout: float = Field(600.0, gt=0, le=MAX_SECONDS, description="Seconds one generation request may take.")
+    health_interval: float = Field(2.0, gt=0, le=3600, description="Seconds between health checks of each replica.")
     liveness_timeout: float = Field(
         60.0,
         gt=0,
+        le=MAX_SECONDS,
         description="Seconds a running server may leave /health unanswered before its launcher kills "
         "it as hung (then it is restarted and re-synced like a crashed one).",
     )
-    max_restarts: int = Field(3, ge=0, description="Times the scheduler restarts a replica that dies.")
+    max_restarts: int = Field(3, ge=0, le=1000, description="Times the scheduler restarts a replica that dies.")
     host: str = Field("127.0.0.1", description="Address the servers bind to (loopback by default).")
     send_seed: bool = Field(
         True,
