@@ -179,6 +179,8 @@ class VLLMGenerator(Generator):
             if time.monotonic() >= deadline:
                 last = _last_line(r.log)
                 said = f" (last log line: {last})" if last else ""
+                if r.last_error:  # it runs, but does not answer us as it should (e.g. 401)
+                    said = f" (it answered: {r.last_error}){said}"
                 raise GeneratorUnreachable(
                     f"vLLM replica {r.index} did not become healthy within "
                     f"{self.options.startup_timeout:g} s{said}; see its log {r.log}"
@@ -226,7 +228,7 @@ class VLLMGenerator(Generator):
         import httpx
 
         try:
-            resp = await self._client.get(r.url + "/health", timeout=_HEALTH_TIMEOUT)
+            resp = await self._client.get(r.url + "/health", headers=r.headers, timeout=_HEALTH_TIMEOUT)
         except httpx.ConnectError as exc:
             r.failures = _HEALTH_FAILURES  # nothing listens: no point in waiting
             r.last_error = f"health check: {type(exc).__name__}"
