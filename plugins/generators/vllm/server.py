@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import liveness
+from .auth import KEY_ENV, MIDDLEWARE
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
@@ -126,6 +127,8 @@ def server_command(options: VLLMGeneratorOptions, model_dir: Path, model_dtype: 
         "--logprobs-mode", LOGPROBS_MODE,
         # Each request carries its own request id; per-request access logs drown the log.
         "--disable-uvicorn-access-log",
+        # vLLM's --api-key check skips the dev-mode admin routes: this guards every path.
+        "--middleware", MIDDLEWARE,
     ]  # fmt: skip
     if options.max_model_len is not None:
         args += ["--max-model-len", str(options.max_model_len)]
@@ -188,8 +191,9 @@ def server_env(options: VLLMGeneratorOptions, api_key: str) -> dict[str, str]:
     env.update(options.env)
     # /collective_rpc, /pause, /resume and /reset_prefix_cache exist only in dev mode.
     env["VLLM_SERVER_DEV_MODE"] = "1"
-    # In the environment, not on the command line, where `ps` would show it.
-    env["VLLM_API_KEY"] = api_key
+    # In the environment, not on the command line, where `ps` would show it. vLLM's own
+    # check and our middleware (auth.py: every path, dev-mode routes too) both read it.
+    env[KEY_ENV] = api_key
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
@@ -211,9 +215,12 @@ def connect_host(bind_host: str) -> str:
     return bind_host
 
 
-def healthy(url: str, timeout: float = 5.0) -> bool:
+def healthy(url: str, timeout: float = 5.0, api_key: str | None = None) -> bool:
+    """The server answers ``/health`` (with our key: every path of our servers needs it)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    request = urllib.request.Request(url + "/health", headers=headers)
     try:
-        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -281,7 +288,7 @@ def launch(run_dir: Path, replica: int) -> int:
         url = f"http://{connect_host(options.host)}:{port}"
         deadline = time.monotonic() + options.startup_timeout
         while child.poll() is None and not stopping and time.monotonic() < deadline:
-            if healthy(url):
+            if healthy(url, api_key=api_key):
                 break
             time.sleep(0.5)
         if stopping:
@@ -330,7 +337,7 @@ def launch(run_dir: Path, replica: int) -> int:
     try:
         hung = liveness.watch(
             child,
-            lambda timeout: healthy(url, timeout),
+            lambda timeout: healthy(url, timeout, api_key),
             interval=options.health_interval,
             timeout=options.liveness_timeout,
             stopping=lambda: bool(stopping),
