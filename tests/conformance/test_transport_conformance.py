@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from ..helpers.requires import require_mooncake
+from ..helpers.timing import scaled, wait_until
 from ..helpers.transport_receiver import digest, make_weights
 from .endpoints import Endpoint
 
@@ -46,7 +47,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "nccl": {"bucket_mb": 4, "connect_timeout": 20, "stall_timeout": 2},
     "rdma": {"chunk_mb": 4, "connect_timeout": 20},
 }
-#: Slack on top of a timeout for process scheduling on a busy 2-core machine.
+#: Slack on top of a timeout for process scheduling on a busy 2-core machine (scaled).
 SLACK_S = 4.0
 
 
@@ -85,16 +86,17 @@ def start_receiver(
     spec: dict,
     worker_id: str,
     versions: list[int],
-    timeout: float = 30.0,
+    timeout: float | None = None,
     die_when_started: int | None = None,
     rejoin: int | None = None,
     wait_go: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> Endpoint:
     args = [
         "--transport",
         name,
         "--options",
-        json.dumps(OPTIONS[name]),
+        json.dumps(OPTIONS[name] if options is None else options),
         "--spec",
         json.dumps(spec),
         "--worker-id",
@@ -102,7 +104,7 @@ def start_receiver(
         "--versions",
         ",".join(map(str, versions)),
         "--timeout",
-        str(timeout),
+        str(scaled(30.0) if timeout is None else timeout),
     ]
     if die_when_started is not None:
         args += ["--die-when-started", str(die_when_started)]
@@ -162,14 +164,17 @@ def close_and_check_clean(
     leftover = [ep.label for ep in endpoints if ep.alive()]
     assert not leftover, f"helper processes still alive after close: {leftover}"
     if name in ("nccl", "rdma"):
-        deadline = time.monotonic() + 5
-        while spec["port"] in listening_ports() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert spec["port"] not in listening_ports(), f"control store port {spec['port']} still listening"
+        port = spec["port"]
+        wait_until(lambda: port not in listening_ports(), 5, f"control store port {port} to close")
         # A broken group's teardown waits out its pending ops (bounded by their timeouts).
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and any(t.name.startswith("forge-") for t in threading.enumerate()):
-            time.sleep(0.05)
+        try:
+            wait_until(
+                lambda: not any(t.name.startswith("forge-") for t in threading.enumerate()),
+                15,
+                "the transport's threads to end",
+            )
+        except AssertionError:
+            pass  # reported below, with their stacks
         threads = [t for t in threading.enumerate() if t.name.startswith("forge-")]
         frames = sys._current_frames()
         stacks = "\n".join(
@@ -204,10 +209,10 @@ def test_delivery_dead_receiver_and_restarted_receiver(name: str, endpoints: lis
     spec = transport.receiver_spec()
     survivor = start_receiver(endpoints, name, spec, "gen.0.worker", [1, 2, 3], rejoin=3)
     victim = start_receiver(endpoints, name, spec, "gen.1.worker", [1, 2], die_when_started=2)
-    survivor.wait("ready", timeout=60)
-    victim.wait("ready", timeout=60)
+    survivor.wait("ready", timeout=scaled(60))
+    victim.wait("ready", timeout=scaled(60))
 
-    sender.send(WeightSet(1, make_weights(1)), timeout=30)
+    sender.send(WeightSet(1, make_weights(1)), timeout=scaled(30))
     want = expected(1)
     for r in (survivor, victim):
         got = r.wait("received", 1)["digests"]
@@ -226,22 +231,22 @@ def test_delivery_dead_receiver_and_restarted_receiver(name: str, endpoints: lis
     else:
         sender.send(WeightSet(2, make_weights(2, big=True)), timeout=timeout)
     elapsed = time.monotonic() - start
-    assert elapsed < timeout + SLACK_S, f"send took {elapsed:.1f} s with a {timeout} s timeout"
+    assert elapsed < timeout + scaled(SLACK_S), f"send took {elapsed:.1f} s with a {timeout} s timeout"
     if name in SEES_DEAD_PEERS:
-        assert elapsed < timeout / 2, f"a dead receiver's broken connection took {elapsed:.1f} s to notice"
+        # Noticed (the broken connection, or the stall rule), not waited out to the timeout.
+        assert "did not take version 2 within" not in message, message
     assert victim.finish() == -signal.SIGKILL, "the victim should have died mid-transfer"
     assert survivor.wait("received", 2)["digests"] == expected(2, big=True)
 
-    # The next version reaches the survivor without waiting for the dead one.
-    start = time.monotonic()
-    sender.send(WeightSet(3, make_weights(3)), timeout=30)
-    assert time.monotonic() - start < 10, "the next send waited for the dead receiver"
+    # The next version reaches the survivor without waiting for the dead one: had the send
+    # counted on it, it would raise naming it (a dead receiver never acknowledges).
+    sender.send(WeightSet(3, make_weights(3)), timeout=scaled(30))
     assert survivor.wait("received", 3)["digests"] == expected(3)
 
     # Versions only go forward.
     for stale in (3, 2):
         with pytest.raises(ValueError, match="strictly increase"):
-            sender.send(WeightSet(stale, make_weights(stale)), timeout=5)
+            sender.send(WeightSet(stale, make_weights(stale)), timeout=scaled(5))
 
     # The survivor's worker restarts (a new receiver, same worker id): it joins after
     # version 3 was sent and gets version 3.
@@ -256,7 +261,7 @@ def test_delivery_dead_receiver_and_restarted_receiver(name: str, endpoints: lis
 
 
 @pytest.mark.hard_timeout(120)
-def test_sender_dying_makes_receivers_time_out_cleanly(name: str, endpoints: list) -> None:
+def test_sender_dying_makes_receivers_time_out_cleanly(name: str, endpoints: list, tmp_path: Path) -> None:
     # Where the sender will listen is fixed up front, so that both processes start at once.
     options = dict(OPTIONS[name])
     if name == "shm":
@@ -264,6 +269,8 @@ def test_sender_dying_makes_receivers_time_out_cleanly(name: str, endpoints: lis
         options["directory"] = spec["directory"]
     else:
         options["port"] = free_port()
+        # Both sides read the secret that signs the control store from one 0600 file.
+        options["secret_file"] = str(tmp_path / "transport.secret")
         spec = {"host": "127.0.0.1", "port": options["port"]}
     sender = Endpoint(
         [
@@ -277,26 +284,29 @@ def test_sender_dying_makes_receivers_time_out_cleanly(name: str, endpoints: lis
             "--versions",
             "1,2",
             "--timeout",
-            "30",
+            str(scaled(30)),
         ],
         f"sender ({name})",
     )
     endpoints.append(sender)
     timeout = 5.0
-    r = start_receiver(endpoints, name, spec, "gen.0", [1, 2, 3], timeout=timeout, wait_go=True)
-    assert sender.wait("spec", timeout=90)["spec"] == spec
-    r.wait("ready", timeout=90)
+    r = start_receiver(
+        endpoints, name, spec, "gen.0", [1, 2, 3], timeout=timeout, wait_go=True, options=options
+    )
+    published = sender.wait("spec", timeout=scaled(90))["spec"]
+    assert {k: published[k] for k in spec} == spec, published
+    r.wait("ready", timeout=scaled(90))
     r.tell("go")
     sender.tell("send 1")
-    r.wait("received", 1, timeout=30)
+    r.wait("received", 1, timeout=scaled(30))
     sender.tell("send 2")
     if name != "shm":
-        r.wait("started", 2, timeout=60)  # the transfer of version 2 is under way
+        r.wait("started", 2, timeout=scaled(60))  # the transfer of version 2 is under way
     sender.kill()
     # Version 2 either arrived whole before the kill or times out; it is never partial.
     outcome = None
     while outcome is None:
-        ev = r.events.get(timeout=timeout + 30)
+        ev = r.events.get(timeout=timeout + scaled(30))
         if ev["event"] in ("received", "error") and ev.get("version") == 2:
             outcome = ev
     if outcome["event"] == "received":
@@ -304,11 +314,11 @@ def test_sender_dying_makes_receivers_time_out_cleanly(name: str, endpoints: lis
     else:
         assert outcome["type"] == "TransportTimeout", outcome
         assert outcome["yielded"] == 0, f"yielded {outcome['yielded']} tensors of a version that failed"
-        assert outcome["seconds"] < timeout + SLACK_S, outcome
+        assert outcome["seconds"] < timeout + scaled(SLACK_S), outcome
     # With the sender gone, the next version times out, within the receiver's timeout.
-    err = r.wait("error", 3, timeout=timeout + 30)
+    err = r.wait("error", 3, timeout=timeout + scaled(30))
     assert err["type"] == "TransportTimeout" and err["yielded"] == 0, err
-    assert err["seconds"] < timeout + SLACK_S, err
+    assert err["seconds"] < timeout + scaled(SLACK_S), err
     assert "3" in err["message"], err["message"]
     closed = r.wait("closed")
     assert closed["registered_bytes"] == 0
@@ -336,7 +346,7 @@ def test_nothing_blocks_forever(name: str) -> None:
     start = time.monotonic()
     with pytest.raises(TransportTimeout, match="did not"):
         list(idle.receive(1, timeout=1.0))
-    assert time.monotonic() - start < 1.0 + SLACK_S
+    assert time.monotonic() - start < 1.0 + scaled(SLACK_S)
     # A registered receiver that never takes the version: the send gives up at its timeout.
     start = time.monotonic()
     if CONFIRMS_DELIVERY[name]:
@@ -344,6 +354,6 @@ def test_nothing_blocks_forever(name: str) -> None:
             sender.send(WeightSet(1, make_weights(1)), timeout=1.0)
     else:
         sender.send(WeightSet(1, make_weights(1)), timeout=1.0)
-    assert time.monotonic() - start < 1.0 + SLACK_S
+    assert time.monotonic() - start < 1.0 + scaled(SLACK_S)
     idle.close()
     close_and_check_clean(name, transport, sender, spec, [])

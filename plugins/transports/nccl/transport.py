@@ -6,7 +6,8 @@ Shape (see docs/transports.md for the full protocol):
   to it (``receiver_spec()`` carries its host and port), register with their worker id and
   a fresh nonce, and say when they want the next version. Data never goes through it.
 * Each receiver gets its own two-rank group with the sender (rank 0) — a *channel* —
-  formed on a ``PrefixStore`` of the control store the first time it asks. Per-receiver
+  formed through the control store (its rendezvous values signed: :mod:`.auth`) the
+  first time it asks. Per-receiver
   groups keep failures apart: a receiver that dies breaks only its own channel (a NCCL
   communicator cannot drop a dead member), a restarted one forms a new channel without
   disturbing the others, and nothing ever touches the default group the trainer's FSDP and
@@ -42,6 +43,7 @@ from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.nccl import control, groups
+from forgerl_plugins.transports.nccl.auth import Signer, signed_store
 from forgerl_plugins.transports.nccl.control import (
     STORE_ERRORS,
     Backoff,
@@ -114,18 +116,27 @@ class _Delivery:
 
 class NcclSender(TransportSender):
     def __init__(
-        self, options: NcclTransportOptions, server: Any, port: int, timeout: float, release: Any
+        self,
+        options: NcclTransportOptions,
+        server: Any,
+        store_host: str,
+        port: int,
+        timeout: float,
+        release: Any,
+        signer: Signer,
     ) -> None:
         self.options = options
         self.default_timeout = timeout
+        self.store_host = store_host
         self.port = port
+        self._signer = signer
         self._server = server
         self._release = release
         self._address = (
             control.local_address(options.host) if control.is_loopback(options.host) else options.host
         )
         self._backend = groups.resolve_backend(options.backend)
-        self._ctl = Control(server, NAMESPACE, "127.0.0.1", port)  # the caller's thread only
+        self._ctl = Control(server, NAMESPACE, signer, store_host, port)  # the caller's thread only
         self._cond = threading.Condition()
         self._members: dict[str, _Member] = {}
         self._current: _Version | None = None
@@ -204,6 +215,7 @@ class NcclSender(TransportSender):
     def _handle_events(self, ctl: Control, deadline: Deadline | None = None) -> bool:
         """Apply queued join/want events (caller holds ``_cond``); whether there were any."""
         events = ctl.pop_all(EVENTS, deadline)
+        control.log_refused(ctl, "nccl")
         for ev in events:
             if ev.get("type") == "join":
                 for old in self._members.values():
@@ -228,7 +240,7 @@ class NcclSender(TransportSender):
         while not self._stop.is_set():
             try:
                 if ctl is None:
-                    ctl = Control.connect("127.0.0.1", self.port, NAMESPACE, self.options.connect_timeout)
+                    ctl = self._connect()
                 with self._cond:
                     if self._handle_events(ctl):
                         backoff.reset()
@@ -269,17 +281,19 @@ class NcclSender(TransportSender):
                 self._wake.clear()
                 backoff.reset()
 
+    def _connect(self) -> Control:
+        timeout = self.options.connect_timeout
+        return Control.connect(self.store_host, self.port, NAMESPACE, timeout, self._signer)
+
     def _form(self, m: _Member) -> None:
         """Build the channel with ``m`` (blocks until it joins, or connect_timeout)."""
         # In one process both ranks would sit on one GPU, which NCCL refuses: gloo then.
         same_process = m.pid == os.getpid() and m.host == self._address
         backend = "gloo" if same_process else self._backend
         try:
-            ctl = Control.connect("127.0.0.1", self.port, NAMESPACE, self.options.connect_timeout)
+            ctl = self._connect()
             ctl.set_json(member_key(m.nonce, "accept"), {"backend": backend})
-            from torch.distributed import PrefixStore
-
-            store = PrefixStore(NAMESPACE + member_key(m.nonce, "pg/"), ctl.raw)
+            store = signed_store(ctl.raw, NAMESPACE + member_key(m.nonce, "pg/"), self._signer)
             pg = groups.make_group(store, 0, 2, backend, self.options.connect_timeout, self._address)
         except Exception as exc:  # noqa: BLE001 - any failure drops this receiver only
             with self._cond:
@@ -519,9 +533,10 @@ class NcclReceiver(TransportReceiver):
     generator does when it loads them)."""
 
     def __init__(
-        self, options: NcclTransportOptions, worker_id: str, host: str, port: int, timeout: float
+        self, options: NcclTransportOptions, worker_id: str, host: str, port: int, timeout: float, secret: str
     ) -> None:
         self.options = options
+        self._signer = Signer(secret)
         self.worker_id = worker_id
         self.host = host
         self.port = int(port)
@@ -547,7 +562,7 @@ class NcclReceiver(TransportReceiver):
         """The newest version the sender published (for a generator that joins late)."""
         try:
             if self._ctl is None:
-                self._ctl = Control.connect(self.host, self.port, NAMESPACE, self.options.connect_timeout)
+                self._ctl = self._connect(self.options.connect_timeout)
             raw = self._ctl.get(LATEST, Deadline(MAX_QUERY))
         except STORE_ERRORS as exc:
             raise TransportError(
@@ -601,14 +616,15 @@ class NcclReceiver(TransportReceiver):
 
     # --------------------------------------------------------------- internals
 
+    def _connect(self, timeout: float) -> Control:
+        """A connection to a sender that proved the secret (TransportError if not)."""
+        ctl = Control.connect(self.host, self.port, NAMESPACE, timeout, self._signer)
+        control.check_sender(ctl)
+        return ctl
+
     def _register(self, deadline: Deadline) -> None:
         if self._ctl is None:
-            self._ctl = Control.connect(
-                self.host,
-                self.port,
-                NAMESPACE,
-                min(self.options.connect_timeout, deadline.remaining() or 0.05),
-            )
+            self._ctl = self._connect(min(self.options.connect_timeout, deadline.remaining() or 0.05))
         nonce = control.join(self._ctl, EVENTS, self.worker_id, self.host, deadline)
         self._nonce, self._seq, self._want_sent = nonce, 0, False
 
@@ -662,12 +678,10 @@ class NcclReceiver(TransportReceiver):
         return layout
 
     def _connect_channel(self, backend: str, deadline: Deadline) -> None:
-        from torch.distributed import PrefixStore
-
         assert self._nonce is not None
         seconds = max(0.05, min(self.options.connect_timeout, deadline.remaining()))
         store = control.connect(self.host, self.port, seconds)
-        prefixed = PrefixStore(NAMESPACE + member_key(self._nonce, "pg/"), store)
+        prefixed = signed_store(store, NAMESPACE + member_key(self._nonce, "pg/"), self._signer)
         try:
             self._pg = groups.make_group(prefixed, 1, 2, backend, seconds, control.local_address(self.host))
         except Exception as exc:
@@ -764,14 +778,23 @@ class NcclTransport(control.StoreHostedTransport, Transport):
     In a receiver's process build it with ``ctx=None`` and pass that spec."""
 
     name = "nccl"
+    namespace = NAMESPACE
 
     def __init__(self, options: NcclTransportOptions, ctx: RunContext | None = None) -> None:
         super().__init__(options, ctx)
 
     def sender(self) -> NcclSender:
         server, port = self._hosted()
-        return NcclSender(self.options, server, port, self.default_timeout(), self._release)
+        return NcclSender(
+            self.options,
+            server,
+            self.store_host,
+            port,
+            self.default_timeout(),
+            self._release,
+            Signer(self.secret()),
+        )
 
     def receiver(self, worker_id: str, spec: Mapping[str, Any] | None = None) -> NcclReceiver:
-        host, port = self._sender_address(spec)
-        return NcclReceiver(self.options, worker_id, host, port, self.default_timeout())
+        host, port, secret = self._sender_address(spec)
+        return NcclReceiver(self.options, worker_id, host, port, self.default_timeout(), secret)

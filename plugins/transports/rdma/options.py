@@ -22,6 +22,12 @@ class RdmaTransportOptions(BaseModel):
         description="Address of trainer rank 0 as generator workers reach it (engine and control store).",
     )
     port: int = Field(0, ge=0, le=65535, description="Port of the control store (0: any free port).")
+    secret_file: str | None = Field(
+        None,
+        description="File (mode 0600) holding the secret that signs the control store's messages, for a "
+        "sender and receivers started apart on a fixed port (default: <run_dir>/transport.secret, or the "
+        "sender's receiver_spec()).",
+    )
     timeout: float | None = Field(
         None, gt=0, description="Default seconds for a send or receive (None: the run's transport.timeout)."
     )

@@ -34,6 +34,7 @@ from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.nccl import control
+from forgerl_plugins.transports.nccl.auth import ForgedValue, Signer
 from forgerl_plugins.transports.nccl.control import (
     STORE_ERRORS,
     Backoff,
@@ -91,7 +92,14 @@ class _Member:
 
 class RdmaSender(TransportSender):
     def __init__(
-        self, options: RdmaTransportOptions, server: Any, port: int, timeout: float, release: Any
+        self,
+        options: RdmaTransportOptions,
+        server: Any,
+        store_host: str,
+        port: int,
+        timeout: float,
+        release: Any,
+        signer: Signer,
     ) -> None:
         self.options = options
         self.default_timeout = timeout
@@ -99,7 +107,7 @@ class RdmaSender(TransportSender):
         self._server = server
         self._release = release
         self._engine = Engine(_address(options.host), options.protocol, options.device_name)
-        self._ctl = Control(server, NAMESPACE, "127.0.0.1", port)
+        self._ctl = Control(server, NAMESPACE, signer, store_host, port)
         self._slots: list[Any] = [None, None]
         self._newest_slot: int | None = None
         self._members: dict[str, _Member] = {}
@@ -185,7 +193,9 @@ class RdmaSender(TransportSender):
             raise (TransportTimeout if timed_out else TransportError)(msg)
 
     def _collect_joins(self, deadline: Deadline) -> None:
-        for ev in self._ctl.pop_all(EVENTS, deadline):
+        events = self._ctl.pop_all(EVENTS, deadline)
+        control.log_refused(self._ctl, "rdma")
+        for ev in events:
             if ev.get("type") != "join":
                 continue
             for old in self._members.values():
@@ -200,9 +210,17 @@ class RdmaSender(TransportSender):
         waiting = list(targets)
         backoff = Backoff(self.options.poll_interval)
         while waiting:
-            acks = self._ctl.get_many([member_key(m.nonce, "ack") for m in waiting], deadline)
+            try:
+                acks: list[bytes | None] = list(
+                    self._ctl.get_many([member_key(m.nonce, "ack") for m in waiting], deadline)
+                )
+            except ForgedValue:  # someone overwrote an acknowledgement: find whose, drop them
+                acks = [self._signed_ack(m, deadline) for m in waiting]
             still = []
             for m, ack in zip(waiting, acks):
+                if ack is None:
+                    m.failed = "its acknowledgement in the control store is not signed with the run's secret"
+                    continue
                 m.acked = max(m.acked, int(ack))
                 if m.acked >= version:
                     continue
@@ -218,6 +236,12 @@ class RdmaSender(TransportSender):
                 return
             if waiting:
                 backoff.sleep(deadline)
+
+    def _signed_ack(self, m: _Member, deadline: Deadline) -> bytes | None:
+        try:
+            return self._ctl.get(member_key(m.nonce, "ack"), deadline) or b"-1"
+        except ForgedValue:
+            return None
 
     def _drop(self, m: _Member) -> None:
         self._members.pop(m.nonce, None)
@@ -258,9 +282,10 @@ class RdmaReceiver(TransportReceiver):
     yields are views of that buffer, valid until the next :meth:`receive`."""
 
     def __init__(
-        self, options: RdmaTransportOptions, worker_id: str, host: str, port: int, timeout: float
+        self, options: RdmaTransportOptions, worker_id: str, host: str, port: int, timeout: float, secret: str
     ) -> None:
         self.options = options
+        self._signer = Signer(secret)
         self.worker_id = worker_id
         self.host = host
         self.port = int(port)
@@ -279,6 +304,9 @@ class RdmaReceiver(TransportReceiver):
         except STORE_ERRORS as exc:
             log.info("rdma receiver %s: sender not reachable yet (%s); will retry", worker_id, short(exc))
             self._ctl = None
+        except TransportError:  # refused (wrong secret): do not keep the engine's ports open
+            self.close()
+            raise
 
     @property
     def registered_bytes(self) -> int:
@@ -287,7 +315,7 @@ class RdmaReceiver(TransportReceiver):
     def latest_version(self) -> int | None:
         try:
             if self._ctl is None:
-                self._ctl = Control.connect(self.host, self.port, NAMESPACE, self.options.connect_timeout)
+                self._ctl = self._connect(self.options.connect_timeout)
             latest = self._ctl.get(LATEST, Deadline(MAX_QUERY))
         except STORE_ERRORS as exc:
             raise TransportError(
@@ -295,14 +323,15 @@ class RdmaReceiver(TransportReceiver):
             ) from exc
         return None if latest is None else int(latest)
 
+    def _connect(self, timeout: float) -> Control:
+        """A connection to a sender that proved the secret (TransportError if not)."""
+        ctl = Control.connect(self.host, self.port, NAMESPACE, timeout, self._signer)
+        control.check_sender(ctl)
+        return ctl
+
     def _register(self, deadline: Deadline) -> None:
         if self._ctl is None:
-            self._ctl = Control.connect(
-                self.host,
-                self.port,
-                NAMESPACE,
-                max(0.05, min(self.options.connect_timeout, deadline.remaining())),
-            )
+            self._ctl = self._connect(max(0.05, min(self.options.connect_timeout, deadline.remaining())))
         self._nonce = control.join(self._ctl, EVENTS, self.worker_id, self.host, deadline)
 
     def receive(self, version: int, timeout: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -338,7 +367,11 @@ class RdmaReceiver(TransportReceiver):
                     backoff.sleep(deadline)
                     continue
                 cur = ctl.get_json(CURRENT, deadline)
-                if cur is None:
+                if cur is None or int(cur["version"]) < version:
+                    # Published in the wrong order is impossible from our sender: an old
+                    # value put back by someone; read only what says it is this version.
+                    last_error = "the published offer is older than the newest version"
+                    backoff.sleep(deadline)
                     continue
                 if int(cur["version"]) > version:
                     raise TransportError(
@@ -437,14 +470,23 @@ class RdmaTransport(control.StoreHostedTransport, Transport):
     trainer side hosts the control store, receivers get :meth:`receiver_spec`."""
 
     name = "rdma"
+    namespace = NAMESPACE
 
     def __init__(self, options: RdmaTransportOptions, ctx: RunContext | None = None) -> None:
         super().__init__(options, ctx)
 
     def sender(self) -> RdmaSender:
         server, port = self._hosted()
-        return RdmaSender(self.options, server, port, self.default_timeout(), self._release)
+        return RdmaSender(
+            self.options,
+            server,
+            self.store_host,
+            port,
+            self.default_timeout(),
+            self._release,
+            Signer(self.secret()),
+        )
 
     def receiver(self, worker_id: str, spec: Mapping[str, Any] | None = None) -> RdmaReceiver:
-        host, port = self._sender_address(spec)
-        return RdmaReceiver(self.options, worker_id, host, port, self.default_timeout())
+        host, port, secret = self._sender_address(spec)
+        return RdmaReceiver(self.options, worker_id, host, port, self.default_timeout(), secret)

@@ -8,6 +8,10 @@ machine) poll for the file of the version they are asked for and copy its tensor
 Pull-based: ``send`` returns once the version is published; it does not wait for readers.
 The directory is in ``/dev/shm`` (RAM-backed tmpfs) when it has room, so a version costs
 one memcpy to write and one to read, no disk.
+
+The weights are the run's: the directory is created 0700 and every file in it 0600 from
+the moment it exists (``/dev/shm`` is world-writable and shared by every user of the
+machine). Receivers run as the same user.
 """
 
 from __future__ import annotations
@@ -62,9 +66,34 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def _private_file(path: Path) -> None:
+    """Create ``path`` empty with mode 0600 (whatever the umask), so that a writer opening
+    it afterwards never exposes what it writes, not even for a moment."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+def _private_directory(path: Path) -> None:
+    """Create ``path`` (and missing parents) with mode 0700; an existing directory keeps its
+    mode, with a warning when others may read or enter it."""
+    try:
+        path.mkdir(mode=0o700, parents=True)
+        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+    except FileExistsError:
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            log.warning(
+                "shm: %s (mode %o) lets other users list it; the weight files in it are 0600, but "
+                "`chmod 700 %s` keeps even their names private",
+                path,
+                mode,
+                path,
+            )
+
+
 def _atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
+        _private_file(tmp)
         with open(tmp, "w") as f:
             f.write(text)
             f.flush()
@@ -119,7 +148,7 @@ class ShmSender(TransportSender):
         self.last_send_seconds: float | None = None
         self.last_send_bytes: int = 0
         self._closed = False
-        directory.mkdir(parents=True, exist_ok=True)
+        _private_directory(directory)
         # Versions left by an earlier process (a crashed run being resumed) would be served
         # as if this trainer had sent them: a resumed trainer re-sends from its checkpoint.
         self._remove_files()
@@ -147,6 +176,7 @@ class ShmSender(TransportSender):
         tmp = self.directory / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         metadata = {"format": "pt", "forgerl_version": str(version), "forgerl_names": json.dumps(order)}
         try:
+            _private_file(tmp)
             _write_file(tensors, tmp, metadata)
             _fsync_path(tmp)
             os.replace(tmp, final)
@@ -323,7 +353,7 @@ class ShmTransport(Transport):
             )
         if self.ctx is not None:
             path = Path(self.ctx.run_dir) / "weights"
-            path.mkdir(parents=True, exist_ok=True)
+            _private_directory(path)
             return path
         return Path(tempfile.mkdtemp(prefix="forgerl-weights-"))
 
