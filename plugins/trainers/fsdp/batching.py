@@ -12,6 +12,7 @@ in every collective.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -42,10 +43,26 @@ class MicroBatch:
     padding: bool = False
 
 
-def micro_batches(batch_size: int, world_size: int, rank: int, micro_batch_size: int) -> list[MicroBatch]:
-    """This rank's micro-batches, the same count on every rank."""
+def micro_batches(
+    batch_size: int,
+    world_size: int,
+    rank: int,
+    micro_batch_size: int,
+    lengths: Sequence[int] | None = None,
+) -> list[MicroBatch]:
+    """This rank's micro-batches, the same count on every rank.
+
+    With ``lengths`` (tokens used per row), this rank's rows are grouped longest first:
+    each micro-batch is cut to its longest row, so rows of like length together run
+    fewer padding positions through the model (16 GRPO rows of 63-116 tokens in
+    micro-batches of 8: 1552 positions instead of 1856). The update is the same: the
+    micro-batch losses are summed with one global normaliser.
+    """
     assert batch_size >= 1, "an empty batch cannot be trained on (every rank needs a row to run)"
     mine = list(rank_rows(batch_size, world_size, rank))
+    if lengths is not None:
+        assert len(lengths) == batch_size, f"{len(lengths)} lengths for a batch of {batch_size}"
+        mine.sort(key=lambda row: -lengths[row])  # stable: equal lengths keep their order
     out = []
     for i in range(num_micro_batches(batch_size, world_size, micro_batch_size)):
         rows = mine[i * micro_batch_size:(i + 1) * micro_batch_size]
