@@ -11,7 +11,9 @@ receives each version in turn and prints one JSON line per event on stdout: ``re
 ``started`` (a transfer began: the receiver's ``progress`` moved), ``received`` (with a
 digest of every tensor), ``error`` (exception type, message, seconds, tensors yielded
 before it), ``closed`` (memory registered with Mooncake before and after closing, rdma). ``--die-when-started V`` kills
-the process with SIGKILL in the middle of receiving version V; ``--rejoin V`` then builds
+the process with SIGKILL in the middle of receiving version V; ``--stop-when-started V``
+instead prints ``stopping`` and stops it with SIGSTOP there (a stalled worker; the test
+resumes it with SIGCONT); ``--rejoin V`` then builds
 a new receiver under the same worker id (a restarted worker) and receives version V.
 
 Sender (``--role sender``) makes the weights of ``--versions``, prints ``spec`` (the
@@ -81,9 +83,16 @@ def emit(event: str, **fields: Any) -> None:
     sys.stdout.flush()
 
 
-def _watch(receiver: Any, die_version: int | None, stop: threading.Event) -> None:
-    """Report (and, when asked, die at) the start of each transfer, seen through the
-    receiver's ``progress`` (version, bytes done, bytes total) while it receives."""
+def _stall(version: int) -> None:
+    """Stop this whole process (every thread, the transport's included) in the middle of
+    receiving ``version``, as a worker frozen by the OS or a debugger would be."""
+    emit("stopping", version=version)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def _watch(receiver: Any, die_version: int | None, stall_version: int | None, stop: threading.Event) -> None:
+    """Report (and, when asked, die or stall at) the start of each transfer, seen through
+    the receiver's ``progress`` (version, bytes done, bytes total) while it receives."""
     seen = None
     while not stop.is_set():
         p = getattr(receiver, "progress", None)
@@ -92,6 +101,9 @@ def _watch(receiver: Any, die_version: int | None, stop: threading.Event) -> Non
             if die_version is not None and p[0] == die_version:
                 os.kill(os.getpid(), signal.SIGKILL)
             emit("started", version=p[0], done=p[1], total=p[2])
+            if stall_version is not None and p[0] == stall_version:
+                stall_version = None  # once: after SIGCONT the transfer goes on
+                _stall(p[0])
         time.sleep(0.0005)
 
 
@@ -102,7 +114,7 @@ def run_receiver(args: argparse.Namespace) -> int:
     receiver = transport.receiver(args.worker_id, json.loads(args.spec))
     stop = threading.Event()
     if hasattr(receiver, "progress"):
-        threading.Thread(target=_watch, args=(receiver, args.die_when_started, stop), daemon=True).start()
+        threading.Thread(target=_watch, args=(receiver, args.die_when_started, args.stop_when_started, stop), daemon=True).start()
     emit("ready", worker_id=args.worker_id)
     if args.wait_go:
         sys.stdin.readline()  # the test says when the sender is up
@@ -138,6 +150,8 @@ def receive_one(receiver: Any, version: int, args: argparse.Namespace, **extra: 
             yielded += 1
             if args.die_when_started == version:  # no progress to watch (shm): die half-way
                 os.kill(os.getpid(), signal.SIGKILL)
+            if args.stop_when_started == version and yielded == 1 and not hasattr(receiver, "progress"):
+                _stall(version)  # shm: stopped half-way through reading the version
             digests[name] = digest(name, t)
     except ForgeError as exc:
         emit(
@@ -195,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--versions", default="")
     p.add_argument("--timeout", type=float, default=10.0)
     p.add_argument("--die-when-started", type=int, default=None)
+    p.add_argument("--stop-when-started", type=int, default=None, help="SIGSTOP itself mid-version V")
     p.add_argument("--wait-go", action="store_true", help="receiver: read a line from stdin before receiving")
     p.add_argument(
         "--rejoin",
