@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..helpers.timing import scaled
+
 HELPER = Path(__file__).resolve().parents[1] / "helpers" / "transport_receiver.py"
 SPAWN = os.environ.get("FORGE_CONFORMANCE_SPAWN", "fork")
 
@@ -166,8 +168,10 @@ class Endpoint:
 
     # ---------------------------------------------------------------- control
 
-    def wait(self, event: str, version: int | None = None, timeout: float = 30.0) -> dict:
-        """The next event of this kind (and version); fails with the process's log."""
+    def wait(self, event: str, version: int | None = None, timeout: float | None = None) -> dict:
+        """The next event of this kind (and version); fails with the process's log.
+        ``timeout``: seconds, as given (pass ``scaled(...)``); default ``scaled(30)``."""
+        timeout = scaled(30.0) if timeout is None else timeout
         end = time.monotonic() + timeout
         while True:
             try:
@@ -199,8 +203,10 @@ class Endpoint:
             return self._popen.poll()
         return self._proc.exitcode  # type: ignore[union-attr]
 
-    def finish(self, timeout: float = 30.0) -> int:
-        """Wait for the process to exit; its exit status (negative: killed by a signal)."""
+    def finish(self, timeout: float | None = None) -> int:
+        """Wait for the process to exit; its exit status (negative: killed by a signal).
+        ``timeout``: seconds, as given; default ``scaled(30)``."""
+        timeout = scaled(30.0) if timeout is None else timeout
         if self._popen is not None:
             try:
                 return self._popen.wait(timeout=timeout)
@@ -217,11 +223,11 @@ class Endpoint:
         if self._popen is not None:
             if self._popen.poll() is None:
                 self._popen.kill()
-            self._popen.wait(timeout=30)
+            self._popen.wait(timeout=scaled(30))
             return
         if self._proc.exitcode is None:  # type: ignore[union-attr]
             self._proc.kill()  # type: ignore[union-attr]
-        self._proc.join(30)  # type: ignore[union-attr]
+        self._proc.join(scaled(30))  # type: ignore[union-attr]
 
     def cleanup(self) -> None:
         self.kill()

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from ..helpers.requires import require_mooncake
+from ..helpers.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +22,7 @@ def test_bench_transport_json(name: str) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "forgerl.cli", "bench", "transport", name, "--bytes", "8MB",
          "--rounds", "2", "--json"],
-        check=False, capture_output=True, text=True, timeout=240,
+        check=False, capture_output=True, text=True, timeout=scaled(240),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(proc.stdout)
@@ -35,7 +36,7 @@ def test_bench_transport_json(name: str) -> None:
 def test_bench_transport_rejects_a_bad_size() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "forgerl.cli", "bench", "transport", "shm", "--bytes", "lots"],
-        check=False, capture_output=True, text=True, timeout=120,
+        check=False, capture_output=True, text=True, timeout=scaled(120),
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "500MB" in proc.stderr and "Traceback" not in proc.stderr

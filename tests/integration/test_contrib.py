@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.timing import scaled
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +25,7 @@ def installed(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
          "--target", str(target), str(ROOT / "contrib" / "countdown")],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stderr
     env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -43,7 +45,7 @@ def test_used_by_forge_run(installed, tmp_path):
         [*FORGE, "run", "--model", "tiny", "--generator", "hf", "--task", "countdown", "--reward", "countdown", "--steps", "1",
          "--output", str(out), "--set", "loop.prompts_per_step=2", "--set", "loop.sampling.max_tokens=8",
          "--set", "task.options.eval_size=2"],
-        capture_output=True, text=True, env=installed, timeout=300,
+        capture_output=True, text=True, env=installed, timeout=scaled(300),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])

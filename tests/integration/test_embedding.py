@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.timing import scaled
+
 pytestmark = pytest.mark.integration
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "embedding.md"
@@ -19,7 +21,7 @@ def test_embedding_example_runs(tmp_path):
     assert blocks, "no python example in docs/embedding.md"
     script = tmp_path / "example.py"
     script.write_text(blocks[0])
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=scaled(300), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("completed 1 "), proc.stdout

@@ -18,6 +18,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tests.helpers import fsdp_worker as worker  # noqa: E402
+from tests.helpers.timing import scaled  # noqa: E402
 
 integration = pytest.mark.integration
 
@@ -332,7 +333,7 @@ def test_two_gloo_ranks_match_one_rank(tiny_model_dir: Path, tmp_path: Path) -> 
                 one_rank[name] = (metrics, dict(weights.tensors))
         finally:
             torch.set_num_threads(threads)
-        logs = [proc.communicate(timeout=150)[0] for proc in ranks]
+        logs = [proc.communicate(timeout=scaled(150))[0] for proc in ranks]
     finally:
         for proc in ranks:
             if proc.poll() is None:

@@ -15,6 +15,7 @@ from forgerl_plugins.generators.hf import HFGeneratorOptions
 from forgerl_plugins.generators.hf.generator import HFGenerator
 from forgerl_plugins.transports.shm import ShmTransportOptions
 from forgerl_plugins.transports.shm.transport import ShmTransport
+from tests.helpers.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +49,9 @@ def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return out
 
 
-def _ctx(model_dir: Path, run_dir: Path, *, timeout: float = 30.0, transport=None) -> RunContext:
+def _ctx(model_dir: Path, run_dir: Path, *, timeout: float | None = None, transport=None) -> RunContext:
+    # Default: how long the test waits for weights; a test of the timeout itself passes one.
+    timeout = scaled(30.0) if timeout is None else timeout
     config = RunConfig.model_validate({"transport": {"name": "shm", "timeout": timeout}})
     extras = {"transport": transport} if transport is not None else {}
     return RunContext(config=config, run_dir=run_dir, model_path=model_dir, extras=extras)

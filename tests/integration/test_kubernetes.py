@@ -26,6 +26,7 @@ from forgerl_plugins.schedulers.kubernetes.scheduler import (
     KubernetesUnreachable,
 )
 from kubernetes import client
+from tests.helpers.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -54,12 +55,12 @@ class KMockServer:
 
     def __enter__(self) -> KMockServer:
         self._thread.start()
-        assert self._ready.wait(30), "kmock did not start in 30 s"
+        assert self._ready.wait(scaled(30)), f"kmock did not start in {scaled(30):g} s"
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(10)
+        self._thread.join(scaled(10))
 
     def in_loop(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the emulator's loop (its reactions are not thread-safe)."""
@@ -153,7 +154,7 @@ def test_jobset_submit_watch_complete_and_logs(server, kubeconfig, controller):
     assert yaml.safe_load(cm.data["job.yaml"])["name"] == "grpo-1"
     assert sched.status("grpo-1").state is JobState.PENDING
 
-    waiting = _in_background(lambda: sched.wait(handle, timeout=60))
+    waiting = _in_background(lambda: sched.wait(handle, timeout=scaled(60)))
     _pod(controller, "grpo-1-generator-0-0", "generator", 0, 0, primary=False)
     for rank in (0, 1):
         _pod(controller, f"grpo-1-trainer-0-{rank}", "trainer", 0, rank, primary=True)
@@ -165,7 +166,7 @@ def test_jobset_submit_watch_complete_and_logs(server, kubeconfig, controller):
     custom.patch_namespaced_custom_object_status(*JOBSETS, "grpo-1", {"status": {
         "conditions": [{"type": "Completed", "status": "True", "reason": "AllJobsCompleted",
                         "message": "jobset completed successfully"}]}})
-    status = waiting.result(timeout=30)
+    status = waiting.result(timeout=scaled(30))
     assert (status.state, status.exit_code) == (JobState.COMPLETED, 0), status
 
     server.serve_log("grpo-1-trainer-0-0", "step 1\nstep 2\n")
@@ -187,7 +188,7 @@ def test_jobset_failure_reports_the_primary_exit_code(server, kubeconfig, contro
     client.CustomObjectsApi(controller).patch_namespaced_custom_object_status(*JOBSETS, "grpo-1", {"status": {
         "conditions": [{"type": "Failed", "status": "True", "reason": "FailedJobs",
                         "message": "jobset failed due to one or more job failures"}]}})
-    status = sched.wait(handle, timeout=30)
+    status = sched.wait(handle, timeout=scaled(30))
     assert (status.state, status.exit_code) == (JobState.FAILED, 3), status
     assert "job failures" in status.detail
 
@@ -201,14 +202,14 @@ def test_indexed_jobs_complete_and_the_servers_are_stopped(server, kubeconfig, c
     svc = client.CoreV1Api(controller).read_namespaced_service("grpo-1", NS)
     assert svc.spec.cluster_ip == "None"
 
-    waiting = _in_background(lambda: sched.wait(handle, timeout=60))
+    waiting = _in_background(lambda: sched.wait(handle, timeout=scaled(60)))
     batch.patch_namespaced_job_status("grpo-1-generator-0", NS, {"status": {"active": 1, "ready": 1}})
     batch.patch_namespaced_job_status("grpo-1-trainer-0", NS, {"status": {"active": 2}})
     assert sched.status("grpo-1").state is JobState.RUNNING
     batch.patch_namespaced_job_status("grpo-1-trainer-0", NS, {"status": {
         "active": 0, "succeeded": 2,
         "conditions": [{"type": "Complete", "status": "True"}]}})
-    status = waiting.result(timeout=30)
+    status = waiting.result(timeout=scaled(30))
     assert (status.state, status.exit_code) == (JobState.COMPLETED, 0), status
     # Nothing in the cluster would stop the generator without JobSet: wait() did.
     assert [j.metadata.name for j in batch.list_namespaced_job(NS).items] == ["grpo-1-trainer-0"]

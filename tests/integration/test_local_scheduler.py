@@ -13,13 +13,13 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import pytest
 from forgerl.types import JobSpec, JobState, RoleSpec
 from forgerl_plugins.schedulers.local import LocalSchedulerOptions
 from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
+from tests.helpers.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -56,11 +56,7 @@ def gone(pid: int) -> bool:
 
 
 def wait_for(predicate, timeout: float = 15.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
+    wait_until(predicate, timeout, what)
 
 
 def recorded_pids(pid_dir: Path, expected: int, timeout: float = 15.0) -> list[int]:
@@ -132,7 +128,7 @@ def test_failing_role_stops_every_process_and_grandchild(tmp_path, pid_dir, sche
         env={"FORGE_IGNORE_TERM": "1"},
     )
     handle = scheduler.submit(job)
-    status = scheduler.wait(handle, timeout=30)
+    status = scheduler.wait(handle, timeout=scaled(30))
     pids = recorded_pids(pid_dir, 2, timeout=0) + job_pids(tmp_path / "run")
     try:
         assert status.state is JobState.FAILED, status
@@ -186,7 +182,7 @@ def test_signal_to_supervisor_stops_every_process_and_grandchild(tmp_path, pid_d
     try:
         pids = recorded_pids(pid_dir, 3)
         driver.send_signal(sig)
-        out, err = driver.communicate(timeout=20)
+        out, err = driver.communicate(timeout=scaled(20))
         assert driver.returncode == code, (driver.returncode, out, err)
         assert json.loads(out.strip().splitlines()[-1]) == {"state": "cancelled", "exit_code": code}, (
             out,
@@ -219,7 +215,7 @@ def test_sigkill_of_supervisor_kills_its_children(tmp_path, pid_dir):
     try:
         pids = recorded_pids(pid_dir, 3)
         driver.kill()
-        driver.communicate(timeout=10)
+        driver.communicate(timeout=scaled(10))
         wait_for(lambda: all(gone(pid) for pid in pids), 5, f"children {pids} to die with their supervisor")
         status = LocalScheduler().status(str(tmp_path / "run"))
         assert status.state is JobState.UNKNOWN and "without recording an outcome" in status.detail, status
@@ -250,7 +246,7 @@ def test_primary_success_stops_the_server_and_logs_every_role(tmp_path, schedule
     )
     handle = scheduler.submit(job)
     assert handle.job_id == str((tmp_path / "run").resolve()), handle
-    status = scheduler.wait(handle, timeout=30)
+    status = scheduler.wait(handle, timeout=scaled(30))
     pids = job_pids(tmp_path / "run")
     assert status.state is JobState.COMPLETED and status.exit_code == 0, status
     assert all(gone(pid) for pid in pids), f"server left running: {pids}"
@@ -275,7 +271,7 @@ def test_missing_executable_fails_cleanly_and_stops_started_roles(tmp_path, sche
         ),
     )
     handle = scheduler.submit(job)  # no traceback: the failure is the job's status
-    status = scheduler.wait(handle, timeout=10)
+    status = scheduler.wait(handle, timeout=scaled(10))
     assert status.state is JobState.FAILED and status.exit_code == 127, status
     assert "cannot start '/nonexistent/forge-no-such-binary'" in status.detail, status.detail
     assert all(gone(pid) for pid in job_pids(tmp_path / "run")), "server left running"
@@ -286,10 +282,12 @@ def test_missing_executable_fails_cleanly_and_stops_started_roles(tmp_path, sche
 
 
 # Rank 0 listens on MASTER_ADDR:MASTER_PORT (so the port really is free), rank 1 connects
-# and sends its variables; each rank also prints its own as JSON.
+# and sends its variables; each rank also prints its own as JSON. argv[1]: seconds either
+# waits for the other (the test's scaled patience).
 RENDEZVOUS = textwrap.dedent(
     """
-    import json, os, socket, time
+    import json, os, socket, sys, time
+    patience = float(sys.argv[1])
     keys = ("FORGE_ROLE", "FORGE_REPLICA", "FORGE_RUN_DIR", "RANK", "LOCAL_RANK", "WORLD_SIZE",
             "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
     mine = {k: os.environ[k] for k in keys}
@@ -299,18 +297,25 @@ RENDEZVOUS = textwrap.dedent(
         pass
     elif os.environ["RANK"] == "0":
         server = socket.create_server(addr)
+        server.settimeout(patience)
         conn, _ = server.accept()
         print("peer", conn.makefile().readline().strip(), flush=True)
     else:
-        for _ in range(200):
+        deadline = time.monotonic() + patience
+        while True:  # until rank 0 listens
             try:
                 conn = socket.create_connection(addr)
                 break
             except OSError:
+                if time.monotonic() > deadline:
+                    raise
                 time.sleep(0.05)
         conn.sendall((json.dumps(mine) + "\\n").encode())
     """
 )
+
+
+RENDEZVOUS_PATIENCE = str(scaled(10))
 
 
 def rank_envs(run_dir: Path) -> dict[str, dict[str, str]]:
@@ -323,21 +328,22 @@ def rank_envs(run_dir: Path) -> dict[str, dict[str, str]]:
 
 
 def test_rendezvous_variables_and_fresh_ports(tmp_path, scheduler):
+    rendezvous = (PY, "-c", RENDEZVOUS, RENDEZVOUS_PATIENCE)
     a = JobSpec(
         "a",
         str(tmp_path / "a"),
         (
-            RoleSpec("trainer", (PY, "-c", RENDEZVOUS), replicas=2, ranks_per_replica=2, primary=True),
+            RoleSpec("trainer", rendezvous, replicas=2, ranks_per_replica=2, primary=True),
             # Primary as well: the job ends when both roles are done. A role that is not
             # primary is a server, stopped once the primaries finish, and under load it
             # could be stopped before it printed anything (its log then held nothing).
-            RoleSpec("solo", (PY, "-c", RENDEZVOUS), env={"RANK": "7"}, primary=True),  # forge's RANK wins
+            RoleSpec("solo", rendezvous, env={"RANK": "7"}, primary=True),  # forge's RANK wins
         ),
     )
-    b = JobSpec("b", str(tmp_path / "b"), (RoleSpec("trainer", (PY, "-c", RENDEZVOUS), ranks_per_replica=2),))
+    b = JobSpec("b", str(tmp_path / "b"), (RoleSpec("trainer", rendezvous, ranks_per_replica=2),))
     ha, hb = scheduler.submit(a), scheduler.submit(b)  # both run at once
     for handle in (ha, hb):
-        status = scheduler.wait(handle, timeout=30)
+        status = scheduler.wait(handle, timeout=scaled(30))
         assert status.state is JobState.COMPLETED, status
 
     envs_a, envs_b = rank_envs(tmp_path / "a"), rank_envs(tmp_path / "b")
@@ -414,7 +420,7 @@ def test_restartable_replica_is_restarted_with_all_its_ranks(tmp_path, scheduler
             RoleSpec("trainer", (PY, "-c", trainer), primary=True),
         ),
     )
-    status = scheduler.wait(scheduler.submit(job), timeout=30)
+    status = scheduler.wait(scheduler.submit(job), timeout=scaled(30))
     assert status.state is JobState.COMPLETED, status
 
     lines = [line.split() for line in starts.read_text().splitlines()]
@@ -443,7 +449,7 @@ def test_replica_that_keeps_dying_fails_the_job_after_max_restarts(tmp_path, sch
             RoleSpec("trainer", (PY, "-c", SLEEPER), primary=True),
         ),
     )
-    status = scheduler.wait(scheduler.submit(job), timeout=30)
+    status = scheduler.wait(scheduler.submit(job), timeout=scaled(30))
     assert status.state is JobState.FAILED and status.exit_code == 4, status
     assert "role 'server' replica 0 rank 0 exited with code 4 after 1 restart " in status.detail, (
         status.detail
@@ -458,7 +464,7 @@ def test_status_and_cancel_from_another_scheduler_instance(tmp_path, pid_dir, sc
     job = JobSpec("long", str(tmp_path / "run"), (spawner_role("server", pid_dir, replicas=2, primary=True),))
     handle = scheduler.submit(job)
     result = {}
-    supervisor = threading.Thread(target=lambda: result.update(status=scheduler.wait(handle, timeout=60)))
+    supervisor = threading.Thread(target=lambda: result.update(status=scheduler.wait(handle, timeout=scaled(60))))
     supervisor.start()
     pids: list[int] = []
     try:
@@ -466,7 +472,7 @@ def test_status_and_cancel_from_another_scheduler_instance(tmp_path, pid_dir, sc
         other = LocalScheduler(LocalSchedulerOptions(stop_timeout=1.0))
         assert other.status(handle.job_id).state is JobState.RUNNING
         other.cancel(handle.job_id)
-        supervisor.join(timeout=20)
+        supervisor.join(timeout=scaled(20))
         assert not supervisor.is_alive(), "wait did not return after cancel"
         assert result["status"].state is JobState.CANCELLED, result
         assert other.status(handle.job_id).state is JobState.CANCELLED
@@ -474,5 +480,5 @@ def test_status_and_cancel_from_another_scheduler_instance(tmp_path, pid_dir, sc
         assert not alive, f"processes left running after cancel: {alive} of {pids}"
     finally:
         scheduler.cancel(handle.job_id)
-        supervisor.join(timeout=20)
+        supervisor.join(timeout=scaled(20))
         kill_leftovers(pids)

@@ -12,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from forgerl.algorithms import PRESET_KEYS, PRESETS, AlgorithmConfig
+from tests.helpers.timing import scaled
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "algorithms.md"
 
@@ -181,7 +182,7 @@ def test_config_imports_without_torch():
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env,
-                         timeout=60)
+                         timeout=scaled(60))
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0.0003"
 

@@ -21,6 +21,7 @@ from forgerl.errors import CheckpointUnusable, CheckpointWriteError
 from forgerl.metrics import MetricsWriter
 from forgerl.rollout import RolloutBatch
 from forgerl.types import Completion, Episode, Problem
+from tests.helpers.timing import scaled
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -346,7 +347,7 @@ def test_an_unwritable_checkpoint_folder_is_permission_denied(tmp_path):
                 pytest.skip("running as root without setpriv: cannot drop to a user that permissions apply to")
             command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *command]
         env = {**os.environ, "HOME": str(run)}
-        proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+        proc = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO, timeout=scaled(120))
         assert proc.returncode == 0, proc.stderr[-2000:]
         lines = proc.stdout.splitlines()
         assert "permission denied" in lines[0] and "make checkpoints/ writable" in lines[0], lines

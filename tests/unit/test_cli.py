@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.helpers.timing import scaled
 
 FORGE = [sys.executable, "-m", "forgerl.cli"]
 
@@ -16,7 +17,7 @@ FORGE = [sys.executable, "-m", "forgerl.cli"]
 def forge(*args: str, cwd: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
     full_env.pop("FORGE_DEBUG", None)
-    return subprocess.run([*FORGE, *args], capture_output=True, text=True, cwd=cwd, env=full_env, timeout=60)
+    return subprocess.run([*FORGE, *args], capture_output=True, text=True, cwd=cwd, env=full_env, timeout=scaled(60))
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -41,7 +42,7 @@ def test_help_and_plugins_list_do_not_import_torch():
         "heavy = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60))
     assert "HEAVY []" in out.stdout, out.stdout[-500:] + out.stderr[-2000:]
 
 

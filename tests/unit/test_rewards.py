@@ -11,6 +11,7 @@ from forgerl.types import Problem, RewardInput, RewardResult
 from forgerl_plugins.rewards import FormatOptions, MathAnswerOptions
 from forgerl_plugins.rewards.format import FormatReward
 from forgerl_plugins.rewards.math_answer import MathAnswerReward, last_number
+from tests.helpers.timing import scaled
 
 
 def sample(text, answer="42", **metadata):
@@ -97,7 +98,7 @@ def test_math_answer_runs_in_worker_threads():
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(scaled(30))
     assert not errors, errors
     assert results == [1.0] * 4
 

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from forgerl.rollout import RolloutBatch, RolloutBuffer
+from tests.helpers.timing import scaled
 
 
 def drive(staleness: int, steps: int, jitter: float) -> list[tuple[int, int]]:
@@ -30,11 +31,12 @@ def drive(staleness: int, steps: int, jitter: float) -> list[tuple[int, int]]:
     producer = threading.Thread(target=produce, daemon=True)
     producer.start()
     for step in range(steps):
-        buf.get(step, timeout=10)
+        buf.get(step, timeout=scaled(10))
         time.sleep(rng.random() * jitter)  # training
         buf.wait_done_through(min(step + staleness, steps - 1))
         buf.set_version(step + 1)
-    producer.join(timeout=10)
+    producer.join(timeout=scaled(10))
+    assert not producer.is_alive(), "the producer did not finish"
     return made
 
 
@@ -57,5 +59,5 @@ def test_stop_releases_a_waiting_producer():
     t = threading.Thread(target=lambda: result.append(buf.wait_turn(5)))
     t.start()
     buf.stop()
-    t.join(timeout=5)
+    t.join(timeout=scaled(5))
     assert result == [False]
