@@ -23,7 +23,7 @@ from forgerl import runs
 from forgerl.batching import prepare_batch
 from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.config import RunConfig
-from forgerl.errors import CheckpointError, CheckpointUnusable, CheckpointWriteError
+from forgerl.errors import CheckpointError, CheckpointUnusable
 from forgerl.interfaces import Generator, RunContext, Task
 from forgerl.metrics import MetricsWriter
 from forgerl.plugins import Registry
@@ -164,6 +164,9 @@ class Loop:
             last=steps - 1,
         )
         status = "completed"
+        # The step the newest checkpoint holds: a stop right after a periodic checkpoint
+        # needs no second one (a preemption's grace period is short).
+        saved_step = self.step if resume_from is not None else None
         try:
             if self.step < steps:
                 if cfg.loop.eval_at_start and self.step == 0 and self.eval_start is None:
@@ -179,23 +182,26 @@ class Loop:
                 if due_eval or self.step == steps:
                     row.update(self.evaluate())
                     self.eval_last = row["eval/accuracy"]
+                # The row goes to metrics.jsonl before the checkpoint. A run killed between
+                # the two resumes from the previous checkpoint, which drops this row and
+                # redoes the step; the other order would lose the row of a step the
+                # checkpoint holds. A failed checkpoint (CheckpointWriteError, a full disk)
+                # leaves the row written too: the step happened, and resuming from the
+                # previous checkpoint redoes it. Trackers (step_end) hear of it once saved.
+                written = metrics.append(row)
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or self.step == steps:
                     t = time.perf_counter()
-                    try:
-                        self.save(buffer, producer)
-                    except CheckpointWriteError:
-                        # The step happened: record it, then stop (the user frees space
-                        # and resumes from the previous checkpoint, which redoes it).
-                        _write_quietly(metrics, self.step, row)
-                        raise
+                    self.save(buffer, producer)
+                    saved_step = self.step
                     self.time_totals["checkpoint"] += time.perf_counter() - t
-                metrics.write(self.step, row)
+                metrics.publish(self.step, written)
         except Interrupted:
             status = "interrupted"
             buffer.stop()
-            t = time.perf_counter()
-            self.save(buffer, producer)
-            self.time_totals["checkpoint"] += time.perf_counter() - t
+            if saved_step != self.step:
+                t = time.perf_counter()
+                self.save(buffer, producer)
+                self.time_totals["checkpoint"] += time.perf_counter() - t
         except BaseException:
             status = "failed"
             raise
@@ -385,14 +391,6 @@ def _replace(params: SamplingParams, **kw: Any) -> SamplingParams:
     from dataclasses import replace
 
     return replace(params, **kw)
-
-
-def _write_quietly(metrics: MetricsWriter, step: int, row: dict[str, Any]) -> None:
-    """Write a metrics row on the way out of a failed checkpoint: the disk may be full."""
-    try:
-        metrics.write(step, row)
-    except OSError as exc:
-        log.warning("could not write the metrics of step %d: %s", step, exc)
 
 
 def install_stop_handlers(loop: Loop | None) -> None:

@@ -37,9 +37,20 @@ class MetricsWriter:
         self.path.write_text("".join(line + "\n" for line in keep))
 
     def write(self, step: int, row: Mapping[str, Any]) -> None:
+        """:meth:`append` then :meth:`publish`."""
+        self.publish(step, self.append(row))
+
+    def append(self, row: Mapping[str, Any]) -> dict[str, Any]:
+        """Add the row to metrics.jsonl (flushed); returns it as written, for :meth:`publish`.
+        The loop appends a step's row before checkpointing the step, so that no kill leaves
+        a checkpointed step without its row (a resume drops rows past its checkpoint)."""
         clean = {k: _jsonable(v) for k, v in row.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
+        return clean
+
+    def publish(self, step: int, clean: Mapping[str, Any]) -> None:
+        """TensorBoard and the ``forge_step_end`` hook, once the step is checkpointed."""
         if self._tb is not None:
             for k, v in clean.items():
                 if isinstance(v, (int, float)) and k != "step" and v is not None:

@@ -462,9 +462,12 @@ def _build_rewards(init: dict[str, Any]) -> list[Any]:
 
 def main(argv: Sequence[str]) -> int:
     fd, parent = int(argv[0]), int(argv[1])
-    # Ctrl-C in a terminal reaches the whole process group: the trainer decides when the
-    # run stops and closes the pool; a worker must not die mid-sample on its own.
+    # Ctrl-C in a terminal reaches the whole process group, and Slurm's SIGTERM (preemption,
+    # requeue) every process of the step: the trainer decides when the run stops (it finishes
+    # the step, checkpoints) and closes the pool; a worker must not die mid-sample on its own,
+    # which would score the step's samples as failed. The pool ends workers with SIGKILL.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent(parent)
     conn = Connection(fd)
     try:

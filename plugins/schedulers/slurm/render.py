@@ -10,7 +10,8 @@ Inside the job: MASTER_PORT of a multi-rank replica is derived from the job id (
 on one node get different ports) and moved past any port already listening on the master
 node; RANK/LOCAL_RANK/WORLD_SIZE come from SLURM_PROCID/SLURM_LOCALID/SLURM_NTASKS in a
 small per-task wrapper. The script waits for the primary role, then stops the others and
-exits with the primary's status.
+exits with the primary's status; with ``requeue``, a primary stopped by SIGTERM after its
+checkpoint (status 143) has the script requeue the job instead (see ``_SELF_REQUEUE``).
 """
 
 from __future__ import annotations
@@ -263,6 +264,8 @@ def render_script(job: JobSpec, opts: SlurmSchedulerOptions) -> str:
     ]
     if others:
         lines += ["forge_stop " + " ".join(f'"{s.label}:$PID_{_var(s)}"' for s in others)]
+    if opts.requeue:
+        lines += [_SELF_REQUEUE.strip("\n")]
     lines += [
         'echo "forge: primary role exited with status $FORGE_RC"',
         "exit $FORGE_RC",
@@ -352,6 +355,21 @@ def _step_block(step: Step, opts: SlurmSchedulerOptions, run_dir: str) -> list[s
 
 def job_step_name(step: Step) -> str:
     return step.label
+
+
+# Exit status 143 is the trainer's "stopped by SIGTERM after checkpointing" (forgerl.worker).
+# A SIGTERM that reaches the steps but not this script is a preemption notice: `scancel
+# --signal=TERM`, `#SBATCH --signal=TERM@T` before the time limit. Slurm would then record
+# the job as FAILED and never run it again, so the script requeues it and the next attempt
+# resumes from that checkpoint. A job Slurm itself ends (scancel, scontrol requeue, a
+# preemption's kill) signals this script too, which then never gets here: Slurm decides.
+_SELF_REQUEUE = r"""
+if ((FORGE_RC == 143)); then
+    echo "forge: the trainer stopped on SIGTERM after its checkpoint; requeueing job $SLURM_JOB_ID"
+    if scontrol requeue "$SLURM_JOB_ID"; then exit 0; fi
+    echo "forge: scontrol requeue $SLURM_JOB_ID failed; resume with forge run --resume $FORGE_RUN_DIR"
+fi
+"""
 
 
 _FUNCTIONS = r"""
