@@ -12,7 +12,7 @@ from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.plugins import Registry  # noqa: F401  (the registry must import with the plugin)
 from forgerl.types import JobSpec, JobState, Resources, RoleSpec
 from forgerl_plugins.schedulers.slurm.options import SlurmSchedulerOptions, memory_mb, slurm_memory
-from forgerl_plugins.schedulers.slurm.render import _FUNCTIONS, place
+from forgerl_plugins.schedulers.slurm.render import _FUNCTIONS, _SELF_REQUEUE, place
 from forgerl_plugins.schedulers.slurm.scheduler import SlurmScheduler, _detail, _exit_code, _one_line
 from pydantic import ValidationError
 from tests.helpers.timing import scaled
@@ -217,6 +217,38 @@ def test_supervisor_restarts_a_failing_step_up_to_its_limit(tmp_path):
     proc = _bash(f"forge_supervise 5 {tmp_path}/log bash -c '{step}'; echo rc=$?",
                  FORGE_RESTART_DELAY="0.1", FORGE_ROLE="gen", FORGE_REPLICA="0", FORGE_STOP_FLAG=str(tmp_path / "stop"))
     assert proc.stdout.splitlines()[-1] == "rc=1" and "restart" not in proc.stdout, proc.stdout
+
+
+def test_trainer_stopped_by_sigterm_requeues_the_job_when_requeue_is_on(tmp_path):
+    """Exit 143 (stopped on SIGTERM after its checkpoint) with `requeue: true`: the script
+    asks Slurm to run the job again (a fake scontrol records how); any other status, or no
+    `requeue`, ends the job with the trainer's status."""
+    rendered = render(tmp_path, gpus_per_node=8, requeue=True)
+    # After the primary's wait and the other roles' stop, before the script's own exit.
+    assert rendered.index("forge_stop ") < rendered.index(_SELF_REQUEUE.strip()) < rendered.rindex("exit $FORGE_RC")
+    assert "scontrol requeue" not in render(tmp_path, gpus_per_node=8, requeue=False)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    fake = bin_dir / "scontrol"
+    fake.write_text(f'#!/bin/bash\necho "$*" >> {calls}\nexit ${{FAKE_RC:-0}}\n')
+    fake.chmod(0o755)
+
+    def script(rc: int, **env: str) -> subprocess.CompletedProcess[str]:
+        body = f"FORGE_RC={rc}\n{_SELF_REQUEUE}\necho reached-exit; exit $FORGE_RC"
+        return subprocess.run(["bash", "-c", body], capture_output=True, text=True, timeout=scaled(30),
+                              env={"PATH": f"{bin_dir}:/usr/bin:/bin", "SLURM_JOB_ID": "77",
+                                   "FORGE_RUN_DIR": "/runs/r1", **env})
+
+    proc = script(143)
+    assert (proc.returncode, calls.read_text()) == (0, "requeue 77\n"), (proc, calls.read_text())
+    assert "requeueing job 77" in proc.stdout and "reached-exit" not in proc.stdout, proc.stdout
+    calls.unlink()
+    for rc in (0, 1, 2, 137):
+        proc = script(rc)
+        assert proc.returncode == rc and not calls.exists(), (rc, proc.stdout)
+    proc = script(143, FAKE_RC="1")  # Slurm refused (e.g. the job is being cancelled)
+    assert proc.returncode == 143 and "forge run --resume /runs/r1" in proc.stdout, proc.stdout
 
 
 def test_job_index_survives_the_controller_forgetting_but_not_a_reset(tmp_path, monkeypatch):
