@@ -22,6 +22,7 @@ own (detached), and a single rank steps a fused AdamW. Each phase carries a
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,12 +32,14 @@ from forgerl.types import TrainBatch, WeightSet
 
 from . import FSDPTrainerOptions
 from .batching import MicroBatch, global_count, micro_batches, rank_rows
-from .distributed import init_distributed, pick_device
+from .distributed import init_distributed, native_bf16, pick_device
 from .head import head_at, head_selection_works
 from .metrics import MetricAccumulator
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+log = logging.getLogger(__name__)
 
 
 class FSDPTrainer(Trainer):
@@ -59,6 +62,12 @@ class FSDPTrainer(Trainer):
         self.dtype = getattr(torch, ctx.config.model.dtype)  # "float32" | "bfloat16"
 
         self.device = pick_device()
+        if options.autocast_bf16 and not native_bf16(self.device):
+            log.warning(
+                "autocast_bf16 is on but %s has no native bfloat16 (CPU: avx512_bf16 or AMX; CUDA: "
+                "compute capability 8.0+): expect it slower than float32, not faster",
+                self.device,
+            )
         self._owns_process_group = init_distributed(options.backend, ctx, self.device)
         self._closed = False
         self.model = self.reference_model = self.optimizer = None
