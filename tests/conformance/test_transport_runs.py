@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from ..helpers.requires import require_mooncake
+from ..helpers.timing import scaled
 
 # A vLLM server's start-up on a busy two-core machine takes minutes.
 pytestmark = [pytest.mark.integration, pytest.mark.hard_timeout(900)]
@@ -29,7 +30,7 @@ SMALL = [
     "--set", "loop.group_size=4",
     "--set", "loop.sampling.max_tokens=12",
     "--set", "loop.eval_size=4",
-    "--set", "transport.timeout=60",
+    "--set", f"transport.timeout={scaled(60)}",
     "--set", "logging.progress=false",
 ]  # fmt: skip
 VLLM = ["--set", "generator.options.kv_cache_gb=0.25"]
@@ -58,7 +59,7 @@ def test_forge_run_over_transport(tmp_path: Path, generator: str, transport: str
     if generator == "vllm":
         command += VLLM
     proc = subprocess.run(
-        command, check=False, capture_output=True, text=True, timeout=840, env={**os.environ}
+        command, check=False, capture_output=True, text=True, timeout=scaled(840), env={**os.environ}
     )
     logs = sorted((out / "logs").glob("*.log")) if (out / "logs").exists() else []
     assert proc.returncode == 0, proc.stderr[-3000:] + "".join(

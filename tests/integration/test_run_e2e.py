@@ -8,12 +8,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from ..unit.fakedist import make_dist
+from ..helpers.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -38,8 +38,9 @@ CONTRACT_KEYS = {
 
 
 def forge(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``forge ARGS``; ``timeout`` is the test's patience, scaled like every deadline."""
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([*FORGE, *args], capture_output=True, text=True, env=full_env, timeout=timeout)
+    return subprocess.run([*FORGE, *args], capture_output=True, text=True, env=full_env, timeout=scaled(timeout))
 
 
 def metrics(run_dir: Path) -> list[dict]:
@@ -88,19 +89,18 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
     front = subprocess.Popen([*FORGE, "run", *common, "--output", str(cut)],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            latest = cut / "checkpoints" / "latest"
-            if latest.exists() and latest.read_text().strip() >= "step-000002":
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail("the run never reached its second checkpoint")
+        latest = cut / "checkpoints" / "latest"
+        wait_until(
+            lambda: latest.exists() and latest.read_text().strip() >= "step-000002",
+            240,
+            "the run to reach its second checkpoint",
+            interval=0.2,
+        )
         job = json.loads((cut / "job.json").read_text())
         pids = [p["pid"] for p in job["processes"]]
         for pid in pids:  # a crash, not a clean exit
             os.kill(pid, signal.SIGKILL)
-        front.wait(timeout=60)
+        front.wait(timeout=scaled(60))
     finally:
         if front.poll() is None:
             front.kill()

@@ -17,6 +17,7 @@ from forgerl.errors import ForgeError, JobNotFound, UserError
 from forgerl.types import JobSpec, JobState, Resources, RoleSpec
 from forgerl_plugins.schedulers.slurm.options import SlurmSchedulerOptions
 from forgerl_plugins.schedulers.slurm.scheduler import SbatchRejected, SlurmScheduler
+from tests.helpers.timing import scaled, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 
@@ -28,9 +29,9 @@ def _slurm_answer() -> str | None:
     if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
         return "no sinfo/sbatch on PATH"
     try:
-        proc = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=10)
+        proc = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=scaled(10))
     except subprocess.TimeoutExpired:
-        return "sinfo did not answer in 10 s"
+        return f"sinfo did not answer in {scaled(10):g} s"
     if proc.returncode != 0:
         return f"sinfo failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
     states = proc.stdout.split()
@@ -67,10 +68,7 @@ def _job(run_dir: Path, *roles: RoleSpec, name: str = "forge-test") -> JobSpec:
 
 
 def _wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.3)
+    wait_until(predicate, timeout, what, interval=0.3)  # some predicates start a process
 
 
 def _cancel_quietly(slurm: SlurmScheduler, job_id: str) -> None:
@@ -95,14 +93,14 @@ def test_primary_completes_and_ends_the_sidecar(slurm, run_dir):
     start = time.monotonic()
     handle = slurm.submit(job)
     try:
-        status = slurm.wait(handle, timeout=90)
+        status = slurm.wait(handle, timeout=scaled(90))
     finally:
         _cancel_quietly(slurm, handle.job_id)
     took = time.monotonic() - start
 
     assert (status.state, status.exit_code) == (JobState.COMPLETED, 0), status
     # The sidecar would sleep 600 s: the job ended because the primary did.
-    assert took < 60, f"job took {took:.0f}s: the sidecar was not stopped when the primary ended"
+    assert took < scaled(60), f"job took {took:.0f}s: the sidecar was not stopped when the primary ended"
     assert (run_dir / "primary.txt").read_text() == "trainer 0 0 1 hello there"
     assert (run_dir / "slurm" / "job.sbatch").read_text().startswith("#!/bin/bash")
     assert (run_dir / "slurm" / "job_id").read_text().strip() == handle.job_id
@@ -125,7 +123,7 @@ def test_failing_primary_fails_the_job_with_its_status(slurm, run_dir):
     )
     handle = slurm.submit(job)
     try:
-        status = slurm.wait(handle, timeout=90)
+        status = slurm.wait(handle, timeout=scaled(90))
     finally:
         _cancel_quietly(slurm, handle.job_id)
     assert (status.state, status.exit_code) == (JobState.FAILED, 3), status
@@ -146,7 +144,7 @@ def test_cancel_a_running_job(slurm, run_dir):
         _wait_for(started.exists, 60, "the job to start")
         assert slurm.status(handle.job_id).state is JobState.RUNNING
         slurm.cancel(handle.job_id)
-        status = slurm.wait(handle, timeout=60)
+        status = slurm.wait(handle, timeout=scaled(60))
     finally:
         _cancel_quietly(slurm, handle.job_id)
     assert status.state is JobState.CANCELLED, status
@@ -170,7 +168,7 @@ def test_requeued_job_runs_again_with_forge_requeued(slurm, run_dir):
         proc = subprocess.run(["scontrol", "requeue", handle.job_id], capture_output=True, text=True)
         assert proc.returncode == 0, proc.stderr
         # Slurm holds a requeued job for AuthInfo cred_expire seconds (10 in our config).
-        status = scheduler.wait(handle, timeout=150)
+        status = scheduler.wait(handle, timeout=scaled(150))
     finally:
         _cancel_quietly(scheduler, handle.job_id)
     assert (status.state, status.exit_code) == (JobState.COMPLETED, 0), status
@@ -191,7 +189,7 @@ def test_two_ranks_rendezvous_with_torch_distributed(slurm, run_dir):
                                  ranks_per_replica=2, resources=Resources(cpus=2)))
     handle = slurm.submit(job)
     try:
-        status = slurm.wait(handle, timeout=120)
+        status = slurm.wait(handle, timeout=scaled(120))
     finally:
         _cancel_quietly(slurm, handle.job_id)
     lines = sorted(slurm.logs(handle.job_id, role="trainer"))
@@ -232,7 +230,7 @@ SMALL = [
 
 
 def _forge(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*FORGE, *args], capture_output=True, text=True, timeout=timeout, check=False)
+    return subprocess.run([*FORGE, *args], capture_output=True, text=True, timeout=scaled(timeout), check=False)
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -257,7 +255,7 @@ def test_forge_run_on_slurm_waits_and_a_requeued_run_resumes(slurm, tmp_path):
         assert proc.poll() is None, proc.communicate()
         requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, check=False)
         assert requeue.returncode == 0, requeue.stderr
-        stdout, stderr = proc.communicate(timeout=400)
+        stdout, stderr = proc.communicate(timeout=scaled(400))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -9,9 +9,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import threading
-import time
 
 import pytest
+
+from tests.helpers.timing import scaled
 
 pytestmark = [
     pytest.mark.integration,
@@ -45,7 +46,8 @@ def converted(tmp_path_factory):
     for t in threads:
         t.start()
     for t in threads:
-        t.join(600)
+        t.join(scaled(600))
+    assert not any(t.is_alive() for t in threads), "a conversion is still running"
     assert not errors, errors
     assert len(results) == 2 and results[0] == results[1] == cache / FOLDER_NAME, results
     assert not stale.exists(), "a stale temporary folder was left behind"
@@ -89,14 +91,13 @@ def test_transformers_loads_it_and_it_answers(converted):
     assert answer and any(c.isalnum() for c in answer), answer
 
 
-def test_second_call_reuses_the_cache_quickly(converted):
+def test_second_call_reuses_the_cache(converted):
     from forgerl_plugins.models.smollm2 import convert_smollm2
 
     cache, folder = converted
     before = (folder / "model.safetensors").stat().st_mtime_ns
-    start = time.monotonic()
+    # Reuse is seen in the folder (not rewritten), not in how fast the call returns.
     assert convert_smollm2(None, cache) == folder
-    assert time.monotonic() - start < 1.0
     assert (folder / "model.safetensors").stat().st_mtime_ns == before, "it was converted again"
 
 

@@ -22,7 +22,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -106,9 +105,10 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
                 "generator.options.replicas=2",
                 "generator.options.kv_cache_gb=0.25",
                 "generator.options.health_interval=0.5",
-                "generator.options.liveness_timeout=20",
-                f"generator.options.startup_timeout={SERVER_WAIT}",
-                "transport.timeout=60",
+                # Patience, not what is tested here: scaled, so a loaded machine is no "hang".
+                f"generator.options.liveness_timeout={scaled(20)}",
+                f"generator.options.startup_timeout={scaled(SERVER_WAIT)}",
+                f"transport.timeout={scaled(60)}",
             ],
         ),
         registry,
@@ -130,7 +130,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
     thread = threading.Thread(target=supervise, name="vllm-test-scheduler", daemon=True)
     thread.start()
-    started.wait(30)
+    started.wait(scaled(30))
     transport = ShmTransport(ShmTransportOptions(directory=str(run_dir / "weights")), None)
     ctx = RunContext(config=config, run_dir=run_dir, model_path=model_dir, extras={"transport": transport})
     generator = sender = None
@@ -147,7 +147,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         if sender is not None:
             sender.close()
         scheduler.cancel(str(run_dir))
-        thread.join(60)
+        thread.join(scaled(60))
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -206,8 +206,8 @@ def _push(c: Cluster, version: int, scale: float = 0.02) -> None:
 
     loader = threading.Thread(target=load)
     loader.start()
-    c.sender.send(WeightSet(version, model.state_dict()), timeout=60)
-    loader.join(120)
+    c.sender.send(WeightSet(version, model.state_dict()), timeout=scaled(60))
+    loader.join(scaled(120))
     assert not loader.is_alive(), f"update_weights({version}) did not return"
     assert not errors, errors
     assert c.generator.policy_version == version
@@ -231,7 +231,7 @@ def _direct(c: Cluster, replica: int, prompt: list[int], temperature: float) -> 
         f"http://{ep['host']}:{ep['port']}/v1/completions",
         json=body,
         headers={"Authorization": f"Bearer {ep['api_key']}"},
-        timeout=120,
+        timeout=scaled(120),
     )
     assert resp.status_code == 200, resp.text
     return resp.json()["choices"][0]
@@ -468,13 +468,14 @@ def test_a_killed_replica_fails_over_restarts_and_rejoins_at_the_current_weights
         for comp in completions:
             assert _gap(model, list(request.prompt_token_ids), comp.token_ids, comp.logprobs, 1.0) < ATOL
 
-    deadline = time.monotonic() + SERVER_WAIT
-    while True:
+    def restarted() -> dict[str, Any] | None:
         info = gen.replica_info()[1]
-        if info["instance"] not in (None, old["instance"]) and info["serving"]:
-            break
-        assert time.monotonic() < deadline, f"replica 1 did not come back: {gen.health().detail}"
-        time.sleep(1)
+        return info if info["instance"] not in (None, old["instance"]) and info["serving"] else None
+
+    try:
+        info = wait_until(restarted, SERVER_WAIT, "replica 1 to come back", interval=1)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {gen.health().detail}") from None
     assert info["version"] == version
     events = (c.run_dir / "logs" / "scheduler.log").read_text()
     assert "restarting vllm-1" in events, events[-2000:]
@@ -501,15 +502,17 @@ def test_forge_run_end_to_end_survives_a_killed_replica(tmp_path: Path):
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     killed = None
     try:
-        deadline = time.monotonic() + 2 * SERVER_WAIT
         metrics = out / "metrics.jsonl"
-        while proc.poll() is None and time.monotonic() < deadline:
-            if metrics.exists() and metrics.read_text().strip():
-                killed = json.loads((out / "generators" / "vllm-1.json").read_text())["pid"]
-                os.kill(killed, signal.SIGKILL)  # mid-run: after step 1, before step 2
-                break
-            time.sleep(0.2)
-        _, stderr = proc.communicate(timeout=SERVER_WAIT)
+        wait_until(
+            lambda: proc.poll() is not None or (metrics.exists() and metrics.read_text().strip()),
+            2 * SERVER_WAIT,
+            "step 1 of the run (or its end)",
+            interval=0.2,
+        )
+        if proc.poll() is None:
+            killed = json.loads((out / "generators" / "vllm-1.json").read_text())["pid"]
+            os.kill(killed, signal.SIGKILL)  # mid-run: after step 1, before step 2
+        _, stderr = proc.communicate(timeout=scaled(SERVER_WAIT))
     finally:
         if proc.poll() is None:
             proc.kill()
