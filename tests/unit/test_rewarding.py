@@ -376,7 +376,7 @@ def test_workers_die_with_a_killed_parent():
         wait_until(lambda: len(reward_workers_of(parent.pid)) == 2, 60, "two workers spinning on a reward")
         orphans = reward_workers_of(parent.pid)
         parent.send_signal(signal.SIGKILL)
-        parent.wait(30)
+        parent.wait(scaled(30))
         wait_until(lambda: not reward_workers_of(parent.pid), 30, f"workers {orphans} to die with their parent")
     finally:
         if parent.poll() is None:
