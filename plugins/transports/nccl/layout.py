@@ -10,6 +10,11 @@ chunk (``nccl``) or a read per chunk (``rdma``). A tensor of at least ``own_chun
 gets chunks of its own, so a sender can send it from its own memory without packing it.
 Both sides use the chunk list the sender published, so they always agree on sizes.
 
+A layout may carry a checksum per chunk (:meth:`Layout.with_sums`), made by the sender from
+the tensors themselves and checked by the receiver before it acknowledges: insurance that
+the bytes that landed are this version's and nobody else's (a torn or mixed-up transfer),
+not protection against tampering (docs/security.md).
+
 Used by the ``nccl`` and ``rdma`` transports.
 """
 
@@ -18,7 +23,7 @@ from __future__ import annotations
 import ctypes
 import json
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -86,12 +91,41 @@ class Chunk:
         return self.end - self.start
 
 
+def word_sum(data: torch.Tensor) -> int:
+    """Checksum of a 1-D uint8 tensor: the sum modulo 2**64 of its 64-bit little-endian
+    words, the last partial word zero-padded. Any change to a single word changes it, and
+    two different versions' bytes agree by chance about once in 2**64. Unlike a CRC it is
+    not order-sensitive within the range (chunks are checked one by one, so bytes cannot
+    move between them unseen), but it runs at memory speed: 36-52 ms per 500 MB here, where
+    zlib.crc32 took 365 ms and blake2b 650 ms; summing 32-bit words into an int64 took
+    440 ms (the widening defeats vectorisation). Wrapping is exact: addition modulo 2**64
+    does not depend on the order the threads add in."""
+    import torch
+
+    n = data.numel()
+    whole = n - n % 8
+    total = 0
+    if whole:
+        head = data[:whole]
+        if head.storage_offset() % 8:
+            head = head.clone()  # int64 views need 8-byte aligned storage offsets
+        total = int(head.view(torch.int64).sum())
+    if whole < n:
+        tail = bytes(data[whole:].cpu().tolist()) + bytes(8 - (n - whole))
+        total += int.from_bytes(tail, "little", signed=True)
+    return total % 2**64
+
+
 @dataclass(frozen=True)
 class Layout:
     version: int
     entries: tuple[Entry, ...]
     nbytes: int
     chunks: tuple[Chunk, ...]
+    #: Per chunk, the sum modulo 2**64 of :func:`word_sum` over the bytes of its entries
+    #: (not of the alignment gaps between them, which carry nothing); None when the sender
+    #: made none.
+    sums: tuple[int, ...] | None = None
 
     # ----------------------------------------------------------------- building
 
@@ -118,6 +152,35 @@ class Layout:
             offset += nbytes
         return cls(int(version), tuple(entries), offset, tuple(_chunks(entries, bucket_bytes, own)))
 
+    # ---------------------------------------------------------------- checksums
+
+    def _parts(self, chunk: Chunk) -> Iterator[tuple[int, int, int]]:
+        """``(entry index, lo, hi)``: the bytes ``[lo, hi)`` of the flat buffer that
+        ``chunk`` carries for each of its entries."""
+        for ix in chunk.entries:
+            e = self.entries[ix]
+            yield ix, max(e.offset, chunk.start), min(e.end, chunk.end)
+
+    def with_sums(self, tensors: Sequence[torch.Tensor]) -> Layout:
+        """This layout with the checksum of every chunk, made from the tensors it describes
+        (in entry order)."""
+        sums = []
+        for chunk in self.chunks:
+            total = 0
+            for ix, lo, hi in self._parts(chunk):
+                off = self.entries[ix].offset
+                total += word_sum(tensor_bytes(tensors[ix])[lo - off : hi - off])
+            sums.append(total % 2**64)
+        return replace(self, sums=tuple(sums))
+
+    def chunk_intact(self, index: int, buffer: torch.Tensor) -> bool:
+        """Whether the bytes of chunk ``index`` in ``buffer`` match the sender's checksum
+        (True when the layout carries none)."""
+        if self.sums is None:
+            return True
+        chunk = self.chunks[index]
+        return sum(word_sum(buffer[lo:hi]) for _, lo, hi in self._parts(chunk)) % 2**64 == self.sums[index]
+
     # -------------------------------------------------------------- reading out
 
     def views(self, buffer: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
@@ -133,22 +196,27 @@ class Layout:
     # ------------------------------------------------------------- (de)serialise
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "version": self.version,
-                "nbytes": self.nbytes,
-                "entries": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in self.entries],
-                "chunks": [[c.start, c.end, list(c.entries)] for c in self.chunks],
-            },
-            separators=(",", ":"),
-        )
+        d: dict = {
+            "version": self.version,
+            "nbytes": self.nbytes,
+            "entries": [[e.name, e.dtype, list(e.shape), e.offset, e.nbytes] for e in self.entries],
+            "chunks": [[c.start, c.end, list(c.entries)] for c in self.chunks],
+        }
+        if self.sums is not None:
+            d["sums"] = list(self.sums)
+        return json.dumps(d, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Layout:
         d = json.loads(text)
         entries = tuple(Entry(n, dt, tuple(sh), off, nb) for n, dt, sh, off, nb in d["entries"])
         chunks = tuple(Chunk(s, e, tuple(ix)) for s, e, ix in d["chunks"])
-        return cls(int(d["version"]), entries, int(d["nbytes"]), chunks)
+        sums = d.get("sums")
+        if sums is not None and len(sums) != len(chunks):
+            raise ValueError(f"a weights layout with {len(chunks)} chunks carries {len(sums)} checksums")
+        return cls(
+            int(d["version"]), entries, int(d["nbytes"]), chunks, None if sums is None else tuple(map(int, sums))
+        )
 
 
 def _align(n: int) -> int:
