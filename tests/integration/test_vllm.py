@@ -361,12 +361,14 @@ def _requests_held_until(gen, release_after: Callable[[str, int], bool]):
     """Hold every completion request the generator sends after it has chosen a replica and
     noted that replica's weight version, until ``release_after(path, calls)`` says so for
     a step of an update: ``"update"`` as a replica's update begins, ``"before /pause"``
-    and ``"/pause"`` around an admin call (``calls``: admin calls so far, this one included).
-    Yields the list of held requests (grows as they arrive). Timing is then fixed by
+    and ``"/pause"`` around an admin call (``calls``: calls of that path so far, this one
+    included; counted per path, since one replica may be done loading before the other's
+    pause returns).
+    Yields the list of held requests (grows as they arrive) and the release event. Timing is fixed by
     events: requests are in flight, not yet at the server, when the update starts."""
     held: list[str] = []
     release = asyncio.Event()
-    calls = [0]
+    calls: dict[str, int] = {}
     post, admin, update = gen._client.post, gen._admin, gen._update_replica
 
     async def held_post(url, *args, **kwargs):
@@ -376,21 +378,21 @@ def _requests_held_until(gen, release_after: Callable[[str, int], bool]):
         return await post(url, *args, **kwargs)
 
     async def watched_admin(r, path, params=None):
-        if release_after("before " + path, calls[0] + 1):
+        if release_after("before " + path, calls.get(path, 0) + 1):
             release.set()
         await admin(r, path, params)
-        calls[0] += 1
-        if release_after(path, calls[0]):
+        calls[path] = calls.get(path, 0) + 1
+        if release_after(path, calls[path]):
             release.set()
 
     async def watched_update(r, version, policy=None):
-        if release_after("update", calls[0]):
+        if release_after("update", 0):
             release.set()
         await (update(r, version) if policy is None else update(r, version, policy))
 
     gen._client.post, gen._admin, gen._update_replica = held_post, watched_admin, watched_update
     try:
-        yield held
+        yield held, release
     finally:
         gen._loop.call_soon_threadsafe(release.set)
         del gen._client.post, gen._admin, gen._update_replica
@@ -421,17 +423,18 @@ def test_requests_in_flight_during_an_update(cluster: Cluster, policy: str, when
     release_after = {
         "in flight at the update": lambda path, calls: path == "update",
         "racing the pause": lambda path, calls: path == "before /pause",
-        "arriving while paused": lambda path, calls: path == "/pause" and calls == 2,  # both replicas
+        "arriving while paused": lambda path, calls: path == "/pause" and calls == 2,  # both replicas paused
     }[when]
     results: list[Any] = []
     worker = threading.Thread(target=lambda: results.append(_generate(gen, requests)))
     gen.options = gen.options.model_copy(update={"update_policy": policy})
     try:
-        with _requests_held_until(gen, release_after) as held:
+        with _requests_held_until(gen, release_after) as (held, released):
             worker.start()
             wait_until(lambda: len(held) == len(requests), 60, "every request to be sent to a replica")
             _push(c, before + 1)
-            worker.join(scaled(300))
+            assert released.is_set(), f"the update never reached the point {when!r}"
+        worker.join(scaled(300))
     finally:
         gen.options = gen.options.model_copy(update={"update_policy": "wait"})
     assert results, "generation did not finish"
