@@ -419,6 +419,12 @@ class RdmaReceiver(TransportReceiver):
             filled = int(ctl.get(_filled_key(slot), deadline) or 0)
             ready = [c for c in chunks[pos:] if c.end <= filled]
             if not ready:
+                # ``filled`` may be another version's by now: a reader that stalled (a
+                # frozen VM, SIGSTOP) while two sends went by finds its slot rewritten with
+                # a smaller version and would wait for bytes that never come until its
+                # deadline (120 s by default). The slot's generation says so at once.
+                if ctl.get(_slot_key(slot), deadline) != str(version).encode():
+                    return f"version {version} was replaced in the sender's memory while it was read"
                 if deadline.expired:
                     return f"version {version} was still being packed by the sender"
                 backoff.sleep(deadline)
