@@ -16,7 +16,10 @@ Shape (see docs/transports.md for the full protocol):
   chunks; each chunk is packed once (or sent from the tensor's own memory when it is one
   big tensor) and broadcast on every channel that asked. A receiver receives into one
   buffer that it reuses across versions and yields views of it after the last chunk and
-  its acknowledgement: never a partial version.
+  its acknowledgement: never a partial version. Before acknowledging it has checked every
+  chunk against the checksums in the signed offer and that the sender did not drop it
+  meanwhile; the sender never repacks a staging buffer a dropped receiver's broadcast may
+  still read (docs/reliability.md, "Weight transport stalls").
 * A service thread in the sender forms channels and serves requests, so a receiver that
   joins late (a restarted generator) gets the current version without waiting for the
   next ``send``. ``send`` publishes a version and waits until every receiver registered
