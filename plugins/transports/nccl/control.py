@@ -373,12 +373,34 @@ class StoreHostedTransport:
     when there is a run context, else one made for this object; ``receiver_spec()``
     carries it to receivers in other processes.
 
-    Subclasses set ``name`` and ``namespace`` and build their sender and receiver from
-    :meth:`_hosted` and :meth:`_sender_address`.
+    Subclasses set ``name``, ``namespace`` and the classes of their two halves, which
+    take the same constructor arguments in both transports.
     """
 
     name = ""
     namespace = ""
+    #: ``sender_class(options, store_server, store_host, port, timeout, release, signer)``
+    sender_class: Any = None
+    #: ``receiver_class(options, worker_id, host, port, timeout, secret)``
+    receiver_class: Any = None
+
+    def sender(self) -> Any:
+        from forgerl_plugins.transports.nccl.auth import Signer
+
+        server, port = self._hosted()
+        return self.sender_class(
+            self.options,
+            server,
+            self.store_host,
+            port,
+            self.default_timeout(),
+            self._release,
+            Signer(self.secret()),
+        )
+
+    def receiver(self, worker_id: str, spec: Any = None) -> Any:
+        host, port, secret = self._sender_address(spec)
+        return self.receiver_class(self.options, worker_id, host, port, self.default_timeout(), secret)
 
     def __init__(self, options: Any, ctx: Any = None) -> None:
         self.options = options

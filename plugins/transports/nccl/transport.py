@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import TransportError, TransportTimeout
-from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
+from forgerl.interfaces import Transport, TransportReceiver, TransportSender
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.nccl import control, groups
 from forgerl_plugins.transports.nccl.auth import Signer, signed_store
@@ -833,21 +833,5 @@ class NcclTransport(control.StoreHostedTransport, Transport):
     name = "nccl"
     namespace = NAMESPACE
 
-    def __init__(self, options: NcclTransportOptions, ctx: RunContext | None = None) -> None:
-        super().__init__(options, ctx)
-
-    def sender(self) -> NcclSender:
-        server, port = self._hosted()
-        return NcclSender(
-            self.options,
-            server,
-            self.store_host,
-            port,
-            self.default_timeout(),
-            self._release,
-            Signer(self.secret()),
-        )
-
-    def receiver(self, worker_id: str, spec: Mapping[str, Any] | None = None) -> NcclReceiver:
-        host, port, secret = self._sender_address(spec)
-        return NcclReceiver(self.options, worker_id, host, port, self.default_timeout(), secret)
+    sender_class = NcclSender
+    receiver_class = NcclReceiver

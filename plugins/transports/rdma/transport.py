@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import TransportError, TransportTimeout
-from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
+from forgerl.interfaces import Transport, TransportReceiver, TransportSender
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.nccl import control
 from forgerl_plugins.transports.nccl.auth import ForgedValue, Signer
@@ -478,21 +478,5 @@ class RdmaTransport(control.StoreHostedTransport, Transport):
     name = "rdma"
     namespace = NAMESPACE
 
-    def __init__(self, options: RdmaTransportOptions, ctx: RunContext | None = None) -> None:
-        super().__init__(options, ctx)
-
-    def sender(self) -> RdmaSender:
-        server, port = self._hosted()
-        return RdmaSender(
-            self.options,
-            server,
-            self.store_host,
-            port,
-            self.default_timeout(),
-            self._release,
-            Signer(self.secret()),
-        )
-
-    def receiver(self, worker_id: str, spec: Mapping[str, Any] | None = None) -> RdmaReceiver:
-        host, port, secret = self._sender_address(spec)
-        return RdmaReceiver(self.options, worker_id, host, port, self.default_timeout(), secret)
+    sender_class = RdmaSender
+    receiver_class = RdmaReceiver
