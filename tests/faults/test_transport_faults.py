@@ -40,7 +40,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
     from ..conformance.test_transport_conformance import OPTIONS, create, expected
 from ..helpers.requires import require_mooncake
-from ..helpers.timing import scaled
+from ..helpers.timing import scaled, wait_until
 from ..helpers.transport_receiver import make_weights
 
 pytestmark = pytest.mark.integration
@@ -139,7 +139,8 @@ def test_worker_stalled_mid_version(name: str, endpoints: list, record_property)
     # Version 2 (64 MiB): the staller stops itself once its transfer has begun.
     error, returned = send(sender, 2, scaled(STALLED_SEND_TIMEOUT[name]), big=True)
     stop = staller.wait("stopping", 2, timeout=scaled(30))
-    assert stopped(staller), f"{staller.label} should be stopped (SIGSTOP) mid-version"
+    # It says so just before it stops itself: wait for the stop to take effect.
+    wait_until(lambda: stopped(staller), 30, f"{staller.label} to be stopped (SIGSTOP) mid-version")
     stall_to_send_end = returned - stop["t"]  # both CLOCK_MONOTONIC (shm: < 0, it did not wait)
     record_property("stall_to_send_end_s", round(stall_to_send_end, 2))
     print(f"{name}: the send of version 2 ended {stall_to_send_end:.2f} s after the stall: {error}")
