@@ -21,5 +21,5 @@ done
 echo "forgerl: stress: busy loops ${busy[*]}; FORGE_TEST_TIMEOUT_SCALE=$FORGE_TEST_TIMEOUT_SCALE; $runs run(s)"
 for i in $(seq "$runs"); do
     echo "forgerl: stress run $i of $runs"
-    OMP_WAIT_POLICY=PASSIVE .venv/bin/python -m pytest -q -p no:cacheprovider tests contrib/countdown/tests
+    make --no-print-directory test  # the README's test command, one spelling of it
 done
