@@ -357,3 +357,53 @@ def test_nothing_blocks_forever(name: str) -> None:
     assert time.monotonic() - start < 1.0 + scaled(SLACK_S)
     idle.close()
     close_and_check_clean(name, transport, sender, spec, [])
+
+
+@pytest.mark.hard_timeout(90)
+@pytest.mark.parametrize("confirming", [n for n in TRANSPORTS if CONFIRMS_DELIVERY[n]])
+def test_a_receiver_that_acknowledges_then_closes_took_the_version(
+    confirming: str, endpoints: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The sender reads a receiver's acknowledgement, then whether it closed. A receiver
+    that took the version, acknowledged and closed between those two reads (a generator
+    worker that took its last version and exited; seen in CI from `forge bench`) took the
+    version, and the send succeeds. The interleaving is forced: the first acknowledgement
+    read after version 1 waits for the receiver to have closed, then answers as it would
+    have before the acknowledgement landed."""
+    from forgerl.types import WeightSet
+    from forgerl_plugins.transports.nccl.control import Control
+
+    name = confirming
+    if name == "rdma":
+        require_mooncake()
+    transport = create(name)
+    sender = transport.sender()
+    spec = transport.receiver_spec()
+    receiver = start_receiver(endpoints, name, spec, "gen.0.worker", [1, 2])
+    receiver.wait("ready", timeout=scaled(60))
+    sender.send(WeightSet(1, make_weights(1)), timeout=scaled(30))
+    assert receiver.wait("received", 1)["digests"] == expected(1)
+
+    real_get, real_get_many = Control.get, Control.get_many
+    stale_reads: list[str] = []
+
+    def stale_first_ack(ctl: Control, key: str, value: bytes | None) -> bytes | None:
+        if not key.endswith("/ack") or stale_reads:
+            return value
+        closed_key = key[: -len("ack")] + "closed"
+        wait_until(lambda: real_get(ctl, closed_key) is not None, 30, "the receiver to ack and close")
+        stale_reads.append(key)
+        return b"-1"  # what the key held before the receiver's acknowledgement of version 2
+
+    monkeypatch.setattr(Control, "get", lambda self, key, deadline=None: stale_first_ack(
+        self, key, real_get(self, key, deadline)))
+    monkeypatch.setattr(Control, "get_many", lambda self, keys, deadline=None: [
+        stale_first_ack(self, k, v) for k, v in zip(keys, real_get_many(self, keys, deadline))])
+
+    sender.send(WeightSet(2, make_weights(2)), timeout=scaled(30))
+    assert stale_reads, "the sender never read an acknowledgement: the race was not forced"
+    assert receiver.wait("received", 2)["digests"] == expected(2)
+    receiver.wait("closed")
+    assert receiver.finish() == 0, receiver.stderr_tail()
+    monkeypatch.undo()
+    close_and_check_clean(name, transport, sender, spec, endpoints)

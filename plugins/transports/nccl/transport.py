@@ -394,6 +394,11 @@ class NcclSender(TransportSender):
                     ack = ctl.get(member_key(m.nonce, "ack"), deadlines[m.nonce])
                     acked = ack is not None and int(ack) >= seq
                     closed = None if acked else ctl.get(member_key(m.nonce, "closed"), deadlines[m.nonce])
+                    if closed is not None:
+                        # A receiver acknowledges before it closes: one that took this
+                        # version and closed between the two reads has its ack there now.
+                        ack = ctl.get(member_key(m.nonce, "ack"), deadlines[m.nonce])
+                        acked = ack is not None and int(ack) >= seq
                 except STORE_ERRORS as exc:
                     self._fail(m, f"control store error: {short(exc)}")
                     continue
