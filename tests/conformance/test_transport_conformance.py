@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -141,7 +142,10 @@ def shm_entries_of(pids: set[int]) -> list[str]:
         names = os.listdir("/dev/shm")
     except OSError:
         return []
-    return [n for n in names if any(str(p) in n for p in pids)]
+    # The id as a whole token: a random name such as multiprocessing's ``psm_40393bbd``
+    # holds the digits of pid 4039 without being its segment.
+    ids = re.compile(r"(?<![0-9A-Za-z])(" + "|".join(map(str, pids)) + r")(?![0-9A-Za-z])")
+    return [n for n in names if ids.search(n)]
 
 
 def close_and_check_clean(

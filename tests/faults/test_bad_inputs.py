@@ -553,8 +553,11 @@ def test_signal_during_start_up_stops_forge_at_once(tmp_path: Path, sig: int, co
     os.mkfifo(fifo)
     env = {k: v for k, v in os.environ.items() if k != "FORGE_DEBUG"}
     env["FORGE_CACHE_DIR"] = str(tmp_path / "model-cache")
+    # As from a terminal: SIGINT not ignored. (A test run started in the background by a
+    # non-interactive shell ignores SIGINT, and forge leaves an ignored signal alone.)
     proc = subprocess.Popen([*FORGE, "run", str(fifo)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # noqa: PLW1509
     writer = None
     try:
         def reader_is_waiting() -> int | None:
