@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import os
+import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import TYPE_CHECKING, Any, Callable, ClassVar
 
-from typing import TYPE_CHECKING
+from forgerl.errors import BackendLoadError
 
 if TYPE_CHECKING:  # pragma: no cover
     from pydantic import BaseModel
@@ -50,6 +52,9 @@ class Backend:
     #: ``preflight(options)`` with the validated options raises a UserError for what the
     #: user must fix (a missing or unreadable data file). "module:attr" is imported only then.
     preflight: Callable[..., Any] | str | None = None
+    #: Set by the registry, not by plugins: "plugin NAME (DISTRIBUTION VERSION)", so that
+    #: a failure to import the implementation says whose it is.
+    provider: str = field(default="", compare=False)
 
     def unavailable_reason(self) -> str | None:
         """None when the backend can be used here, else one line saying why and what to do."""
@@ -68,14 +73,33 @@ class Backend:
     def load_factory(self) -> Callable[..., Any]:
         if self.factory is None:
             raise TypeError(f"{self.kind} {self.name!r} has no factory")
-        if callable(self.factory):
-            return self.factory
-        return _import(self.factory)
+        return self.load_part(self.factory, "factory")
+
+    def load_part(self, ref: Any, part: str) -> Any:
+        """``ref`` itself, or the object a "module:attr" ref names. A module that fails to
+        import (a missing dependency, a bug in the plugin) is a :class:`BackendLoadError`:
+        one line naming the backend, its plugin and where the import failed."""
+        if not isinstance(ref, str):
+            return ref
+        try:
+            return _import(ref)
+        except Exception as exc:  # noqa: BLE001 - any failure of a plugin's module
+            raise BackendLoadError(self._load_failure(ref, part, exc)) from exc
+
+    def _load_failure(self, ref: str, part: str, exc: Exception) -> str:
+        # The cause first: schedulers show a failed run's last log line shortened.
+        whose = f" of {self.provider}" if self.provider else ""
+        where = _failing_line(exc)
+        message = (
+            f"{self.kind} {self.name!r}{whose} cannot be loaded: {type(exc).__name__}: {exc} "
+            f"(importing its {part} {ref!r}{f', at {where}' if where else ''})"
+        )
+        return " ".join(message.split())
 
     @property
     def options_model(self) -> "type[BaseModel]":
         """The options model, imported on first use when given as "module:attr"."""
-        return _import(self.options) if isinstance(self.options, str) else self.options
+        return self.load_part(self.options, "options model")
 
     def create(self, options: "BaseModel | dict[str, Any] | None" = None, *args: Any, **kwargs: Any) -> Any:
         """Validate ``options`` and build the backend: ``factory(options, *args, **kwargs)``."""
@@ -85,7 +109,7 @@ class Backend:
         """Run the backend's :attr:`preflight` check (if it declares one) on ``options``."""
         if self.preflight is None:
             return
-        check = self.preflight if callable(self.preflight) else _import(self.preflight)
+        check = self.load_part(self.preflight, "preflight check")
         check(self.validate_options(options))
 
     def validate_options(self, options: "BaseModel | dict[str, Any] | None") -> "BaseModel":
@@ -114,6 +138,19 @@ def _import(ref: str) -> Any:
     for part in attr.split(".") if attr else ():
         obj = getattr(obj, part)
     return obj
+
+
+def _failing_line(exc: BaseException) -> str | None:
+    """"file:line" of the plugin code where an import failed, skipping the import
+    machinery (and this module): the line a plugin author has to look at."""
+    here = os.path.abspath(__file__)
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith("<") and os.path.abspath(f.filename) != here
+        and os.sep + os.path.join("importlib", "__init__.py") not in f.filename
+    ]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
 
 
 def _importable(module: str) -> bool:

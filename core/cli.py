@@ -178,7 +178,7 @@ def plugins_list(as_json: bool) -> None:
     """Every plugin: distribution, version, hooks, backends and whether each can run here."""
     registry = _registry()
     rows = []
-    for info in sorted(registry.plugins.values(), key=lambda i: (not i.first_party, i.name)):
+    for info in sorted(registry.plugins.values(), key=lambda i: (not i.first_party, i.name, i.distribution)):
         rows.append(
             {
                 "name": info.name,
@@ -187,16 +187,7 @@ def plugins_list(as_json: bool) -> None:
                 "status": info.status,
                 "error": info.error,
                 "hooks": info.hooks,
-                "backends": [
-                    {
-                        "kind": b.kind,
-                        "name": b.name,
-                        "description": b.description,
-                        "available": b.unavailable_reason() is None,
-                        "reason": b.unavailable_reason(),
-                    }
-                    for b in info.backends
-                ],
+                "backends": [_backend_row(registry, info, b) for b in info.backends],
             }
         )
     if as_json:
@@ -214,6 +205,20 @@ def plugins_list(as_json: bool) -> None:
         other = [h for h in row["hooks"] if not h.startswith("forge_") or h[6:] not in _REGISTRATION]
         if other:
             click.echo(f"     hooks: {', '.join(other)}")
+
+
+def _backend_row(registry, info, backend) -> dict[str, Any]:
+    """One backend of one plugin; a name another plugin claims too cannot be used."""
+    clash = registry.clash(backend.kind, backend.name)
+    reason = clash.reason_for(info) if clash is not None else backend.unavailable_reason()
+    return {
+        "kind": backend.kind,
+        "name": backend.name,
+        "description": backend.description,
+        "available": reason is None,
+        "reason": reason,
+        "clash": clash.message() if clash is not None else None,
+    }
 
 
 _REGISTRATION = {"generators", "trainers", "rewards", "transports", "schedulers", "tasks", "models"}
@@ -239,16 +244,17 @@ def config_show(config_file, sets, **kwargs) -> None:
 
 @config_group.command("schema")
 @click.option("--markdown", is_flag=True, help="The config reference (docs/config.md) instead.")
-def config_schema(markdown: bool) -> None:
-    """Print the JSON schema of the run config."""
+@click.option(
+    "--builtin-only", is_flag=True, help="Leave out the options of third-party backends (as docs/config.md)."
+)
+def config_schema(markdown: bool, builtin_only: bool) -> None:
+    """Print the JSON schema of the run config, every installed backend's options included."""
+    from forgerl import configdoc
+
     if markdown:
-        from forgerl.configdoc import render_markdown
-
-        click.echo(render_markdown(_registry()), nl=False)
+        click.echo(configdoc.render_markdown(_registry(), third_party=not builtin_only), nl=False)
         return
-    from forgerl.config import config_schema as schema
-
-    click.echo(json.dumps(schema(), indent=2))
+    click.echo(json.dumps(configdoc.json_schema(_registry(), third_party=not builtin_only), indent=2))
 
 
 @config_group.command("validate")

@@ -38,6 +38,17 @@ class PluginLoadError(PluginError, UserError):
     """A plugin the user named explicitly (FORGE_PLUGINS, an import path) cannot be imported."""
 
 
+class BrokenPlugin(PluginError, UserError):
+    """A third-party plugin failed to load, implements an unknown hook or registers
+    something wrong, and ``FORGE_STRICT_PLUGINS=1`` makes that an error (else a warning).
+    The fix is the user's: upgrade, uninstall or disable that plugin."""
+
+
+class BackendLoadError(PluginError, UserError):
+    """A backend was registered fine but a module it names (its factory, options model,
+    pre-flight check or roles) fails to import; the message names the plugin and backend."""
+
+
 class UnknownBackend(UserError):
     """A backend name was selected that no installed plugin provides."""
 

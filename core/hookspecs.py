@@ -101,4 +101,6 @@ def forge_step_end(step: int, metrics: "Mapping[str, float]", run_dir: "Path") -
 
 @hookspec
 def forge_run_end(summary: "Mapping[str, Any]", run_dir: "Path") -> None:
-    """The run ended (completed, failed or interrupted); ``summary`` has ``status``."""
+    """The run ended (completed, failed or interrupted); ``summary`` has ``status``.
+    Also called, with ``failed`` and an ``error`` line, when the run fails while starting
+    (a backend that cannot be built): then no ``forge_run_start`` came before it."""

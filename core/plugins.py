@@ -3,8 +3,11 @@
 Plugins come from entry points in the ``forgerl`` group (built-in ones included) and,
 when embedding, from objects passed in. Environment switches:
 
-- ``FORGE_DISABLE_PLUGINS=a,b``  never load these plugins (entry-point names)
-- ``FORGE_STRICT_PLUGINS=1``     a plugin that fails to load is an error, not a warning
+- ``FORGE_DISABLE_PLUGINS=a,b``  never load these plugins (entry-point names); a name that
+  matches no plugin is a warning
+- ``FORGE_STRICT_PLUGINS=1``     a third-party plugin that fails to load, implements an
+  unknown hook, registers something wrong or claims a backend name another plugin has is
+  an error (one line, exit 2), not a warning
 - ``FORGE_TRACE_HOOKS=1``        print every hook call to stderr
 - ``FORGE_PLUGINS=pkg.mod,...``  also load these modules as plugins (set for a run's
   processes when the embedding code passed plugins by import path)
@@ -12,6 +15,7 @@ when embedding, from objects passed in. Environment switches:
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import sys
@@ -23,10 +27,21 @@ import pluggy
 
 from forgerl import hookspecs
 from forgerl.backends import BACKEND_KINDS, Backend
-from forgerl.errors import BackendUnavailable, DuplicateBackend, PluginError, PluginLoadError, UnknownBackend
+from forgerl.errors import BackendUnavailable, DuplicateBackend, PluginLoadError, UnknownBackend
+from forgerl.plugin_problems import (
+    BackendClash,
+    broken,
+    checked_records,
+    registration_failure,
+    unknown_hooks,
+    warn_unmatched_disabled,
+)
 
 ENTRY_POINT_GROUP = "forgerl"
 FIRST_PARTY_DIST = "forgerl"
+#: The "distribution" of plugins given by import path (FORGE_PLUGINS) or as objects.
+EXPLICIT_REF = "<FORGE_PLUGINS>"
+EXPLICIT_OBJECT = "<embedded>"
 
 # kind -> name of the hook that registers backends of that kind
 _KIND_HOOKS = {
@@ -56,6 +71,16 @@ class PluginInfo:
     def first_party(self) -> bool:
         return self.distribution == FIRST_PARTY_DIST
 
+    @property
+    def explicit(self) -> bool:
+        """Named by the caller (an import path or an object), not found through an entry point."""
+        return self.distribution in (EXPLICIT_REF, EXPLICIT_OBJECT)
+
+    @property
+    def label(self) -> str:
+        """How messages name it: ``plugin 'echo' (fake-plugin 1.2.3)``."""
+        return f"plugin {self.name!r} ({' '.join(p for p in (self.distribution, self.version) if p)})"
+
 
 def _env_flag(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
@@ -69,64 +94,83 @@ def _env_list(name: str) -> set[str]:
     return {p.strip() for p in os.environ.get(name, "").split(",") if p.strip()}
 
 
-def _warn(message: str) -> None:
-    print(f"forge: warning: {message}", file=sys.stderr)
-
-
 class Registry:
     """The plugin manager plus every backend, by kind and name.
 
     Build it with :func:`build_registry`. Backends are collected once, when built.
     """
 
-    def __init__(self, pm: pluggy.PluginManager, plugins: dict[str, PluginInfo], refs: list[str] | None = None):
+    def __init__(
+        self,
+        pm: pluggy.PluginManager,
+        plugins: dict[str, PluginInfo],
+        refs: list[str] | None = None,
+        *,
+        strict: bool = False,
+    ):
         self.pm = pm
         self.plugins = plugins
         #: Plugins given by import path: a run's processes load them too (FORGE_PLUGINS).
         self.plugin_refs = list(refs or [])
         self._backends: dict[str, dict[str, Backend]] = {kind: {} for kind in _KIND_HOOKS}
         self._owner: dict[tuple[str, str], PluginInfo] = {}
-        self._collect()
+        self._clashes: dict[tuple[str, str], BackendClash] = {}
+        self._collect(strict)
 
     # -------------------------------------------------------------- collection
 
-    def _collect(self) -> None:
+    def _collect(self, strict: bool) -> None:
+        """Ask every plugin for its backends. A plugin whose registration hook raises or
+        returns something that is not a record of its kind is dropped whole, like one
+        that fails to import; a name two plugins claim is recorded as a clash."""
+        offered: dict[str, list[tuple[str, Any]]] = {}
+        failed: dict[str, tuple[str, BaseException]] = {}
         for kind, hook_name in _KIND_HOOKS.items():
-            for plugin_name, records in self._call_per_plugin(hook_name):
-                info = self.plugins[plugin_name]
-                for record in records or ():
-                    self._add(kind, record, info)
+            for plugin_name, call in self._registration_calls(hook_name):
+                if plugin_name in failed:
+                    continue
+                try:
+                    label = self.plugins[plugin_name].label
+                    records = [
+                        dataclasses.replace(record, provider=label)
+                        for record in checked_records(hook_name, BACKEND_KINDS[kind], call())
+                    ]
+                except Exception as exc:  # noqa: BLE001 - a plugin's registration code failed
+                    failed[plugin_name] = (registration_failure(hook_name, exc), exc)
+                    continue
+                offered.setdefault(plugin_name, []).extend((kind, r) for r in records)
+        for plugin_name, (why, exc) in failed.items():
+            info = self.plugins[plugin_name]
+            self.pm.unregister(name=plugin_name)  # its event hooks must not run either
+            info.hooks = []
+            broken(info, why, strict, exc)
+        for plugin_name, records in offered.items():
+            if plugin_name not in failed:
+                for kind, record in records:
+                    self._add(kind, record, self.plugins[plugin_name])
+        if strict and self._clashes:
+            raise DuplicateBackend(next(iter(self._clashes.values())).message())
 
-    def _call_per_plugin(self, hook_name: str) -> Iterable[tuple[str, Any]]:
-        """Call a registration hook plugin by plugin, so that each record is attributed to
-        the plugin (and so the distribution) that returned it; goes through pluggy's
+    def _registration_calls(self, hook_name: str) -> Iterable[tuple[str, Any]]:
+        """A registration hook, callable plugin by plugin, so that each record is attributed
+        to the plugin (and so the distribution) that returned it; goes through pluggy's
         normal call path, so FORGE_TRACE_HOOKS shows these calls too."""
         caller = getattr(self.pm.hook, hook_name)
         for impl in caller.get_hookimpls():
             others = [p for p in self.pm.get_plugins() if p is not impl.plugin]
-            subset = self.pm.subset_hook_caller(hook_name, remove_plugins=others)
-            for result in subset():
-                yield impl.plugin_name, result
+            yield impl.plugin_name, self.pm.subset_hook_caller(hook_name, remove_plugins=others)
 
-    def _add(self, kind: str, record: Any, info: PluginInfo) -> None:
-        expected = BACKEND_KINDS[kind]
-        if not isinstance(record, expected):
-            raise PluginError(
-                f"plugin {info.name!r} ({info.distribution} {info.version}) returned "
-                f"{type(record).__name__} from {_KIND_HOOKS[kind]}; expected {expected.__name__}"
-            )
-        existing = self._backends[kind].get(record.name)
-        if existing is not None:
-            other = self._owner[(kind, record.name)]
-            raise DuplicateBackend(
-                f"{kind} {record.name!r} is provided twice: by {other.distribution} {other.version} "
-                f"(plugin {other.name!r}) and by {info.distribution} {info.version} "
-                f"(plugin {info.name!r}). Uninstall one, or block one with "
-                f"FORGE_DISABLE_PLUGINS={info.name}."
-            )
-        self._backends[kind][record.name] = record
-        self._owner[(kind, record.name)] = info
+    def _add(self, kind: str, record: Backend, info: PluginInfo) -> None:
         info.backends.append(record)
+        key = (kind, record.name)
+        holder = self._owner.get(key)
+        if holder is not None:
+            clash = self._clashes.setdefault(key, BackendClash(kind, record.name, [holder]))
+            clash.providers.append(info)
+            if holder.first_party or not info.first_party:
+                return  # the built-in record stays the one listed (it is not used either)
+        self._backends[kind][record.name] = record
+        self._owner[key] = info
 
     # ------------------------------------------------------------------ lookup
 
@@ -141,7 +185,11 @@ class Registry:
         return self._owner[(kind, name)]
 
     def get(self, kind: str, name: str) -> Backend:
-        """The record of backend ``name``, available or not; UnknownBackend if none."""
+        """The record of backend ``name``, available or not; UnknownBackend if none,
+        DuplicateBackend if two plugins claim it."""
+        clash = self._clashes.get((kind, name))
+        if clash is not None:
+            raise DuplicateBackend(clash.message())
         try:
             return self._backends[kind][name]
         except KeyError:
@@ -149,6 +197,14 @@ class Registry:
             raise UnknownBackend(
                 f"no {kind} {name!r}; installed: {installed}. See `forge plugins list`."
             ) from None
+
+    @property
+    def clashes(self) -> list[BackendClash]:
+        """Backend names more than one plugin claims (none of their records is used)."""
+        return list(self._clashes.values())
+
+    def clash(self, kind: str, name: str) -> BackendClash | None:
+        return self._clashes.get((kind, name))
 
     def require(self, kind: str, name: str) -> Backend:
         """Like :meth:`get`, but raises BackendUnavailable when it cannot run here."""
@@ -159,7 +215,11 @@ class Registry:
         return backend
 
     def available(self, kind: str) -> list[str]:
-        return [n for n, b in self._backends[kind].items() if b.unavailable_reason() is None]
+        return [
+            n
+            for n, b in self._backends[kind].items()
+            if (kind, n) not in self._clashes and b.unavailable_reason() is None
+        ]
 
     # ------------------------------------------------------------------ events
 
@@ -203,6 +263,7 @@ def build_registry(
     its ``forge_plugin_name``/``__name__``. ``disabled``/``strict``/``trace`` default to
     the environment switches.
     """
+    disabled_from = "FORGE_DISABLE_PLUGINS" if disabled is None else "disabled"
     disabled = set(disabled) if disabled is not None else _env_list("FORGE_DISABLE_PLUGINS")
     strict = _env_flag("FORGE_STRICT_PLUGINS") if strict is None else strict
     trace = _env_flag("FORGE_TRACE_HOOKS") if trace is None else trace
@@ -215,16 +276,21 @@ def build_registry(
 
     infos: dict[str, PluginInfo] = {}
     if entry_points:
-        for ep in sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        for ep, shadowed_by in _entry_points():
             dist = ep.dist.name if ep.dist else "unknown"
             version = ep.dist.version if ep.dist else "?"
             info = PluginInfo(ep.name, dist, version)
-            if ep.name in infos:
-                prior = infos[ep.name]
-                raise PluginError(
-                    f"two plugins are named {ep.name!r}: from {prior.distribution} {prior.version} "
-                    f"and {dist} {version}. Uninstall one."
-                )
+            if shadowed_by is not None:
+                # Two distributions use one plugin name: keep one (the built-in one if it
+                # is among them) so that every other plugin still works; the other is
+                # listed under "NAME (DISTRIBUTION)".
+                infos[f"{ep.name} ({dist})"] = info
+                if ep.name in disabled:
+                    info.status = "blocked"
+                else:
+                    why = f"is not loaded: {shadowed_by.label} has the same name; uninstall one"
+                    broken(info, why, strict)
+                continue
             infos[ep.name] = info
             if ep.name in disabled:
                 info.status = "blocked"
@@ -232,14 +298,14 @@ def build_registry(
             try:
                 obj = ep.load()
             except Exception as exc:  # noqa: BLE001 - any import failure of a plugin
-                _broken(info, f"failed to load: {type(exc).__name__}: {exc}", strict, exc)
+                broken(info, f"failed to load: {type(exc).__name__}: {exc}", strict, exc)
                 continue
-            pm.register(obj, name=ep.name)
+            _register(pm, obj, info, strict)
 
     refs = [r for r in _env_list_ordered("FORGE_PLUGINS")]
     refs += [p for p in plugins if isinstance(p, str) and p not in refs]
     for ref in refs:
-        info = infos[ref] = PluginInfo(ref, "<FORGE_PLUGINS>", "")
+        info = infos[ref] = PluginInfo(ref, EXPLICIT_REF, "")
         if ref in disabled:
             info.status = "blocked"
             continue
@@ -250,32 +316,56 @@ def build_registry(
             raise PluginLoadError(
                 f"plugin {ref!r} failed to load: {type(exc).__name__}: {exc}; check the import path"
             ) from exc
-        pm.register(obj, name=ref)
+        _register(pm, obj, info, strict)
     objects = [p for p in plugins if not isinstance(p, str)]
     for obj in objects:
         name = getattr(obj, "forge_plugin_name", None) or getattr(obj, "__name__", None) or type(obj).__name__
+        info = infos[name] = PluginInfo(name, EXPLICIT_OBJECT, "")
         if name in disabled:
-            infos[name] = PluginInfo(name, "<embedded>", "", status="blocked")
+            info.status = "blocked"
             continue
-        infos[name] = PluginInfo(name, "<embedded>", "")
-        pm.register(obj, name=name)
+        _register(pm, obj, info, strict)
 
     _check_pending(pm, infos, strict)
     for name, info in infos.items():
         plugin = pm.get_plugin(name)
         if plugin is not None:
             info.hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or ())
-    return Registry(pm, infos, refs)
+    registry = Registry(pm, infos, refs, strict=strict)
+    warn_unmatched_disabled(disabled, disabled_from, registry)
+    return registry
 
 
-def _broken(info: PluginInfo, why: str, strict: bool, exc: BaseException | None = None) -> None:
-    info.status = "broken"
-    info.error = why
-    message = f"plugin {info.name!r} ({info.distribution} {info.version}) {why}"
-    if strict or info.first_party:
-        # A broken built-in plugin is a bug in forgerl, not something to skip quietly.
-        raise PluginError(message) from exc
-    _warn(message + " (it is skipped; FORGE_STRICT_PLUGINS=1 makes this an error)")
+def _entry_points() -> list[tuple[Any, PluginInfo | None]]:
+    """The ``forgerl`` entry points by name, each with the plugin that shadows it when
+    another distribution uses the same name (built-in first, else the first by distribution)."""
+    by_name: dict[str, list[Any]] = {}
+    for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        by_name.setdefault(ep.name, []).append(ep)
+    out: list[tuple[Any, PluginInfo | None]] = []
+    for name in sorted(by_name):
+        eps = sorted(by_name[name], key=lambda e: (_dist_name(e) != FIRST_PARTY_DIST, _dist_name(e)))
+        kept = eps[0]
+        out.append((kept, None))
+        holder = PluginInfo(name, _dist_name(kept), kept.dist.version if kept.dist else "?")
+        same = (_dist_name(kept), kept.value)
+        out += [(ep, holder) for ep in eps[1:] if (_dist_name(ep), ep.value) != same]
+    return out
+
+
+def _dist_name(ep: Any) -> str:
+    return ep.dist.name if ep.dist else "unknown"
+
+
+def _register(pm: pluggy.PluginManager, obj: Any, info: PluginInfo, strict: bool) -> None:
+    try:
+        pm.register(obj, name=info.name)
+    except pluggy.PluginValidationError as exc:
+        # A hook implementation whose arguments do not fit its spec.
+        broken(info, f"does not fit a hook: {exc}", strict, exc)
+    except ValueError as exc:
+        # The same module under two entry-point names, or a name taken by an embedded object.
+        broken(info, f"cannot be registered: {exc}", strict, exc)
 
 
 def _check_pending(pm: pluggy.PluginManager, infos: dict[str, PluginInfo], strict: bool) -> None:
@@ -287,6 +377,7 @@ def _check_pending(pm: pluggy.PluginManager, infos: dict[str, PluginInfo], stric
             return
         except pluggy.PluginValidationError as exc:
             name = pm.get_name(exc.plugin) or str(exc.plugin)
-            info = infos.get(name) or PluginInfo(name, "<embedded>", "")
+            info = infos.get(name) or PluginInfo(name, EXPLICIT_OBJECT, "")
+            unknown = sorted(c.name for c in pm.get_hookcallers(exc.plugin) or () if not c.has_spec())
             pm.unregister(exc.plugin)
-            _broken(info, f"has an unknown hook: {exc}", strict, exc)
+            broken(info, unknown_hooks(unknown), strict, exc)

@@ -172,13 +172,9 @@ def build_job(config: "RunConfig", registry: "Registry", run_dir: Path) -> JobSp
         )
     ]
     gen_backend = registry.get("generator", config.generator.name)
-    roles_fn = getattr(gen_backend, "roles", None)
-    if roles_fn is not None:
-        if isinstance(roles_fn, str):
-            import importlib
-
-            module, _, attr = roles_fn.partition(":")
-            roles_fn = getattr(importlib.import_module(module), attr)
+    roles_ref = getattr(gen_backend, "roles", None)
+    if roles_ref is not None:
+        roles_fn = gen_backend.load_part(roles_ref, "roles")
         ctx = RunContext(config=config, run_dir=run_dir)
         roles += list(roles_fn(gen_backend.validate_options(config.generator.options), ctx))
     env = {"PYTHONUNBUFFERED": "1"}

@@ -10,13 +10,15 @@ SIGTERM/SIGINT after checkpointing, 1 anything else (with a traceback in the log
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
+import json
 import logging
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, Iterator, NoReturn
 
 import yaml
 
@@ -24,6 +26,7 @@ from forgerl.errors import ForgeError
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import Trainer
+    from forgerl.plugins import Registry
     from forgerl.spmd import TrainerDriver
 
 
@@ -84,10 +87,15 @@ def run_worker(run_dir: Path) -> int:
     from forgerl.spmd import TrainerDriver
 
     registry = build_registry()
-    model_path = resolve_model(config.model, registry)
-    ctx = RunContext(config=config, run_dir=run_dir, model_path=model_path, rank=rank, world_size=world)
-    log.info("model %s; trainer %s on %d rank(s)", model_path, config.trainer.name, world)
-    trainer = registry.require("trainer", config.trainer.name).create(config.trainer.options, ctx)
+    # On rank 0, a run that fails before its loop starts (a backend whose module does not
+    # import, a model that cannot be built) still ends like any run: summary.json says
+    # failed and forge_run_end hears of it.
+    starting = _ends_run_if_start_fails(registry, run_dir, log) if rank == 0 else contextlib.nullcontext()
+    with starting:
+        model_path = resolve_model(config.model, registry)
+        ctx = RunContext(config=config, run_dir=run_dir, model_path=model_path, rank=rank, world_size=world)
+        log.info("model %s; trainer %s on %d rank(s)", model_path, config.trainer.name, world)
+        trainer = registry.require("trainer", config.trainer.name).create(config.trainer.options, ctx)
 
     if rank != 0:
         # Rank 0 decides when to stop (after checkpointing): ignore the scheduler's
@@ -108,16 +116,21 @@ def run_worker(run_dir: Path) -> int:
     driver = TrainerDriver(trainer, world)
     generator = sender = rewards = None
     try:
-        task = registry.require("task", config.task.name).create(config.task.options, config.loop.seed)
-        rewards = RewardSet.from_config(config, registry)
-        transport = registry.require("transport", config.transport.name).create(config.transport.options, ctx)
-        ctx.extras["transport"] = transport
-        sender = transport.sender()
-        generator = registry.require("generator", config.generator.name).create(config.generator.options, ctx)
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer)
-        install_stop_handlers(loop)
-        summary = loop.run()
+        with _ends_run_if_start_fails(registry, run_dir, log):
+            task = registry.require("task", config.task.name).create(config.task.options, config.loop.seed)
+            rewards = RewardSet.from_config(config, registry)
+            transport = registry.require("transport", config.transport.name).create(
+                config.transport.options, ctx
+            )
+            ctx.extras["transport"] = transport
+            sender = transport.sender()
+            generator = registry.require("generator", config.generator.name).create(
+                config.generator.options, ctx
+            )
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer)
+            install_stop_handlers(loop)
+        summary = loop.run()  # writes summary.json and calls forge_run_end itself
     finally:
         # If shutting down hangs (a stuck collective or thread), say where in the log.
         faulthandler.dump_traceback_later(60, exit=False)
@@ -130,6 +143,52 @@ def run_worker(run_dir: Path) -> int:
                     log.exception("closing %s failed", type(part).__name__)
         faulthandler.cancel_dump_traceback_later()
     return 143 if summary["status"] == "interrupted" else 0
+
+
+@contextlib.contextmanager
+def _ends_run_if_start_fails(registry: "Registry", run_dir: Path, log: logging.Logger) -> Iterator[None]:
+    """Write summary.json (status ``failed``, or ``interrupted`` for Ctrl-C) and call
+    ``forge_run_end`` when the body raises, then let the error go on: a tracker plugin
+    closes its run and the user finds why in the run directory, as for a run that failed
+    later. A summary the run had before (one being resumed) keeps its step counts."""
+    try:
+        yield
+    except BaseException as exc:
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        summary = _start_failure_summary(run_dir, status, exc)
+        from forgerl import runs
+
+        try:
+            runs.atomic_write_text(run_dir / runs.SUMMARY_FILE, json.dumps(summary, indent=2))
+        except OSError as write_error:  # a full disk must not hide the error that ended the run
+            log.warning("could not write %s: %s", runs.SUMMARY_FILE, write_error)
+        try:
+            registry.hooks.run_end(summary=summary, run_dir=run_dir)
+        except Exception:  # noqa: BLE001 - a failing plugin hook must not mask why the run failed
+            log.exception("a forge_run_end hook failed")
+        raise
+
+
+def _start_failure_summary(run_dir: Path, status: str, exc: BaseException) -> dict[str, Any]:
+    """The keys of :meth:`forgerl.loop.Loop.summary`, plus ``error`` (one line)."""
+    from forgerl import runs
+
+    try:
+        before = json.loads((run_dir / runs.SUMMARY_FILE).read_text())
+        before = before if isinstance(before, dict) else {}
+    except (OSError, ValueError):
+        before = {}
+    error = str(exc) if isinstance(exc, ForgeError) and exc.user_fixable else f"{type(exc).__name__}: {exc}"
+    return {
+        "status": status,
+        "steps": before.get("steps", 0),
+        "policy_version": before.get("policy_version", 0),
+        "eval_accuracy_start": before.get("eval_accuracy_start"),
+        "eval_accuracy_end": before.get("eval_accuracy_end"),
+        "time": {},
+        "run_dir": str(run_dir),
+        "error": " ".join(error.split()),
+    }
 
 
 def _follow_rank0(trainer: "Trainer", log: logging.Logger) -> None:

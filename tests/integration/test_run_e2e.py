@@ -152,6 +152,45 @@ def test_a_raising_reward_does_not_stop_the_run(tmp_path):
     assert all(0 < r["reward/flaky"] < 1 for r in rows)
 
 
+# Registration is light and imports fine; the implementation module names a dependency
+# that is not installed. The plugin also has a run_end hook, as a tracker would.
+MISSING_DEPENDENCY_REWARD = """
+import json
+from forgerl.backends import RewardBackend
+from forgerl.hookspecs import hookimpl
+
+
+@hookimpl
+def forge_rewards():
+    return [RewardBackend(name="needs_dep", factory="fake_needs_impl:NeedsDep")]
+
+
+@hookimpl
+def forge_run_end(summary, run_dir):
+    (run_dir / "run_end_hook.json").write_text(json.dumps(dict(summary)))
+"""
+
+
+def test_a_backend_whose_module_fails_to_import_ends_the_run_cleanly(tmp_path):
+    site = make_dist(tmp_path / "site", "fake-needs", "1.0", {"needs": MISSING_DEPENDENCY_REWARD})
+    (site / "fake_needs_impl.py").write_text("import no_such_dependency_q\n")
+    out = tmp_path / "run"
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = forge("run", *BASE, "--steps", "1", "--reward", "needs_dep", "--output", str(out), env=env)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    what = "reward 'needs_dep' of plugin 'needs' (fake-needs 1.0) cannot be loaded"
+    assert what in proc.stderr and "no_such_dependency_q" in proc.stderr, proc.stderr[-3000:]
+    log = (out / "logs" / "trainer-0.log") if (out / "logs" / "trainer-0.log").exists() else None
+    logs = [p.read_text() for p in (out / "logs").glob("trainer*")] if log is None else [log.read_text()]
+    errors = [line for text in logs for line in text.splitlines() if line.startswith("forge: error:")]
+    assert len(errors) == 1 and what in errors[0], logs
+    assert not any("Traceback" in text for text in logs), logs
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps"] == 0, summary
+    assert what in summary["error"]
+    assert json.loads((out / "run_end_hook.json").read_text()) == summary
+
+
 def test_bad_config_starts_nothing(tmp_path):
     out = tmp_path / "run"
     proc = forge("run", "--model", "tiny", "--output", str(out), "--set", "loop.group_size=0")

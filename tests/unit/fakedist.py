@@ -73,3 +73,66 @@ def forge_commands(cli):
         "Say hello (from a plugin)."
         click.echo("hello from a plugin")
 """
+
+# A third-party reward named like a built-in one (forgerl's `rewards` plugin provides
+# math_answer), plus a backend of its own that must stay usable.
+CLASHING_REWARD = """
+from forgerl.backends import RewardBackend, TaskBackend
+from forgerl.hookspecs import hookimpl
+
+@hookimpl
+def forge_rewards():
+    return [RewardBackend(name="math_answer", factory="builtins:dict", description="a look-alike")]
+
+@hookimpl
+def forge_tasks():
+    return [TaskBackend(name="own_task", factory="builtins:dict", description="its own")]
+"""
+
+STEP_END_TYPO = """
+from forgerl.hookspecs import hookimpl
+
+@hookimpl
+def forge_step_ends(step, metrics, run_dir):
+    pass
+"""
+
+RAISING_REGISTRATION = """
+from forgerl.hookspecs import hookimpl
+
+@hookimpl
+def forge_generators():
+    raise RuntimeError("cannot find my config")
+
+@hookimpl
+def forge_run_end(summary, run_dir):
+    raise AssertionError("a dropped plugin's event hooks must not run")
+"""
+
+# Registration imports fine; the implementation module (written next to it by the test)
+# imports a dependency that is not installed.
+LAZY_BROKEN_IMPL = """
+from forgerl.backends import GeneratorBackend
+from forgerl.hookspecs import hookimpl
+
+@hookimpl
+def forge_generators():
+    return [
+        GeneratorBackend(name="lazy", factory="fake_lazy_impl:LazyGenerator"),
+        GeneratorBackend(name="lazy_opts", factory=None, options="fake_lazy_impl:Options"),
+    ]
+"""
+
+LAZY_IMPL_MODULE = """
+import os
+import no_such_dependency_q
+"""
+
+WRONG_RECORD = """
+from forgerl.backends import TaskBackend
+from forgerl.hookspecs import hookimpl
+
+@hookimpl
+def forge_generators():
+    return [TaskBackend(name="x", factory=None)]
+"""

@@ -143,6 +143,84 @@ def test_plugin_can_add_a_command(tmp_path):
     assert "Say hello" in forge("--help", env=env).stdout
 
 
+def _site_env(tmp_path: Path, dist: str, version: str, plugins: dict[str, str]) -> dict[str, str]:
+    """The environment of a user who has pip-installed a fake third-party distribution."""
+    from .fakedist import make_dist
+
+    site = make_dist(tmp_path / "site", dist, version, plugins)
+    return {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def test_a_backend_name_clash_breaks_only_what_needs_the_name(tmp_path):
+    from .fakedist import CLASHING_REWARD
+
+    env = _site_env(tmp_path, "fake-clash", "2.0", {"aaa": CLASHING_REWARD})
+    listed = forge("plugins", "list", "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    rows = {r["name"]: r for r in json.loads(listed.stdout)}
+    mine = {b["name"]: b for b in rows["aaa"]["backends"]}
+    builtin = {b["name"]: b for b in rows["rewards"]["backends"]}
+    clash = mine["math_answer"]["clash"]
+    assert "plugin 'rewards' (forgerl 0.1.0)" in clash and "FORGE_DISABLE_PLUGINS=aaa" in clash
+    assert "FORGE_DISABLE_PLUGINS=rewards" not in clash
+    assert builtin["math_answer"]["clash"] == clash
+    assert mine["math_answer"]["available"] is False and builtin["math_answer"]["available"] is False
+    assert builtin["format"]["clash"] is None and builtin["format"]["available"] is True
+    assert mine["own_task"]["available"] is True
+    text = forge("plugins", "list", env=env)
+    assert text.returncode == 0 and "FORGE_DISABLE_PLUGINS=aaa" in text.stdout, text.stderr
+
+    assert forge("config", "show", "--reward", "format", env=env).returncode == 0
+    proc = forge("config", "show", "--reward", "math_answer", env=env)
+    assert_one_line_error(
+        proc, "reward 'math_answer' is provided twice", "fake-clash 2.0", "FORGE_DISABLE_PLUGINS=aaa"
+    )
+    assert "FORGE_DISABLE_PLUGINS=rewards" not in proc.stderr
+    fixed = forge("config", "show", "--reward", "math_answer", env={**env, "FORGE_DISABLE_PLUGINS": "aaa"})
+    assert fixed.returncode == 0 and fixed.stderr == "", fixed.stderr
+
+
+def test_strict_plugins_error_is_one_line(tmp_path):
+    from .fakedist import BROKEN
+
+    env = _site_env(tmp_path, "fake-broken", "2.0", {"broken": BROKEN})
+    relaxed = forge("plugins", "list", env=env)
+    assert relaxed.returncode == 0 and "forge: warning: plugin 'broken' (fake-broken 2.0)" in relaxed.stderr
+    strict = {**env, "FORGE_STRICT_PLUGINS": "1"}
+    assert_one_line_error(
+        forge("plugins", "list", env=strict),
+        "plugin 'broken' (fake-broken 2.0) failed to load",
+        "definitely_not_a_module_xyz",
+    )
+    assert forge("--help", env=strict).returncode == 0
+
+
+def test_config_schema_has_the_options_of_installed_backends(tmp_path):
+    from .fakedist import ECHO_GENERATOR
+
+    jsonschema = pytest.importorskip("jsonschema")
+    env = _site_env(tmp_path, "fake-plugin", "1.2.3", {"echo": ECHO_GENERATOR})
+    proc = forge("config", "schema", env=env)
+    assert proc.returncode == 0, proc.stderr
+    validator = jsonschema.Draft202012Validator(json.loads(proc.stdout))
+
+    def errors(config: dict) -> list[str]:
+        return [e.message for e in validator.iter_errors(config)]
+
+    assert errors({"generator": {"name": "echo", "options": {"copies": 2, "loud": True}}}) == []
+    assert errors({"generator": {"name": "echo", "options": {"copies": 0}}})  # ge=1 in EchoOptions
+    assert errors({"generator": {"name": "echo", "options": {"bogus": 1}}})  # unknown key
+    assert errors({"trainer": {"name": "fsdp", "options": {"lr": "fast"}}})  # built-in ones too
+    assert errors({"rewards": [{"name": "always_one", "options": {}}]}) == []
+
+    markdown = forge("config", "schema", "--markdown", env=env).stdout
+    echo = markdown.split("### generator `echo` (fake-plugin 1.2.3)")[1]
+    assert "`copies`" in echo and "`loud`" in echo
+    builtin_only = forge("config", "schema", "--markdown", "--builtin-only", env=env).stdout
+    assert "fake-plugin" not in builtin_only
+    assert builtin_only == (Path(__file__).parents[2] / "docs" / "config.md").read_text()
+
+
 def test_status_of_something_that_is_not_a_job(tmp_path):
     assert_one_line_error(forge("status", str(tmp_path)), "never submitted")
     assert_one_line_error(forge("status", "12345"), "--scheduler")
