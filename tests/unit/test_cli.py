@@ -167,8 +167,11 @@ def test_scheduler_that_cannot_submit_creates_nothing(tmp_path):
 def test_presets_fit_the_completion_length():
     import yaml
 
-    shown = yaml.safe_load(forge("config", "show", "--set", "algorithm.preset=dapo", "--set", "loop.sampling.max_tokens=64").stdout)
+    shown = yaml.safe_load(forge("config", "show", "--set", "algorithm.overlong=soft_penalty", "--set", "loop.sampling.max_tokens=64").stdout)
     assert shown["algorithm"]["overlong"] == "soft_penalty" and shown["algorithm"]["overlong_buffer"] == 16
+    # DAPO's own 4096-token ramp does not fit 64 tokens: one line that names both fixes.
+    proc = forge("config", "show", "--set", "algorithm.preset=dapo", "--set", "loop.sampling.max_tokens=64")
+    assert_one_line_error(proc, "overlong_buffer (4096, the dapo preset's)", "max_tokens (64)")
     shown = yaml.safe_load(forge("config", "show", "--set", "algorithm.preset=dr_grpo").stdout)
     assert shown["algorithm"]["loss_norm_constant"] == shown["loop"]["sampling"]["max_tokens"]
     proc = forge("config", "show", "--set", "algorithm.preset=dapo", "--set", "algorithm.overlong_buffer=100")
