@@ -151,7 +151,8 @@ def test_status_of_something_that_is_not_a_job(tmp_path):
 def _submitted_local_run(run_dir: Path, config_text: str) -> Path:
     """A run directory as a finished local run leaves it, with ``config_text`` as its config."""
     run_dir.mkdir()
-    (run_dir / "submission.json").write_text(json.dumps({"scheduler": "local", "job_id": str(run_dir), "run_dir": str(run_dir)}))
+    submission = {"scheduler": "local", "job_id": str(run_dir), "run_dir": str(run_dir)}
+    (run_dir / "submission.json").write_text(json.dumps(submission))
     (run_dir / "job.json").write_text(json.dumps({"state": "completed", "exit_code": 0}))
     (run_dir / "config.yaml").write_text(config_text)
     return run_dir
@@ -197,7 +198,8 @@ def test_scheduler_that_cannot_submit_creates_nothing(tmp_path):
 def test_presets_fit_the_completion_length():
     import yaml
 
-    shown = yaml.safe_load(forge("config", "show", "--set", "algorithm.overlong=soft_penalty", "--set", "loop.sampling.max_tokens=64").stdout)
+    sets = ("--set", "algorithm.overlong=soft_penalty", "--set", "loop.sampling.max_tokens=64")
+    shown = yaml.safe_load(forge("config", "show", *sets).stdout)
     assert shown["algorithm"]["overlong"] == "soft_penalty" and shown["algorithm"]["overlong_buffer"] == 16
     # DAPO's own 4096-token ramp does not fit 64 tokens: one line that names both fixes.
     proc = forge("config", "show", "--set", "algorithm.preset=dapo", "--set", "loop.sampling.max_tokens=64")

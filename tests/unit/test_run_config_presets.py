@@ -21,7 +21,9 @@ def test_a_dapo_run_keeps_the_presets_overlong_buffer():
 
 
 def test_the_users_overlong_buffer_wins_over_the_preset():
-    algo = algorithm("algorithm.preset=dapo", "loop.sampling.max_tokens=8192", "algorithm.overlong_buffer=512")
+    algo = algorithm(
+        "algorithm.preset=dapo", "loop.sampling.max_tokens=8192", "algorithm.overlong_buffer=512"
+    )
     assert algo.overlong_buffer == 512
     # An explicit 0 (a cliff at max_tokens, no ramp) is the user's choice too.
     assert algorithm("algorithm.preset=dapo", "algorithm.overlong_buffer=0").overlong_buffer == 0
@@ -31,7 +33,9 @@ def test_the_derived_buffer_applies_only_when_nothing_sets_one():
     # grpo has no ramp of its own: switching soft_penalty on derives a quarter of max_tokens.
     algo = algorithm("algorithm.overlong=soft_penalty", "loop.sampling.max_tokens=200")
     assert (algo.preset, algo.overlong_buffer) == ("grpo", 50)
-    algo = algorithm("algorithm.preset=gspo", "algorithm.overlong=soft_penalty", "algorithm.overlong_buffer=7")
+    algo = algorithm(
+        "algorithm.preset=gspo", "algorithm.overlong=soft_penalty", "algorithm.overlong_buffer=7"
+    )
     assert algo.overlong_buffer == 7
     # Without soft_penalty nothing is derived: the preset's value stands.
     assert algorithm("loop.sampling.max_tokens=200").overlong_buffer == PRESETS["grpo"]["overlong_buffer"]
