@@ -286,16 +286,17 @@ def _job_scheduler(job: str, scheduler_name: str | None):
     if scheduler_name is None:
         raise JobNotFound(f"{job!r} is not a run directory; give the scheduler too, e.g. `--scheduler slurm`")
     backend = registry.require("scheduler", scheduler_name)
-    from forgerl.config import RunConfig
-
     options: dict[str, Any] = {}
     if Path(job).is_dir():
-        try:
-            cfg = RunConfig.model_validate(__import__("yaml").safe_load((Path(job) / runs.CONFIG_FILE).read_text()))
-            if cfg.scheduler.name == scheduler_name:
-                options = cfg.scheduler.options
-        except Exception:  # noqa: BLE001 - the job id alone is enough for status
-            options = {}
+        from forgerl.config import read_yaml, validate_config
+
+        # The run's scheduler options (namespace, partition, ...) say where its job lives:
+        # a config that cannot be read is an error (one line naming the file), never
+        # silently replaced by defaults that would ask the wrong place.
+        config_file = Path(job) / runs.CONFIG_FILE
+        cfg = validate_config(read_yaml(config_file), source=str(config_file))
+        if cfg.scheduler.name == scheduler_name:
+            options = cfg.scheduler.options
     return backend.create(options), job_id
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from forgerl.algorithms.config import AlgorithmConfig
+from forgerl.algorithms.config import PRESETS, AlgorithmConfig, fill_length_defaults
 from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.options import OptionsModel
 
@@ -204,34 +204,36 @@ class RunConfig(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _fit_algorithm_to_lengths(cls, data: Any) -> Any:
-        """Length-dependent algorithm knobs default to the run's completion length:
-        Dr. GRPO's constant normaliser, and DAPO's soft-overlong buffer (a quarter of it;
-        the paper's 4096 tokens would not fit under a short max_tokens)."""
+        """Length-dependent algorithm knobs that neither the user nor the preset sets
+        default to the run's completion length (see ``fill_length_defaults``)."""
         if not isinstance(data, dict) or not isinstance(data.get("algorithm", {}), dict):
             return data
-        algo = dict(data.get("algorithm") or {})
         loop = data.get("loop") or {}
         sampling = loop.get("sampling") if isinstance(loop, dict) else None
         max_tokens = sampling.get("max_tokens") if isinstance(sampling, dict) else None
         if not _is_int(max_tokens) or not 1 <= max_tokens <= MAX_TOKENS:
             # A bad max_tokens is reported by its own field; derive from the default meanwhile.
             max_tokens = SamplingConfig.model_fields["max_tokens"].default
-        preset = algo.get("preset", "grpo")
-        if algo.get("loss_agg", "constant_norm" if preset == "dr_grpo" else None) == "constant_norm":
-            algo.setdefault("loss_norm_constant", max_tokens)
-        if algo.get("overlong", "soft_penalty" if preset == "dapo" else None) == "soft_penalty":
-            algo.setdefault("overlong_buffer", max(1, max_tokens // 4))
-        return {**data, "algorithm": algo}
+        return {**data, "algorithm": fill_length_defaults(dict(data.get("algorithm") or {}), max_tokens)}
 
     @model_validator(mode="after")
     def _batch_fits_groups(self) -> "RunConfig":
         if self.algorithm.std_normalize == "group" and self.loop.group_size < 2:
             raise ValueError("loop.group_size must be at least 2 for group-normalised advantages")
         algo = self.algorithm
-        if algo.overlong == "soft_penalty" and algo.overlong_buffer >= self.loop.sampling.max_tokens:
+        max_tokens = self.loop.sampling.max_tokens
+        if algo.overlong == "soft_penalty" and algo.overlong_buffer >= max_tokens:
+            # Most often the dapo preset's 4096-token ramp (DAPO sampled 20480 tokens)
+            # under a short max_tokens: say where the value came from and both fixes.
+            from_preset = (
+                f", the {algo.preset} preset's"
+                if algo.overlong_buffer == PRESETS[algo.preset]["overlong_buffer"]
+                else ""
+            )
             raise ValueError(
-                f"algorithm.overlong_buffer ({algo.overlong_buffer}) must be below loop.sampling.max_tokens "
-                f"({self.loop.sampling.max_tokens})"
+                f"algorithm.overlong_buffer ({algo.overlong_buffer}{from_preset}) must be below "
+                f"loop.sampling.max_tokens ({max_tokens}): set algorithm.overlong_buffer "
+                f"(e.g. {max(1, max_tokens // 4)}, a quarter of max_tokens) or raise loop.sampling.max_tokens"
             )
         return self
 

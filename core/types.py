@@ -82,9 +82,11 @@ class Completion:
     text: str = ""
 
     def __post_init__(self) -> None:
-        assert len(self.token_ids) == len(self.logprobs), (
-            f"{len(self.token_ids)} token ids but {len(self.logprobs)} logprobs"
-        )
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"a Completion needs one logprob per token: got {len(self.token_ids)} token ids "
+                f"but {len(self.logprobs)} logprobs"
+            )
 
 
 @dataclass

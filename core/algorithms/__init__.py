@@ -62,7 +62,8 @@ __all__ = [
     "token_entropy",
     "zero_variance_groups",
 ]
-assert set(__all__) == {"AlgorithmConfig", "PRESETS", "PRESET_KEYS", *_LAZY}, "keep __all__ and _LAZY in step"
+if set(__all__) != {"AlgorithmConfig", "PRESETS", "PRESET_KEYS", *_LAZY}:  # a bug here, not the caller's
+    raise RuntimeError("forgerl.algorithms: keep __all__ and _LAZY in step")
 
 
 def __getattr__(name: str) -> Any:

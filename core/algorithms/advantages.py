@@ -24,17 +24,17 @@ StdNormalize = Literal["group", "batch", "none"]
 def _flatten_groups(rewards: Tensor, group_ids: Tensor | None) -> tuple[Tensor, Tensor, int]:
     """Return (flat rewards [N], dense group index [N] in 0..G-1, G)."""
     if group_ids is None:
-        assert rewards.dim() == 2, (
-            f"without group_ids, rewards must be [G, K]; got shape {tuple(rewards.shape)}"
-        )
+        if rewards.dim() != 2:
+            raise ValueError(f"without group_ids, rewards must be [G, K]; got shape {tuple(rewards.shape)}")
         g, k = rewards.shape
         index = torch.arange(g, device=rewards.device).repeat_interleave(k)
         return rewards.reshape(-1), index, g
-    assert rewards.dim() == 1, f"with group_ids, rewards must be [N]; got shape {tuple(rewards.shape)}"
-    assert group_ids.shape == rewards.shape, (
-        f"group_ids {tuple(group_ids.shape)} must match rewards {tuple(rewards.shape)}"
-    )
-    assert not group_ids.is_floating_point(), "group_ids must be an integer tensor"
+    if rewards.dim() != 1:
+        raise ValueError(f"with group_ids, rewards must be [N]; got shape {tuple(rewards.shape)}")
+    if group_ids.shape != rewards.shape:
+        raise ValueError(f"group_ids {tuple(group_ids.shape)} must match rewards {tuple(rewards.shape)}")
+    if group_ids.is_floating_point():
+        raise ValueError(f"group_ids must be an integer tensor, got {group_ids.dtype}")
     # Arbitrary ids -> dense 0..G-1 so we can scatter into [G] buffers.
     _, index = torch.unique(group_ids, return_inverse=True)
     n_groups = int(index.max().item()) + 1 if index.numel() else 0
@@ -71,14 +71,18 @@ def group_advantages(
     ``rewards``: ``[G, K]``, or ``[N]`` together with integer ``group_ids`` ``[N]``.
     Returns a tensor of the same shape and dtype as ``rewards`` (computed in float64).
     """
-    assert std_normalize in ("group", "batch", "none"), f"unknown std_normalize {std_normalize!r}"
-    assert eps > 0 or std_normalize == "none", "eps must be > 0 so zero-variance groups give 0, not NaN"
-    assert rewards.is_floating_point(), f"rewards must be floating point, got {rewards.dtype}"
+    if std_normalize not in ("group", "batch", "none"):
+        raise ValueError(f"unknown std_normalize {std_normalize!r}; expected 'group', 'batch' or 'none'")
+    if not (eps > 0 or std_normalize == "none"):
+        raise ValueError(f"eps must be > 0 so zero-variance groups give 0, not NaN; got {eps}")
+    if not rewards.is_floating_point():
+        raise ValueError(f"rewards must be floating point, got {rewards.dtype}")
     if rewards.numel() == 0:
         return rewards.clone()
     flat, index, n_groups = _flatten_groups(rewards, group_ids)
     flat64 = flat.to(torch.float64)
-    assert torch.isfinite(flat64).all(), "rewards must be finite (a failed reward should have a finite failure score)"
+    if not torch.isfinite(flat64).all():
+        raise ValueError("rewards must be finite (a failed reward should have a finite failure score)")
     _, mean, std = _group_stats(flat64, index, n_groups)
     # sum/count rounds: five copies of 0.1 have a mean that is not exactly 0.1, and the
     # ~1e-17 residue divided by (0 + eps) becomes ~1e-11. A group whose rewards are all
@@ -111,7 +115,8 @@ def zero_variance_groups(rewards: Tensor, group_ids: Tensor | None = None, *, at
     until the batch is full). Uses max - min rather than the std so an exactly uniform
     group is found exactly, without floating-point fuzz.
     """
-    assert atol >= 0, f"atol must be >= 0, got {atol}"
+    if not atol >= 0:
+        raise ValueError(f"atol must be >= 0, got {atol}")
     if rewards.numel() == 0:
         return ZeroVarianceGroups(torch.ones_like(rewards, dtype=torch.bool), 0, 0)
     flat, index, n_groups = _flatten_groups(rewards, group_ids)

@@ -39,7 +39,10 @@ PRESET_KEYS: tuple[str, ...] = (
     "overlong_penalty",
 )
 
-#: The settings each preset stands for (see docs/algorithms.md for the papers).
+#: The settings each preset stands for (see docs/algorithms.md for the papers). This table
+#: is the only place a preset's values live: run configs read it too (see
+#: :func:`fill_length_defaults`). An ``overlong_buffer`` of 0 means the preset has no
+#: soft-overlong ramp of its own.
 PRESETS: dict[str, dict[str, Any]] = {
     # DeepSeekMath (Shao et al., 2024): group mean/std advantages, PPO clip 0.2, per-
     # sequence token mean. The paper used a k3 KL penalty with beta = 0.04; we keep
@@ -108,6 +111,27 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 _GRPO = PRESETS["grpo"]
+
+
+def fill_length_defaults(algorithm: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """``algorithm`` (a block as the user wrote it) with the knobs measured in tokens
+    filled in from the run's completion length where neither the user nor the preset
+    gives a value: Dr. GRPO's constant normaliser (``loss_norm_constant``, the max
+    completion length; no preset sets it) and the soft-overlong ramp (``overlong_buffer``,
+    a quarter of it) when soft_penalty is on under a preset without a ramp of its own.
+    What the user wrote wins, then the preset's value (DAPO's 4096), then the derived one.
+    """
+    name = algorithm.get("preset", "grpo")
+    if not isinstance(name, str) or name not in PRESETS:
+        return algorithm  # the Literal on `preset` reports the bad name
+    preset = PRESETS[name]
+    effective = {**preset, **algorithm}
+    filled = dict(algorithm)
+    if effective["loss_agg"] == "constant_norm":
+        filled.setdefault("loss_norm_constant", max_tokens)
+    if effective["overlong"] == "soft_penalty" and not preset["overlong_buffer"]:
+        filled.setdefault("overlong_buffer", max(1, max_tokens // 4))
+    return filled
 
 
 class AlgorithmConfig(OptionsModel):

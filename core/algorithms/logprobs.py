@@ -45,9 +45,12 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _check(logits: Tensor, chunk_size: int) -> None:
-    assert logits.dim() == 3, f"logits must be [B, T, V], got shape {tuple(logits.shape)}"
-    assert logits.is_floating_point(), f"logits must be floating point, got {logits.dtype}"
-    assert chunk_size >= 1, f"chunk_size must be >= 1, got {chunk_size}"
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V], got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if not chunk_size >= 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
 
 
 class _SelectiveLogprobs(torch.autograd.Function):
@@ -94,16 +97,19 @@ def selective_logprobs(logits: Tensor, token_ids: Tensor, chunk_size: int = DEFA
     bf16/fp16/fp32 logits, fp64 for fp64. Differentiable w.r.t. ``logits``.
     """
     _check(logits, chunk_size)
-    assert token_ids.shape == logits.shape[:2], (
-        f"token_ids {tuple(token_ids.shape)} must be logits' [B, T] {tuple(logits.shape[:2])}"
-    )
-    assert not token_ids.is_floating_point(), "token_ids must be an integer tensor"
+    if token_ids.shape != logits.shape[:2]:
+        raise ValueError(
+            f"token_ids {tuple(token_ids.shape)} must be logits' [B, T] {tuple(logits.shape[:2])}"
+        )
+    if token_ids.is_floating_point():
+        raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
     if token_ids.numel():
         lo, hi = torch.stack([token_ids.min(), token_ids.max()]).tolist()  # one host sync
-        assert 0 <= lo and hi < logits.shape[-1], (
-            f"token ids must be in [0, {logits.shape[-1]}), got range [{lo}, {hi}] "
-            "(replace ignore-index padding such as -100 by a real id; the mask drops it)"
-        )
+        if not (0 <= lo and hi < logits.shape[-1]):
+            raise ValueError(
+                f"token ids must be in [0, {logits.shape[-1]}), got range [{lo}, {hi}] "
+                "(replace ignore-index padding such as -100 by a real id; the mask drops it)"
+            )
     return _SelectiveLogprobs.apply(logits, token_ids.long(), chunk_size)
 
 

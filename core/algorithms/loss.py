@@ -77,9 +77,12 @@ def clipped_surrogate(
     huge contributes an unbounded ``r A``. ``log_ratio`` and ``advantages`` must already be
     finite (the caller masks padding).
     """
-    assert 0 <= clip_low < 1, f"clip_low must be in [0, 1), got {clip_low}"
-    assert clip_high >= 0, f"clip_high must be >= 0, got {clip_high}"
-    assert dual_clip is None or dual_clip > 1, f"dual_clip must be > 1, got {dual_clip}"
+    if not 0 <= clip_low < 1:
+        raise ValueError(f"clip_low must be in [0, 1), got {clip_low}")
+    if not clip_high >= 0:
+        raise ValueError(f"clip_high must be >= 0, got {clip_high}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"dual_clip must be None or > 1, got {dual_clip}")
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
@@ -110,7 +113,7 @@ def kl_from_log_ratio(log_r: Tensor, estimator: Literal["k1", "k2", "k3"]) -> Te
         return 0.5 * log_r.square()
     if estimator == "k3":
         return torch.expm1(log_r) - log_r  # expm1: exact near r = 1, where it matters
-    raise AssertionError(f"unknown KL estimator {estimator!r}")
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected 'k1', 'k2' or 'k3'")
 
 
 def aggregate_loss(
@@ -146,11 +149,15 @@ def aggregate_loss(
     if mode == "seq_mean_token_sum":
         return row_sum.sum() / n_seq
     if mode == "constant_norm":
-        assert norm_constant is not None and norm_constant >= 1, (
-            "constant_norm needs norm_constant >= 1 (config loss_norm_constant)"
-        )
+        if norm_constant is None or not norm_constant >= 1:
+            raise ValueError(
+                f"constant_norm needs norm_constant >= 1 (config loss_norm_constant), got {norm_constant}"
+            )
         return row_sum.sum() / (n_seq * norm_constant)
-    raise AssertionError(f"unknown loss_agg {mode!r}")
+    raise ValueError(
+        f"unknown loss_agg {mode!r}; expected 'token_mean', 'seq_mean_token_mean', "
+        "'seq_mean_token_sum' or 'constant_norm'"
+    )
 
 
 def _gap_tensors(trainer_lp: Tensor, sampler_lp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -170,14 +177,17 @@ def logprob_gap(trainer_lp: Tensor, sampler_lp: Tensor, mask: Tensor) -> tuple[f
 
 
 def _check_shapes(logprobs: Tensor, mask: Tensor, advantages: Tensor, **others: Tensor | None) -> None:
-    assert logprobs.dim() == 2, f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}"
-    assert mask.shape == logprobs.shape, f"mask {tuple(mask.shape)} must match logprobs {tuple(logprobs.shape)}"
-    assert advantages.shape in (logprobs.shape[:1], logprobs.shape), (
-        f"advantages must be [B] or [B, T] = {tuple(logprobs.shape)}, got {tuple(advantages.shape)}"
-    )
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
+    if mask.shape != logprobs.shape:
+        raise ValueError(f"mask {tuple(mask.shape)} must match logprobs {tuple(logprobs.shape)}")
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(
+            f"advantages must be [B] or [B, T] = {tuple(logprobs.shape)}, got {tuple(advantages.shape)}"
+        )
     for name, t in others.items():
-        if t is not None:
-            assert t.shape == logprobs.shape, f"{name} {tuple(t.shape)} must match logprobs {tuple(logprobs.shape)}"
+        if t is not None and t.shape != logprobs.shape:
+            raise ValueError(f"{name} {tuple(t.shape)} must match logprobs {tuple(logprobs.shape)}")
 
 
 def policy_loss(
@@ -207,10 +217,12 @@ def policy_loss(
                   behaviour_logprobs=behaviour_logprobs, ref_logprobs=ref_logprobs, entropy=entropy)
     m = mask != 0
     if config.ratio == "behaviour":
-        assert behaviour_logprobs is not None, "ratio='behaviour' needs behaviour_logprobs (the sampler's)"
+        if behaviour_logprobs is None:
+            raise ValueError("ratio='behaviour' needs behaviour_logprobs (the sampler's), got None")
         base = behaviour_logprobs.detach()
     else:
-        assert old_logprobs is not None, "ratio='old' needs old_logprobs (recomputed before the update)"
+        if old_logprobs is None:
+            raise ValueError("ratio='old' needs old_logprobs (recomputed before the update), got None")
         base = old_logprobs.detach()
 
     token_log_ratio = _masked(logprobs - base, m)
@@ -234,15 +246,16 @@ def policy_loss(
         # Truncated IS (ratio='old' only, enforced by the config): the clipped ratio is
         # pi_theta / pi_old, but the tokens were sampled by the inference engine, so each
         # token is reweighted by the detached, capped pi_old / pi_behaviour.
-        assert behaviour_logprobs is not None, "tis_cap needs behaviour_logprobs (the sampler's)"
+        if behaviour_logprobs is None:
+            raise ValueError("tis_cap needs behaviour_logprobs (the sampler's), got None")
         tis_log = _masked(base - behaviour_logprobs.detach(), m)
         per_token = per_token * torch.exp(tis_log).clamp(max=config.tis_cap)
     loss_policy = aggregate_loss(per_token, m, config.loss_agg, config.loss_norm_constant, global_count)
 
     zero = logprobs.new_zeros(())
     loss_kl, kl_ref = zero, None
-    if config.kl_coef > 0:
-        assert ref_logprobs is not None, "kl_coef > 0 needs ref_logprobs (set kl_coef: 0 to run without a reference model)"
+    if config.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs (set kl_coef: 0 to run without a reference model)")
     if ref_logprobs is not None:
         # Mask the difference, not the estimate: exp() of garbage would be inf.
         log_r = _masked(ref_logprobs.detach() - logprobs, m)

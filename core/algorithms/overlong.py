@@ -30,7 +30,8 @@ def _truncated_flags(truncated: Tensor | Sequence[str] | Sequence[bool], batch: 
         flags = torch.tensor([r == "length" for r in truncated], dtype=torch.bool, device=device)
     else:
         flags = torch.tensor([bool(t) for t in truncated], dtype=torch.bool, device=device)
-    assert flags.shape == (batch,), f"need one truncated flag per row ({batch}), got shape {tuple(flags.shape)}"
+    if flags.shape != (batch,):
+        raise ValueError(f"need one truncated flag per row ({batch}), got shape {tuple(flags.shape)}")
     return flags
 
 
@@ -40,7 +41,8 @@ def overlong_mask(mask: Tensor, truncated: Tensor | Sequence[str] | Sequence[boo
     ``truncated``: ``[B]`` bools, or the generator's finish reasons (``"length"`` =
     truncated). Returns a new mask of the same dtype.
     """
-    assert mask.dim() == 2, f"mask must be [B, T], got shape {tuple(mask.shape)}"
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be [B, T], got shape {tuple(mask.shape)}")
     flags = _truncated_flags(truncated, mask.shape[0], mask.device)
     return torch.where(flags.unsqueeze(-1), torch.zeros_like(mask), mask)
 
@@ -55,11 +57,14 @@ def soft_overlong_penalty(lengths: Tensor, max_len: int, buffer: int, penalty: f
     ``lengths`` are completion lengths in tokens; ``max_len`` is the generation limit
     (DAPO: 20480 with buffer 4096, i.e. an expected length of 16384).
     """
-    assert 0 <= buffer < max_len, (
-        f"overlong_buffer ({buffer}) must be >= 0 and below the max completion length ({max_len}): "
-        "lower algorithm.overlong_buffer (DAPO used 4096 with 20480-token completions) or raise max_tokens"
-    )
-    assert penalty >= 0, f"penalty must be >= 0, got {penalty}"
+    if not 0 <= buffer < max_len:
+        raise ValueError(
+            f"overlong_buffer ({buffer}) must be >= 0 and below the max completion length ({max_len}): "
+            "lower algorithm.overlong_buffer (DAPO used 4096 with 20480-token completions) "
+            "or raise max_tokens"
+        )
+    if not penalty >= 0:
+        raise ValueError(f"penalty must be >= 0, got {penalty}")
     lengths = lengths.to(torch.float64)
     if buffer == 0:
         out = torch.where(lengths > max_len, -1.0, 0.0).to(torch.float64)

@@ -129,13 +129,13 @@ def test_batch_std_differs_from_group_std():
 
 
 def test_bad_inputs_refused():
-    with pytest.raises(AssertionError, match="\\[G, K\\]"):
+    with pytest.raises(ValueError, match="\\[G, K\\]"):
         group_advantages(torch.zeros(4))
-    with pytest.raises(AssertionError, match="integer"):
+    with pytest.raises(ValueError, match="integer"):
         group_advantages(torch.zeros(4), torch.zeros(4))
-    with pytest.raises(AssertionError, match="match"):
+    with pytest.raises(ValueError, match="match"):
         group_advantages(torch.zeros(4), torch.zeros(3, dtype=torch.long))
-    with pytest.raises(AssertionError, match="finite"):
+    with pytest.raises(ValueError, match="finite"):
         group_advantages(torch.tensor([[0.0, float("nan")]]))
 
 

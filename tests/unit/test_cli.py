@@ -226,6 +226,37 @@ def test_status_of_something_that_is_not_a_job(tmp_path):
     assert_one_line_error(forge("status", "12345"), "--scheduler")
 
 
+def _submitted_local_run(run_dir: Path, config_text: str) -> Path:
+    """A run directory as a finished local run leaves it, with ``config_text`` as its config."""
+    run_dir.mkdir()
+    submission = {"scheduler": "local", "job_id": str(run_dir), "run_dir": str(run_dir)}
+    (run_dir / "submission.json").write_text(json.dumps(submission))
+    (run_dir / "job.json").write_text(json.dumps({"state": "completed", "exit_code": 0}))
+    (run_dir / "config.yaml").write_text(config_text)
+    return run_dir
+
+
+@pytest.mark.parametrize(
+    "config_text, problem",
+    [
+        ("loop: [steps\n", "not valid YAML"),
+        ("loop:\n  steps: -1\n", "loop.steps"),
+        ("- a list\n", "top level must be a mapping"),
+    ],
+)
+def test_status_refuses_a_corrupt_run_config(tmp_path, config_text, problem):
+    # Its scheduler options say where the job lives; defaults would ask the wrong place.
+    run_dir = _submitted_local_run(tmp_path / "run", config_text)
+    assert_one_line_error(forge("status", str(run_dir)), str(run_dir / "config.yaml"), problem)
+
+
+def test_status_of_a_run_directory(tmp_path):
+    run_dir = _submitted_local_run(tmp_path / "run", "loop:\n  steps: 3\n")
+    proc = forge("status", str(run_dir))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{run_dir}: completed (exit 0)"
+
+
 def test_resume_of_a_non_run_directory(tmp_path):
     assert_one_line_error(forge("run", "--resume", str(tmp_path)), "not a run directory")
 
@@ -245,8 +276,12 @@ def test_scheduler_that_cannot_submit_creates_nothing(tmp_path):
 def test_presets_fit_the_completion_length():
     import yaml
 
-    shown = yaml.safe_load(forge("config", "show", "--set", "algorithm.preset=dapo", "--set", "loop.sampling.max_tokens=64").stdout)
+    sets = ("--set", "algorithm.overlong=soft_penalty", "--set", "loop.sampling.max_tokens=64")
+    shown = yaml.safe_load(forge("config", "show", *sets).stdout)
     assert shown["algorithm"]["overlong"] == "soft_penalty" and shown["algorithm"]["overlong_buffer"] == 16
+    # DAPO's own 4096-token ramp does not fit 64 tokens: one line that names both fixes.
+    proc = forge("config", "show", "--set", "algorithm.preset=dapo", "--set", "loop.sampling.max_tokens=64")
+    assert_one_line_error(proc, "overlong_buffer (4096, the dapo preset's)", "max_tokens (64)")
     shown = yaml.safe_load(forge("config", "show", "--set", "algorithm.preset=dr_grpo").stdout)
     assert shown["algorithm"]["loss_norm_constant"] == shown["loop"]["sampling"]["max_tokens"]
     proc = forge("config", "show", "--set", "algorithm.preset=dapo", "--set", "algorithm.overlong_buffer=100")

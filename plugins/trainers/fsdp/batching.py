@@ -22,7 +22,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 def rank_rows(batch_size: int, world_size: int, rank: int) -> range:
     """The rows of a ``batch_size`` batch that ``rank`` (of ``world_size``) trains on."""
-    assert 0 <= rank < world_size, f"rank {rank} out of range for world size {world_size}"
+    if not 0 <= rank < world_size:
+        raise ValueError(
+            f"rank {rank} out of range for world size {world_size}: expected 0 <= rank < world size"
+        )
     base, extra = divmod(batch_size, world_size)
     start = rank * base + min(rank, extra)
     return range(start, start + base + (1 if rank < extra else 0))
@@ -58,10 +61,17 @@ def micro_batches(
     micro-batches of 8: 1552 positions instead of 1856). The update is the same: the
     micro-batch losses are summed with one global normaliser.
     """
-    assert batch_size >= 1, "an empty batch cannot be trained on (every rank needs a row to run)"
+    if batch_size < 1:
+        raise ValueError(
+            "an empty batch cannot be trained on (every rank needs a row to run): "
+            f"got batch size {batch_size}"
+        )
     mine = list(rank_rows(batch_size, world_size, rank))
     if lengths is not None:
-        assert len(lengths) == batch_size, f"{len(lengths)} lengths for a batch of {batch_size}"
+        if len(lengths) != batch_size:
+            raise ValueError(
+                f"{len(lengths)} lengths for a batch of {batch_size}: expected one length per row"
+            )
         mine.sort(key=lambda row: -lengths[row])  # stable: equal lengths keep their order
     out = []
     for i in range(num_micro_batches(batch_size, world_size, micro_batch_size)):

@@ -380,9 +380,12 @@ def _row_lengths(batch: TrainBatch) -> list[int]:
 
 def _check_batch(batch: TrainBatch) -> None:
     shape = tuple(batch.input_ids.shape)
-    assert len(shape) == 2 and shape[0] >= 1, f"input_ids must be [B, T] with B >= 1, got {shape}"
+    if len(shape) != 2 or shape[0] < 1:
+        raise ValueError(f"input_ids must be [B, T] with B >= 1, got {shape}")
     for name in ("attention_mask", "loss_mask", "behaviour_logprobs"):
         got = tuple(getattr(batch, name).shape)
-        assert got == shape, f"{name} has shape {got}, input_ids {shape}"
+        if got != shape:
+            raise ValueError(f"{name} has shape {got}, expected input_ids' {shape}")
     adv = tuple(batch.advantages.shape)
-    assert adv in (shape[:1], shape), f"advantages must be [B] or [B, T] for input_ids {shape}, got {adv}"
+    if adv not in (shape[:1], shape):
+        raise ValueError(f"advantages must be [B] or [B, T] for input_ids {shape}, got {adv}")
