@@ -81,6 +81,17 @@ def test_the_server_environment_has_dev_mode_and_the_key_but_no_trainer_rendezvo
     assert "MASTER_PORT" not in env and "RANK" not in env
 
 
+def test_a_synchronous_run_binds_every_core_to_vllms_cpu_worker():
+    """vLLM's CPU build keeps a core out of its binding by default; in a synchronous run
+    nothing else needs it while vLLM generates. A user's own binding always wins."""
+    from forgerl_plugins.generators.vllm.cpu_cores import binding_env
+
+    assert binding_env(0, {}, {}) == {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert binding_env(1, {}, {}) == {}, "overlapping phases share the cores: keep vLLM's split"
+    assert binding_env(0, {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}, {}) == {}
+    assert binding_env(0, {}, {"VLLM_CPU_OMP_THREADS_BIND": "0"}) == {}
+
+
 def test_endpoint_files_are_written_atomically_and_privately(tmp_path):
     path = server.endpoint_file(tmp_path, 1)
     server.write_endpoint(path, {"port": 1})

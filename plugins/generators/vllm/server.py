@@ -34,7 +34,7 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import liveness
+from . import cpu_cores, liveness
 from .auth import KEY_ENV, MIDDLEWARE
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -268,6 +268,8 @@ def launch(run_dir: Path, replica: int) -> int:
     model_dir = resolve_model(config.model, build_registry())
     api_key = secrets.token_urlsafe(24)
     env = server_env(options, api_key)
+    if is_cpu_build():
+        env.update(cpu_cores.binding_env(config.loop.max_staleness, options.env, os.environ))
 
     child: subprocess.Popen | None = None
     stopping: list[int] = []
