@@ -56,7 +56,7 @@ def main() -> None:
         order = names if repeat % 2 == 0 else names[::-1]
         for name in order:
             env = VARIANTS[name]
-            sets = [*base, *(f"generator.options.env.{k}={v}" for k, v in env.items() if v is not None)]
+            sets = [*base, *(f"generator.options.env.{k}={json.dumps(v)}" for k, v in env.items())]
             saved = {k: os.environ.pop(k) for k in env if k in os.environ}
             try:
                 rounds = run_plugin(resolved_config(args.model, sets), model_dir, prompts, args.n, args.max_tokens, 2)
