@@ -146,7 +146,9 @@ def main() -> None:
             num_iterations=1,
             reward_weights=[rewards.WEIGHTS["math_answer"], rewards.WEIGHTS["format"]],
             shuffle_dataset=False,  # forgerl's prompt order
-            bf16=False,  # TRL defaults to bf16; both systems train in fp32 here
+            # Both systems in fp32, or both under bf16 autocast with fp32 master weights
+            # (TRL's own default, and forgerl's where the CPU has native bf16).
+            bf16=spec.get("bf16", False),
             # TRL defaults to recomputing activations in the backward pass; forgerl's fsdp
             # trainer keeps them, so by default the two do the same arithmetic per step.
             gradient_checkpointing=spec.get("gradient_checkpointing", False),

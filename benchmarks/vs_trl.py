@@ -72,6 +72,9 @@ def main() -> None:
                         help="held-out problems (greedy), the same for both")
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
                         help="TRL's own default (recompute activations); off by default, as in forgerl")
+    parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
+                        help="both systems in fp32 or both under bf16 autocast (fp32 master weights); "
+                             "auto: bf16 where the CPU has native bf16 (avx512_bf16/AMX), as forgerl's default")
     parser.add_argument("--keep", action="store_true", help="keep the run folders (printed at the end)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     args = parser.parse_args()
@@ -83,6 +86,9 @@ def main() -> None:
         sys.exit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) and --rounds must be >= 1")
 
     progress = sys.stderr if args.json else sys.stdout
+    if args.precision == "auto":
+        m = machine()
+        args.precision = "bf16" if m["avx512_bf16"] or m["amx"] else "fp32"
 
     def say(*parts) -> None:
         print(*parts, file=progress, flush=True)
@@ -97,11 +103,11 @@ def main() -> None:
     report = {"machine": machine(), "versions": versions(), "settings": {}, "common": COMMON,
               "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "generator": args.generator,
               "eval_size": args.eval_size, "model": str(model),
-              "trl_gradient_checkpointing": args.trl_gradient_checkpointing}
+              "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "precision": args.precision}
     try:
         for name in settings:
             setting = {**SETTINGS[name], **COMMON, "steps": args.steps, "eval_size": args.eval_size,
-                       "gradient_checkpointing": args.trl_gradient_checkpointing}
+                       "gradient_checkpointing": args.trl_gradient_checkpointing, "bf16": args.precision == "bf16"}
             problems = build_problems(setting, model)
             runs: dict[str, list] = {"trl": [], "forgerl": []}
             for r in range(args.rounds):
@@ -243,6 +249,7 @@ def run_forgerl(setting: dict, generator: str, folder: Path) -> dict:
         "trainer.options.micro_batch_size": setting["micro_batch_size"],
         "trainer.options.max_grad_norm": setting["max_grad_norm"],
         "trainer.options.weight_decay": setting["weight_decay"],
+        "trainer.options.autocast_bf16": str(setting["bf16"]).lower(),
         "algorithm.preset": "grpo",
         "algorithm.kl_coef": 0.0,
         "checkpoint.every": 0,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import Literal
 
 from pydantic import Field, field_validator
 
@@ -21,7 +22,11 @@ class FSDPTrainerOptions(OptionsModel):
     micro_batch_size: int = Field(
         8, ge=1, le=65_536, description="Sequences per forward/backward on each rank."
     )
-    autocast_bf16: bool = Field(False, description="bfloat16 autocast for forward/backward (fp32 master weights).")
+    autocast_bf16: bool | Literal["auto"] = Field(
+        "auto",
+        description="bfloat16 autocast for forward/backward (fp32 master weights); 'auto': on where the "
+        "device computes bf16 natively (CPU with avx512_bf16 or AMX, CUDA compute capability 8.0+).",
+    )
     logprob_chunk_size: int = Field(
         1024, ge=1, le=1_048_576, description="Tokens per block when computing token logprobs (bounds the fp32 scratch memory)."
     )
