@@ -32,8 +32,6 @@ SMALL = [
     "--set", "loop.eval_size=4",
     "--set", f"transport.timeout={scaled(60)}",
     "--set", "logging.progress=false",
-    # float32 on every machine (the gaps checked below are float32's); "auto" follows the CPU.
-    "--set", "trainer.options.autocast_bf16=false",
 ]  # fmt: skip
 VLLM = ["--set", "generator.options.kv_cache_gb=0.25"]
 NO_VLLM = pytest.mark.skipif(

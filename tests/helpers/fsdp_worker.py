@@ -98,10 +98,7 @@ def make_trainer(
     from forgerl_plugins.trainers.fsdp import FSDPTrainerOptions
     from forgerl_plugins.trainers.fsdp.trainer import FSDPTrainer
 
-    # float32 unless a test asks: the default ("auto") follows the hardware, and these
-    # tests compare numbers that must agree on every machine.
-    defaults = {"lr": 1e-4, "micro_batch_size": micro_batch_size, "autocast_bf16": False}
-    opts = FSDPTrainerOptions(**{**defaults, **options})
+    opts = FSDPTrainerOptions(**{"lr": 1e-4, "micro_batch_size": micro_batch_size, **options})
     return FSDPTrainer(opts, make_context(model_dir, run_dir, algorithm, rank, world_size))
 
 

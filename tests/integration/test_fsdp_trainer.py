@@ -275,15 +275,15 @@ def test_micro_batch_size_does_not_change_the_update(tiny_model_dir: Path, tmp_p
 
 @integration
 @pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "no-native-bf16"])
-def test_by_default_bf16_autocast_follows_the_hardware(
+def test_auto_bf16_autocast_follows_the_hardware(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
     """bf16 autocast pays off only where the device computes bf16 natively (1.9x faster
-    with AMX, 3x slower without): the default decides from the hardware."""
+    with AMX, 3x slower without): "auto" decides from the hardware. The default is off."""
     from forgerl_plugins.trainers.fsdp import FSDPTrainerOptions
     from forgerl_plugins.trainers.fsdp import trainer as fsdp_trainer
 
-    assert FSDPTrainerOptions().autocast_bf16 == "auto"
+    assert FSDPTrainerOptions().autocast_bf16 is False
     monkeypatch.setattr(fsdp_trainer, "native_bf16", lambda device: native)
     trainer = worker.make_trainer(tiny_model_dir, tmp_path, micro_batch_size=2, autocast_bf16="auto")
     try:

@@ -28,9 +28,6 @@ BASE = [
     "--set", "loop.sampling.max_tokens=12",
     "--set", "loop.eval_size=4",
     "--set", "trainer.options.lr=1e-3",
-    # float32 on every machine: the default ("auto") turns bf16 on where the CPU has it,
-    # and these runs check train/inference logprob gaps of float32.
-    "--set", "trainer.options.autocast_bf16=false",
 ]
 SMALL = [*BASE, "--reward", "format", "--set", "rewards.0.options.pattern=\\d"]
 CONTRACT_KEYS = {

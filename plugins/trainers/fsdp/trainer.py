@@ -64,7 +64,7 @@ class FSDPTrainer(Trainer):
         self.device = pick_device()
         native = native_bf16(self.device)
         # bf16 autocast made a SmolLM2 step 1.9x faster on a CPU with AMX and 3x slower on
-        # one without native bf16 (docs/performance.md): "auto" follows the hardware.
+        # one without native bf16 (docs/performance.md): "auto" asks for it where it pays.
         self.autocast_bf16 = native if options.autocast_bf16 == "auto" else options.autocast_bf16
         if self.autocast_bf16 and not native:
             log.warning(
