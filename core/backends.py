@@ -207,8 +207,8 @@ class GeneratorBackend(Backend):
         """The server roles of a run (none when the generator declares no ``roles``)."""
         if self.roles is None:
             return []
-        runtime = {"context": context}
-        return list(self._call(self.roles, "roles", "generator roles", self.validate_options(options), runtime))
+        validated = self.validate_options(options)
+        return list(self._call(self.roles, "roles", "generator roles", validated, {"context": context}))
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,9 @@ SIGNATURES: dict[str, str] = {
 }
 
 
-def check_factory(what: str, label: str, ref: Any, factory: Callable[..., Any], runtime: Mapping[str, Any]) -> None:
+def check_factory(
+    what: str, label: str, ref: Any, factory: Callable[..., Any], runtime: Mapping[str, Any]
+) -> None:
     """Raise :class:`BackendContractError` when ``factory`` cannot be called as
     ``factory(options, **runtime)``, the call :data:`SIGNATURES` gives for ``what`` (a kind,
     or "generator roles"). ``label`` names the backend and its plugin in the message; ``ref``

@@ -117,7 +117,9 @@ def run_worker(run_dir: Path) -> int:
     generator = sender = transport = rewards = None
     try:
         with _ends_run_if_start_fails(registry, run_dir, log):
-            task = registry.require("task", config.task.name).build(config.task.options, seed=config.loop.seed)
+            task = registry.require("task", config.task.name).build(
+                config.task.options, seed=config.loop.seed
+            )
             rewards = RewardSet.from_config(config, registry)
             transport = registry.require("transport", config.transport.name).build(
                 config.transport.options, context=ctx

@@ -110,7 +110,8 @@ def _watch(receiver: Any, die_version: int | None, stall_version: int | None, st
 def run_receiver(args: argparse.Namespace) -> int:
     from forgerl.plugins import build_registry
 
-    transport = build_registry().require("transport", args.transport).build(json.loads(args.options), context=None)
+    backend = build_registry().require("transport", args.transport)
+    transport = backend.build(json.loads(args.options), context=None)
     receiver = transport.receiver(args.worker_id, json.loads(args.spec))
     stop = threading.Event()
     if hasattr(receiver, "progress"):
@@ -172,7 +173,8 @@ def run_sender(args: argparse.Namespace) -> int:
     from forgerl.plugins import build_registry
     from forgerl.types import WeightSet
 
-    transport = build_registry().require("transport", args.transport).build(json.loads(args.options), context=None)
+    backend = build_registry().require("transport", args.transport)
+    transport = backend.build(json.loads(args.options), context=None)
     sender = transport.sender()
     # Made before anything is sent: generating 64 MiB must not eat the receivers' timeout.
     prepared = {v: make_weights(v, big=args.big) for v in [int(v) for v in args.versions.split(",") if v]}

@@ -152,7 +152,8 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory):
     from forgerl_plugins.schedulers.local import LocalSchedulerOptions
     from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
 
-    model_dir = build_tiny_model(TinyModelOptions(hidden_size=128), cache_dir=tmp_path_factory.mktemp("models"))
+    models = tmp_path_factory.mktemp("models")
+    model_dir = build_tiny_model(TinyModelOptions(hidden_size=128), cache_dir=models)
     run_dir = tmp_path_factory.mktemp("vllm-security-run")
     config = resolve(
         build_config(

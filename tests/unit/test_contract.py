@@ -168,7 +168,9 @@ def test_a_factory_of_the_old_calling_convention_is_refused_before_it_runs(old_p
     with pytest.raises(BackendContractError) as err:
         old_plugin.require("generator", "old").build({}, context=ctx, transport=object())
     message = _one_line(err)
-    assert message.startswith("generator 'old' of plugin 'old' (fake-old 1.0): fake_old_old:OldGenerator(options, ctx)")
+    assert message.startswith(
+        "generator 'old' of plugin 'old' (fake-old 1.0): fake_old_old:OldGenerator(options, ctx)"
+    )
     assert SIGNATURES["generator"] in message and "upgrade it" in message
 
     with pytest.raises(BackendContractError) as err:
