@@ -32,7 +32,7 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
     runs.write_config(run_dir, config)
     options = VLLMGeneratorOptions.model_validate(config.generator.options)
     job = JobSpec(
-        "vllm-bench", str(run_dir), tuple(roles(options, RunContext(config=config, run_dir=run_dir)))
+        "vllm-bench", str(run_dir), tuple(roles(options, context=RunContext(config=config, run_dir=run_dir)))
     )
     scheduler = LocalScheduler(LocalSchedulerOptions(stop_timeout=10))
     started = threading.Event()
@@ -46,13 +46,12 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
     thread.start()
     started.wait(30)
     ctx = RunContext(config=config, run_dir=run_dir, model_path=model_dir)
-    transport = (
-        build_registry().require("transport", config.transport.name).create(config.transport.options, ctx)
+    transport = build_registry().require("transport", config.transport.name).build(
+        config.transport.options, context=ctx
     )
-    ctx.extras["transport"] = transport
     generator = sender = None
     try:
-        generator = VLLMGenerator(options, ctx)
+        generator = VLLMGenerator(options, context=ctx, transport=transport)
         sender = transport.sender()
         yield generator, sender
     finally:
@@ -60,6 +59,7 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
             generator.close()
         if sender is not None:
             sender.close()
+        transport.close()
         scheduler.cancel(str(run_dir))
         thread.join(60)
 

@@ -59,7 +59,7 @@ def model_folder(name: str, tmp: Path) -> Path:
         from forgerl_plugins.models import TinyModelOptions
         from forgerl_plugins.models.tiny import build_tiny_model
 
-        return build_tiny_model(TinyModelOptions(), tmp)
+        return build_tiny_model(TinyModelOptions(), cache_dir=tmp)
     from forgerl.config import build_config, resolve
     from forgerl.models import resolve_model
     from forgerl.plugins import build_registry
@@ -126,7 +126,7 @@ def make_trainer(model_dir: Path, run_dir: Path, options: dict[str, Any]):
     from forgerl_plugins.trainers.fsdp import FSDPTrainerOptions
     from forgerl_plugins.trainers.fsdp.trainer import FSDPTrainer
 
-    return FSDPTrainer(FSDPTrainerOptions(**options), run_context(model_dir, run_dir))
+    return FSDPTrainer(FSDPTrainerOptions(**options), context=run_context(model_dir, run_dir))
 
 
 class BareStep:

@@ -36,7 +36,7 @@ def prompts_for(config, model_dir: Path, count: int) -> list[list[int]]:
     from forgerl.rollout import Tokenizing
     from transformers import AutoTokenizer
 
-    task = build_registry().require("task", config.task.name).create(config.task.options, 0)
+    task = build_registry().require("task", config.task.name).build(config.task.options, seed=0)
     tokenizing = Tokenizing(AutoTokenizer.from_pretrained(model_dir))
     return [tokenizing.prompt_ids(p) for p in task.next_problems(count)]
 

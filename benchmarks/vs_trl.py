@@ -171,7 +171,7 @@ def model_folder() -> Path:
     from forgerl.models import default_cache_dir
     from forgerl_plugins.models.smollm2 import convert_smollm2
 
-    folder = convert_smollm2(None, default_cache_dir())
+    folder = convert_smollm2(None, cache_dir=default_cache_dir())
     config = json.loads((folder / "config.json").read_text())
     if not config.get("architectures"):
         sys.exit(f"{folder}/config.json has no `architectures`; TRL cannot load the folder")

@@ -82,7 +82,7 @@ def plan(
 
     registry = registry or build_registry()
     config = resolve(config, registry, check_available=True)
-    scheduler = registry.require("scheduler", config.scheduler.name).create(config.scheduler.options)
+    scheduler = registry.require("scheduler", config.scheduler.name).build(config.scheduler.options)
     if create:
         scheduler.check()  # e.g. no sbatch: fail before a run directory appears
     fresh = resume_dir is None

@@ -3,6 +3,10 @@
 A record names a backend, carries its options model (pydantic, ``extra="forbid"``) and a
 factory. The factory may be given as ``"module:attr"`` so that listing backends never
 imports a heavy dependency: the module is imported only when the backend is built.
+
+Each kind of record builds its backend with one typed method, ``build``, whose keyword
+arguments are the runtime objects of that kind (:mod:`forgerl.contract`): it validates
+the options once into the options model and calls ``factory(options_model, **runtime)``.
 """
 
 from __future__ import annotations
@@ -12,12 +16,21 @@ import importlib.util
 import os
 import traceback
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, TypeAlias
 
-from forgerl.errors import BackendLoadError
+from forgerl.contract import check_factory
+from forgerl.errors import BackendContractError, BackendLoadError
 
 if TYPE_CHECKING:  # pragma: no cover
     from pydantic import BaseModel
+
+    from forgerl.interfaces import Generator, Reward, RunContext, Scheduler, Task, Trainer, Transport
+    from forgerl.types import RoleSpec
+
+#: What ``build`` takes as options: the validated model, or a mapping (a config's options
+#: block) validated by ``build`` itself, or None for all defaults.
+Options: TypeAlias = "BaseModel | Mapping[str, Any] | None"
 
 # Listing backends (`forge --help`, `forge plugins list`) must stay fast: records may name
 # their options model as "module:attr", imported only when options are validated, so that
@@ -88,10 +101,9 @@ class Backend:
 
     def _load_failure(self, ref: str, part: str, exc: Exception) -> str:
         # The cause first: schedulers show a failed run's last log line shortened.
-        whose = f" of {self.provider}" if self.provider else ""
         where = _failing_line(exc)
         message = (
-            f"{self.kind} {self.name!r}{whose} cannot be loaded: {type(exc).__name__}: {exc} "
+            f"{self._label()} cannot be loaded: {type(exc).__name__}: {exc} "
             f"(importing its {part} {ref!r}{f', at {where}' if where else ''})"
         )
         return " ".join(message.split())
@@ -101,18 +113,30 @@ class Backend:
         """The options model, imported on first use when given as "module:attr"."""
         return self.load_part(self.options, "options model")
 
-    def create(self, options: "BaseModel | dict[str, Any] | None" = None, *args: Any, **kwargs: Any) -> Any:
-        """Validate ``options`` and build the backend: ``factory(options, *args, **kwargs)``."""
-        return self.load_factory()(self.validate_options(options), *args, **kwargs)
+    def _build(self, options: Options, **runtime: Any) -> Any:
+        """``factory(validated options, **runtime)``: the one way every kind is built. The
+        options are validated here once (a model of the right class passes as is); a
+        factory that cannot take ``runtime`` is refused before it is called."""
+        return self._call(self.factory, "factory", self.kind, self.validate_options(options), runtime)
 
-    def check_before_run(self, options: "BaseModel | dict[str, Any] | None") -> None:
+    def _call(self, ref: Any, part: str, what: str, options: "BaseModel", runtime: Mapping[str, Any]) -> Any:
+        if ref is None:
+            raise TypeError(f"{self.kind} {self.name!r} has no {part}")
+        target = self.load_part(ref, part)
+        check_factory(what, self._label(), ref, target, runtime)
+        return target(options, **runtime)
+
+    def _label(self) -> str:
+        return f"{self.kind} {self.name!r}" + (f" of {self.provider}" if self.provider else "")
+
+    def check_before_run(self, options: Options) -> None:
         """Run the backend's :attr:`preflight` check (if it declares one) on ``options``."""
         if self.preflight is None:
             return
         check = self.load_part(self.preflight, "preflight check")
         check(self.validate_options(options))
 
-    def validate_options(self, options: "BaseModel | dict[str, Any] | None") -> "BaseModel":
+    def validate_options(self, options: Options) -> "BaseModel":
         model = self.options_model
         if isinstance(options, model):
             return options
@@ -162,22 +186,39 @@ def _importable(module: str) -> bool:
 
 @dataclass(frozen=True)
 class GeneratorBackend(Backend):
-    """``factory(options, ctx: RunContext) -> Generator``.
+    """``factory(options, *, context: RunContext, transport: Transport) -> Generator``.
 
-    ``roles`` (optional) is ``roles(options, ctx) -> list[RoleSpec]``: server processes
-    the scheduler must start beside the trainer (e.g. vLLM replicas). In-process
-    generators have none.
+    ``transport`` is the run's transport: the generator receives new weights through
+    receivers it makes from it (``transport.receiver(...)`` in this process, or
+    ``transport.receiver_spec()`` handed to the engine's worker processes).
+
+    ``roles`` (optional) is ``roles(options, *, context: RunContext) -> list[RoleSpec]``:
+    server processes the scheduler must start beside the trainer (e.g. vLLM replicas).
+    In-process generators have none.
     """
 
     kind: ClassVar[str] = "generator"
     roles: Callable[..., Any] | str | None = None
 
+    def build(self, options: Options, *, context: "RunContext", transport: "Transport") -> "Generator":
+        return self._build(options, context=context, transport=transport)
+
+    def server_roles(self, options: Options, *, context: "RunContext") -> "list[RoleSpec]":
+        """The server roles of a run (none when the generator declares no ``roles``)."""
+        if self.roles is None:
+            return []
+        validated = self.validate_options(options)
+        return list(self._call(self.roles, "roles", "generator roles", validated, {"context": context}))
+
 
 @dataclass(frozen=True)
 class TrainerBackend(Backend):
-    """``factory(options, ctx: RunContext) -> Trainer`` (called on every trainer rank)."""
+    """``factory(options, *, context: RunContext) -> Trainer`` (called on every trainer rank)."""
 
     kind: ClassVar[str] = "trainer"
+
+    def build(self, options: Options, *, context: "RunContext") -> "Trainer":
+        return self._build(options, context=context)
 
 
 @dataclass(frozen=True)
@@ -186,12 +227,27 @@ class RewardBackend(Backend):
 
     kind: ClassVar[str] = "reward"
 
+    def build(self, options: Options) -> "Reward":
+        from forgerl.interfaces import Reward
+
+        reward = self._build(options)
+        if isinstance(reward, Reward) and not reward.implements_scoring():
+            raise BackendContractError(
+                f"{self._label()}: {type(reward).__name__} implements neither score nor ascore; "
+                "a Reward must override one of them"
+            )
+        return reward
+
 
 @dataclass(frozen=True)
 class TransportBackend(Backend):
-    """``factory(options, ctx: RunContext | None) -> Transport``."""
+    """``factory(options, *, context: RunContext | None) -> Transport``; ``context`` is None
+    for a transport built outside a run (a receiver in a generator's worker process)."""
 
     kind: ClassVar[str] = "transport"
+
+    def build(self, options: Options, *, context: "RunContext | None") -> "Transport":
+        return self._build(options, context=context)
 
 
 @dataclass(frozen=True)
@@ -200,20 +256,29 @@ class SchedulerBackend(Backend):
 
     kind: ClassVar[str] = "scheduler"
 
+    def build(self, options: Options) -> "Scheduler":
+        return self._build(options)
+
 
 @dataclass(frozen=True)
 class TaskBackend(Backend):
-    """``factory(options, seed: int) -> Task``."""
+    """``factory(options, *, seed: int) -> Task``."""
 
     kind: ClassVar[str] = "task"
+
+    def build(self, options: Options, *, seed: int) -> "Task":
+        return self._build(options, seed=seed)
 
 
 @dataclass(frozen=True)
 class ModelBackend(Backend):
-    """A named model source: ``factory(options, cache_dir: Path) -> Path`` returns a local
-    Hugging Face folder (building or converting it on first use)."""
+    """A named model source: ``factory(options, *, cache_dir: Path) -> Path`` returns a
+    local Hugging Face folder (building or converting it on first use)."""
 
     kind: ClassVar[str] = "model"
+
+    def build(self, options: Options, *, cache_dir: Path) -> Path:
+        return Path(self._build(options, cache_dir=cache_dir))
 
 
 BACKEND_KINDS: dict[str, type[Backend]] = {

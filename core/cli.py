@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from forgerl import __version__
-from forgerl.errors import ForgeError, JobNotFound
+from forgerl.errors import ForgeError, JobNotFound, NotSupported
 
 EXIT_USER_ERROR = 2
 
@@ -271,8 +271,9 @@ def config_validate(config_file: str) -> None:
 
 
 def _job_scheduler(job: str, scheduler_name: str | None):
-    """A job is a run directory (any scheduler; read from submission.json) or a
-    scheduler's own job id together with --scheduler."""
+    """The scheduler of a job, its job id and the scheduler's name. A job is a run
+    directory (any scheduler; read from submission.json) or a scheduler's own job id
+    together with --scheduler."""
     from forgerl import runs
 
     registry = _registry()
@@ -297,7 +298,7 @@ def _job_scheduler(job: str, scheduler_name: str | None):
         cfg = validate_config(read_yaml(config_file), source=str(config_file))
         if cfg.scheduler.name == scheduler_name:
             options = cfg.scheduler.options
-    return backend.create(options), job_id
+    return backend.build(options), job_id, scheduler_name
 
 
 _scheduler_option = click.option("--scheduler", "scheduler_name", help="Scheduler of a bare job id.")
@@ -308,7 +309,7 @@ _scheduler_option = click.option("--scheduler", "scheduler_name", help="Schedule
 @_scheduler_option
 def status(job: str, scheduler_name: str | None) -> None:
     """State of a submitted run (a run directory, or a job id with --scheduler)."""
-    scheduler, job_id = _job_scheduler(job, scheduler_name)
+    scheduler, job_id, _ = _job_scheduler(job, scheduler_name)
     st = scheduler.status(job_id)
     line = f"{job_id}: {st.state.value}"
     if st.exit_code is not None:
@@ -324,7 +325,10 @@ def status(job: str, scheduler_name: str | None) -> None:
 @click.option("--role", help="Only this role's logs.")
 def logs(job: str, scheduler_name: str | None, role: str | None) -> None:
     """Logs of a submitted run."""
-    scheduler, job_id = _job_scheduler(job, scheduler_name)
+    scheduler, job_id, name = _job_scheduler(job, scheduler_name)
+    if not scheduler.supports_logs:
+        where = Path(job) / "logs" if Path(job).is_dir() else "the run directory's logs/ folder"
+        raise NotSupported(f"scheduler {name!r} cannot show logs; read the files in {where}")
     for line in scheduler.logs(job_id, role=role):
         click.echo(line.rstrip("\n"))
 
@@ -334,7 +338,7 @@ def logs(job: str, scheduler_name: str | None, role: str | None) -> None:
 @_scheduler_option
 def cancel(job: str, scheduler_name: str | None) -> None:
     """Stop a submitted run."""
-    scheduler, job_id = _job_scheduler(job, scheduler_name)
+    scheduler, job_id, _ = _job_scheduler(job, scheduler_name)
     scheduler.cancel(job_id)
     click.echo(f"cancelled {job_id}")
 

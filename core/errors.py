@@ -49,12 +49,23 @@ class BackendLoadError(PluginError, UserError):
     pre-flight check or roles) fails to import; the message names the plugin and backend."""
 
 
+class BackendContractError(PluginError, UserError):
+    """A backend's factory does not accept the arguments forgerl builds its kind with
+    (:mod:`forgerl.contract`): a plugin written for another forgerl version. The fix is the
+    user's: upgrade the plugin (or forgerl), or stop selecting that backend."""
+
+
 class UnknownBackend(UserError):
     """A backend name was selected that no installed plugin provides."""
 
 
 class BackendUnavailable(UserError):
     """A backend exists but cannot run here: its extra is not installed, or it is not built yet."""
+
+
+class NotSupported(UserError):
+    """A backend was asked for something its capability flags say it cannot do (e.g.
+    ``forge logs`` for a scheduler whose ``supports_logs`` is False)."""
 
 
 class SchedulerError(ForgeError):

@@ -1,23 +1,28 @@
 """The interfaces every backend implements.
 
-Each is a small abstract class: the few methods the loop really calls. A backend is a
-class implementing one of them plus a record (see :mod:`forgerl.backends`) that names it
-and says how to build it. Constructors receive the backend's validated options and a
-:class:`RunContext`.
+Each is a small abstract class: the methods forgerl really calls, and nothing else. A
+backend is a class implementing one of them plus a record (see :mod:`forgerl.backends`)
+that names it and says how to build it. How each kind is built (its validated options
+model, then named runtime arguments such as the :class:`RunContext`) is the build
+contract of :mod:`forgerl.contract`.
+
+What a caller may use only when the backend says it can is a capability flag on the class
+(``Scheduler.supports_logs``), checked before the call; nothing here raises
+NotImplementedError at run time.
 """
 
 from __future__ import annotations
 
 import abc
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Iterator, Mapping, Sequence
 
+from forgerl.errors import SchedulerError
 from forgerl.types import (
     Completion,
     GenerationRequest,
-    GeneratorHealth,
     JobHandle,
     JobSpec,
     JobStatus,
@@ -40,6 +45,8 @@ class RunContext:
 
     ``model_path`` is a local Hugging Face folder (resolved by the core before backends
     are built). ``rank``/``world_size`` describe this process among the trainer ranks.
+    Other backends a backend works with (a generator's transport) are build arguments of
+    their own (:mod:`forgerl.contract`), not part of the context.
     """
 
     config: "RunConfig"
@@ -47,7 +54,6 @@ class RunContext:
     model_path: Path | None = None
     rank: int = 0
     world_size: int = 1
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 class Closeable:
@@ -89,7 +95,9 @@ class Generator(Closeable, abc.ABC):
 
     Called from trainer rank 0 (a rollout thread with its own event loop). May raise
     :class:`~forgerl.errors.GeneratorError` (or ``GeneratorUnreachable`` when no replica
-    answers); a replica failure should be retried on another replica internally.
+    answers). The loop does not watch a generator's health: a generator with several
+    replicas retries a failed request on another one and keeps a failed replica out of
+    service itself, and one whose engine is gone raises from :meth:`generate`.
     """
 
     @abc.abstractmethod
@@ -98,7 +106,8 @@ class Generator(Closeable, abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, version: int) -> None:
-        """Receive weight version ``version`` through the run's transport and load it.
+        """Receive weight version ``version`` through the transport the generator was
+        built with (its ``transport`` build argument) and load it.
 
         Called while the transport's sender sends that version (possibly concurrently,
         in another thread). After it returns every new completion reports ``version``.
@@ -111,22 +120,20 @@ class Generator(Closeable, abc.ABC):
     def policy_version(self) -> int:
         """The weight version currently served."""
 
-    def health(self) -> GeneratorHealth:
-        return GeneratorHealth(healthy=True, policy_version=self.policy_version)
-
 
 class Trainer(Closeable, abc.ABC):
-    """Optimises the policy. SPMD: every trainer rank calls every method, in the same order."""
+    """Optimises the policy. SPMD: every trainer rank calls every method, in the same order.
+
+    The train/inference logprob gap is a metric of :meth:`train_step` (``logprob_gap/*``
+    from :func:`forgerl.algorithms.policy_loss`, given the batch's behaviour logprobs): the
+    loss's own forward pass computes the trainer's logprobs, so no separate pass is asked for.
+    """
 
     @abc.abstractmethod
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimiser step on ``batch`` (each rank passes the same full batch; the
         trainer splits it across ranks and micro-batches). Returns metrics (same on all
         ranks), including the algorithm's metrics."""
-
-    @abc.abstractmethod
-    def logprobs(self, batch: TrainBatch) -> "torch.Tensor":
-        """Per-token logprobs ``[B, T]`` of ``batch`` under the current policy, no grad."""
 
     @abc.abstractmethod
     def export_weights(self, version: int) -> WeightSet | None:
@@ -148,14 +155,19 @@ class Reward(abc.ABC):
     from the backend's name and options, and kills that process on timeout) or override
     :meth:`ascore` (run on the event loop; it must not block). Return a float or a
     :class:`RewardResult`. Raising is allowed: the core scores that sample as failed and
-    the run goes on.
+    the run goes on. A reward that implements neither is refused when it is built.
     """
 
     def score(self, sample: RewardInput) -> float | RewardResult:
-        raise NotImplementedError(f"{type(self).__name__} implements neither score nor ascore")
+        raise TypeError(f"{type(self).__name__} implements neither score nor ascore")
 
     async def ascore(self, sample: RewardInput) -> float | RewardResult:
         return await asyncio.to_thread(self.score, sample)
+
+    @classmethod
+    def implements_scoring(cls) -> bool:
+        """Whether the class overrides :meth:`score` or :meth:`ascore`."""
+        return cls.score is not Reward.score or cls.ascore is not Reward.ascore
 
 
 class TransportSender(Closeable, abc.ABC):
@@ -176,10 +188,18 @@ class TransportReceiver(Closeable, abc.ABC):
         """Named tensors of ``version`` (complete, never partial). Raises
         TransportTimeout when it does not arrive in time."""
 
+    @abc.abstractmethod
+    def latest_version(self) -> int | None:
+        """The newest version the sender has made available, or None before the first.
+        A worker that starts late (a restarted generator) asks for this version instead
+        of waiting for one that has already gone by. Does not block for long."""
 
-class Transport(abc.ABC):
+
+class Transport(Closeable, abc.ABC):
     """Builds the two halves. Must be reconstructible in another process from the same
-    options and :meth:`receiver_spec` (a JSON-able dict)."""
+    options and :meth:`receiver_spec` (a JSON-able dict). :meth:`close` releases what
+    the transport object itself holds (a control store, a directory it created); the run
+    closes it after its sender."""
 
     @abc.abstractmethod
     def sender(self) -> TransportSender: ...
@@ -193,7 +213,12 @@ class Transport(abc.ABC):
 
 
 class Scheduler(abc.ABC):
-    """Turns a JobSpec into running processes."""
+    """Turns a JobSpec into running processes.
+
+    ``forge run`` calls :meth:`check`, :meth:`render` (``--dry-run``), :meth:`submit` and
+    :meth:`wait`; ``forge status|cancel`` call :meth:`status`/:meth:`cancel`; ``forge logs``
+    calls :meth:`logs` only when :attr:`supports_logs` says it can.
+    """
 
     #: Whether ``submit`` returns while the job runs elsewhere (slurm, kubernetes), so
     #: that ``forge status|logs|cancel`` make sense, or runs it in the foreground (local).
@@ -203,6 +228,9 @@ class Scheduler(abc.ABC):
     #: check the task files and model folder here before submitting: they live in the
     #: pods' volumes.
     shares_filesystem: bool = True
+    #: Whether :meth:`logs` can show a job's logs. When False, ``forge logs`` says so in
+    #: one line (the logs are still files in the run directory) instead of calling it.
+    supports_logs: ClassVar[bool] = False
 
     def check(self) -> None:
         """Raise a user-fixable error when this scheduler cannot submit from here (no
@@ -217,13 +245,16 @@ class Scheduler(abc.ABC):
     @abc.abstractmethod
     def cancel(self, job_id: str) -> None: ...
 
+    @abc.abstractmethod
     def wait(self, handle: JobHandle, timeout: float | None = None) -> JobStatus:
-        """Block until the job ends; return its final status."""
-        raise NotImplementedError
+        """Block until the job ends and return its final status (``forge run`` in the
+        foreground, ``--wait``). With ``timeout``, give up after that many seconds: return
+        the job's current status, or raise SchedulerError; the job itself goes on."""
 
     def logs(self, job_id: str, role: str | None = None) -> Iterator[str]:
-        """Lines of the job's logs (all roles, or one)."""
-        raise NotImplementedError
+        """Lines of the job's logs (all roles, or one). Only called when
+        :attr:`supports_logs` is True: a scheduler that sets it overrides this."""
+        raise SchedulerError(f"{type(self).__name__} shows no logs (its supports_logs is False)")
 
     def render(self, job: JobSpec) -> str:
         """What ``--dry-run`` prints: the script or manifests that would be submitted."""

@@ -46,7 +46,7 @@ def resolve_model(model_config: "ModelConfig", registry: "Registry", cache_dir: 
             from forgerl.config import format_validation_error
 
             raise ConfigError(format_validation_error(exc, prefix="model.options")) from None
-        return Path(backend.create(options, cache))
+        return backend.build(options, cache_dir=cache)
 
     local = Path(name).expanduser()
     if local.is_dir():

@@ -457,7 +457,7 @@ def _build_rewards(init: dict[str, Any]) -> list[Any]:
     from forgerl.plugins import build_registry
 
     registry = build_registry(plugins=init["plugins"])
-    return [registry.require("reward", name).create(options) for name, options in init["recipes"]]
+    return [registry.require("reward", name).build(options) for name, options in init["recipes"]]
 
 
 def main(argv: Sequence[str]) -> int:

@@ -114,7 +114,7 @@ class RewardSet:
             try:
                 # Built here too: validates the options with the right error, and tells
                 # whether the reward is async (those stay on this process's event loop).
-                instance = backend.create(choice.options)
+                instance = backend.build(choice.options)
             except ValidationError as exc:
                 from forgerl.config import format_validation_error
 

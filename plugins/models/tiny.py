@@ -57,7 +57,7 @@ def _options_key(options: Any) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
-def build_tiny_model(options: Any, cache_dir: Path) -> Path:
+def build_tiny_model(options: Any, *, cache_dir: Path) -> Path:
     """Return the folder of the tiny model for ``options``, building it on first use."""
     cache_dir = Path(cache_dir)
     target = cache_dir / f"tiny-{options.architecture}-{_options_key(options)}"

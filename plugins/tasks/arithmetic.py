@@ -26,7 +26,7 @@ Key = tuple[int, str, int]
 
 
 class ArithmeticTask(Task):
-    def __init__(self, options: ArithmeticOptions, seed: int = 0):
+    def __init__(self, options: ArithmeticOptions, *, seed: int = 0):
         self.options = options
         self.seed = int(seed)
         self.position = 0

@@ -31,7 +31,7 @@ PREFLIGHT_READ_WHOLE_BYTES = 64 * 2**20
 
 
 class FileTask(Task):
-    def __init__(self, options: FileTaskOptions, seed: int = 0):
+    def __init__(self, options: FileTaskOptions, *, seed: int = 0):
         self.options = options
         self.seed = int(seed)
         rows = read_rows(Path(options.path))

@@ -281,7 +281,8 @@ def test_shm_directory_is_private_and_its_files_too(tmp_path):
     named = tmp_path / "deep" / "weights"
     old = os.umask(0o022)
     try:
-        sender = ShmTransport(ShmTransportOptions(directory=str(named), **OPTIONS["shm"]), None).sender()
+        options = ShmTransportOptions(directory=str(named), **OPTIONS["shm"])
+        sender = ShmTransport(options, context=None).sender()
     finally:
         os.umask(old)
     try:

@@ -71,7 +71,7 @@ def endpoints():
 def create(name: str) -> Any:
     from forgerl.plugins import build_registry
 
-    return build_registry().require("transport", name).create(OPTIONS[name], None)
+    return build_registry().require("transport", name).build(OPTIONS[name], context=None)
 
 
 def expected(version: int, big: bool = False) -> dict[str, str]:

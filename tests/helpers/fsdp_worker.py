@@ -99,7 +99,7 @@ def make_trainer(
     from forgerl_plugins.trainers.fsdp.trainer import FSDPTrainer
 
     opts = FSDPTrainerOptions(**{"lr": 1e-4, "micro_batch_size": micro_batch_size, **options})
-    return FSDPTrainer(opts, make_context(model_dir, run_dir, algorithm, rank, world_size))
+    return FSDPTrainer(opts, context=make_context(model_dir, run_dir, algorithm, rank, world_size))
 
 
 def run_scenario(name: str, model_dir: Path, run_dir: Path, rank: int = 0, world_size: int = 1):

@@ -6,7 +6,7 @@ Receiver (default)::
         --worker-id r1 --versions 1,2,3 [--timeout 10] [--die-when-started 2]
 
 builds the receiver the way a generator worker does
-(``build_registry().require("transport", NAME).create(options, None).receiver(id, spec)``),
+(``build_registry().require("transport", NAME).build(options, context=None).receiver(id, spec)``),
 receives each version in turn and prints one JSON line per event on stdout: ``ready``,
 ``started`` (a transfer began: the receiver's ``progress`` moved), ``received`` (with a
 digest of every tensor), ``error`` (exception type, message, seconds, tensors yielded
@@ -110,7 +110,8 @@ def _watch(receiver: Any, die_version: int | None, stall_version: int | None, st
 def run_receiver(args: argparse.Namespace) -> int:
     from forgerl.plugins import build_registry
 
-    transport = build_registry().require("transport", args.transport).create(json.loads(args.options), None)
+    backend = build_registry().require("transport", args.transport)
+    transport = backend.build(json.loads(args.options), context=None)
     receiver = transport.receiver(args.worker_id, json.loads(args.spec))
     stop = threading.Event()
     if hasattr(receiver, "progress"):
@@ -172,7 +173,8 @@ def run_sender(args: argparse.Namespace) -> int:
     from forgerl.plugins import build_registry
     from forgerl.types import WeightSet
 
-    transport = build_registry().require("transport", args.transport).create(json.loads(args.options), None)
+    backend = build_registry().require("transport", args.transport)
+    transport = backend.build(json.loads(args.options), context=None)
     sender = transport.sender()
     # Made before anything is sent: generating 64 MiB must not eat the receivers' timeout.
     prepared = {v: make_weights(v, big=args.big) for v in [int(v) for v in args.versions.split(",") if v]}

@@ -49,17 +49,27 @@ def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return out
 
 
-def _ctx(model_dir: Path, run_dir: Path, *, timeout: float | None = None, transport=None) -> RunContext:
+def _ctx(model_dir: Path, run_dir: Path, *, timeout: float | None = None) -> RunContext:
     # Default: how long the test waits for weights; a test of the timeout itself passes one.
     timeout = scaled(30.0) if timeout is None else timeout
     config = RunConfig.model_validate({"transport": {"name": "shm", "timeout": timeout}})
-    extras = {"transport": transport} if transport is not None else {}
-    return RunContext(config=config, run_dir=run_dir, model_path=model_dir, extras=extras)
+    return RunContext(config=config, run_dir=run_dir, model_path=model_dir)
+
+
+def _shm(folder: Path) -> ShmTransport:
+    return ShmTransport(ShmTransportOptions(directory=str(folder), poll_interval=0.01), context=None)
+
+
+def _generator(options: HFGeneratorOptions, model_dir: Path, run_dir: Path, *, transport=None, timeout=None):
+    """An hf generator built as a run builds it; tests that load no weights give it a
+    transport nothing is ever sent through."""
+    transport = transport if transport is not None else _shm(run_dir / "unused-shm")
+    return HFGenerator(options, context=_ctx(model_dir, run_dir, timeout=timeout), transport=transport)
 
 
 @pytest.fixture(scope="module")
 def generator(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    gen = HFGenerator(HFGeneratorOptions(batch_size=4), _ctx(model_dir, tmp_path_factory.mktemp("run")))
+    gen = _generator(HFGeneratorOptions(batch_size=4), model_dir, tmp_path_factory.mktemp("run"))
     yield gen
     gen.close()
 
@@ -208,7 +218,7 @@ def test_top_k_1_and_tiny_top_p_sample_the_greedy_tokens(generator, prompts):
 
 
 def test_batch_size_does_not_change_completions(model_dir, generator, prompts, tmp_path):
-    single = HFGenerator(HFGeneratorOptions(batch_size=1), _ctx(model_dir, tmp_path))
+    single = _generator(HFGeneratorOptions(batch_size=1), model_dir, tmp_path)
     try:
         for sampling in (
             SamplingParams(max_tokens=16, temperature=0.0),
@@ -245,8 +255,8 @@ def _load_into(reference, weights: dict[str, torch.Tensor]):
 
 
 def test_update_weights_serves_the_new_policy(model_dir, reference, prompts, tmp_path):
-    transport = ShmTransport(ShmTransportOptions(directory=str(tmp_path / "shm"), poll_interval=0.01), None)
-    gen = HFGenerator(HFGeneratorOptions(batch_size=4), _ctx(model_dir, tmp_path, transport=transport))
+    transport = _shm(tmp_path / "shm")
+    gen = _generator(HFGeneratorOptions(batch_size=4), model_dir, tmp_path, transport=transport)
     sender = transport.sender()
     requests = [
         GenerationRequest(f"r{j}", p, 2, SamplingParams(max_tokens=16, seed=3)) for j, p in enumerate(prompts)
@@ -285,10 +295,8 @@ def test_update_weights_serves_the_new_policy(model_dir, reference, prompts, tmp
 
 
 def test_failed_updates_keep_the_old_weights_and_version(model_dir, reference, prompts, tmp_path):
-    transport = ShmTransport(ShmTransportOptions(directory=str(tmp_path / "shm"), poll_interval=0.01), None)
-    gen = HFGenerator(
-        HFGeneratorOptions(batch_size=4), _ctx(model_dir, tmp_path, timeout=0.3, transport=transport)
-    )
+    transport = _shm(tmp_path / "shm")
+    gen = _generator(HFGeneratorOptions(batch_size=4), model_dir, tmp_path, timeout=0.3, transport=transport)
     sender = transport.sender()
     requests = [GenerationRequest("r", prompts[0], 2, SamplingParams(max_tokens=12, seed=9))]
     try:

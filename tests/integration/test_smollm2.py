@@ -38,7 +38,7 @@ def converted(tmp_path_factory):
 
     def call():
         try:
-            results.append(convert_smollm2(None, cache))
+            results.append(convert_smollm2(None, cache_dir=cache))
         except Exception as exc:  # noqa: BLE001
             errors.append(exc)
 
@@ -97,7 +97,7 @@ def test_second_call_reuses_the_cache(converted):
     cache, folder = converted
     before = (folder / "model.safetensors").stat().st_mtime_ns
     # Reuse is seen in the folder (not rewritten), not in how fast the call returns.
-    assert convert_smollm2(None, cache) == folder
+    assert convert_smollm2(None, cache_dir=cache) == folder
     assert (folder / "model.safetensors").stat().st_mtime_ns == before, "it was converted again"
 
 

@@ -50,7 +50,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from forgerl_plugins.models.tiny import build_tiny_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    built = build_tiny_model(TinyModelOptions(hidden_size=128), tmp_path_factory.mktemp("models"))
+    built = build_tiny_model(TinyModelOptions(hidden_size=128), cache_dir=tmp_path_factory.mktemp("models"))
     model = AutoModelForCausalLM.from_pretrained(built, dtype=torch.float32)
     assert model.config.tie_word_embeddings, "the tied-embedding trap needs a tied model"
     with torch.no_grad():
@@ -116,7 +116,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     runs.write_config(run_dir, config)
     options = VLLMGeneratorOptions.model_validate(config.generator.options)
     job = JobSpec(
-        "vllm-test", str(run_dir), tuple(roles(options, RunContext(config=config, run_dir=run_dir)))
+        "vllm-test", str(run_dir), tuple(roles(options, context=RunContext(config=config, run_dir=run_dir)))
     )
     scheduler = LocalScheduler(LocalSchedulerOptions(stop_timeout=10))
     started = threading.Event()
@@ -131,11 +131,11 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     thread = threading.Thread(target=supervise, name="vllm-test-scheduler", daemon=True)
     thread.start()
     started.wait(scaled(30))
-    transport = ShmTransport(ShmTransportOptions(directory=str(run_dir / "weights")), None)
-    ctx = RunContext(config=config, run_dir=run_dir, model_path=model_dir, extras={"transport": transport})
+    transport = ShmTransport(ShmTransportOptions(directory=str(run_dir / "weights")), context=None)
+    ctx = RunContext(config=config, run_dir=run_dir, model_path=model_dir)
     generator = sender = None
     try:
-        generator = VLLMGenerator(options, ctx)
+        generator = VLLMGenerator(options, context=ctx, transport=transport)
         sender = transport.sender()
         trainer = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         c = Cluster(run_dir, generator, sender, trainer, AutoTokenizer.from_pretrained(model_dir))

@@ -152,7 +152,8 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory):
     from forgerl_plugins.schedulers.local import LocalSchedulerOptions
     from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
 
-    model_dir = build_tiny_model(TinyModelOptions(hidden_size=128), tmp_path_factory.mktemp("models"))
+    models = tmp_path_factory.mktemp("models")
+    model_dir = build_tiny_model(TinyModelOptions(hidden_size=128), cache_dir=models)
     run_dir = tmp_path_factory.mktemp("vllm-security-run")
     config = resolve(
         build_config(
@@ -168,7 +169,7 @@ def endpoint(tmp_path_factory: pytest.TempPathFactory):
     runs.write_config(run_dir, config)
     options = VLLMGeneratorOptions.model_validate(config.generator.options)
     ctx = RunContext(config=config, run_dir=run_dir)
-    job = JobSpec("vllm-security", str(run_dir), tuple(roles(options, ctx)))
+    job = JobSpec("vllm-security", str(run_dir), tuple(roles(options, context=ctx)))
     scheduler = LocalScheduler(LocalSchedulerOptions(stop_timeout=10))
     started = threading.Event()
 

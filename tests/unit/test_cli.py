@@ -257,6 +257,43 @@ def test_status_of_a_run_directory(tmp_path):
     assert proc.stdout.strip() == f"{run_dir}: completed (exit 0)"
 
 
+NO_LOGS_SCHEDULER = """
+from forgerl.backends import SchedulerBackend
+from forgerl.hookspecs import hookimpl
+from forgerl.interfaces import Scheduler
+from forgerl.types import JobState, JobStatus
+
+
+class Quiet(Scheduler):
+    def __init__(self, options):
+        pass
+
+    def submit(self, job):
+        raise AssertionError("not submitted in this test")
+
+    def status(self, job_id):
+        return JobStatus(JobState.RUNNING)
+
+    def wait(self, handle, timeout=None):
+        return self.status(handle.job_id)
+
+    def cancel(self, job_id):
+        pass
+
+
+@hookimpl
+def forge_schedulers():
+    return [SchedulerBackend(name="quiet", factory=Quiet)]
+"""
+
+
+def test_logs_of_a_scheduler_that_cannot_show_them_is_one_line(tmp_path):
+    env = _site_env(tmp_path, "fake-quiet", "1.0", {"quiet": NO_LOGS_SCHEDULER})
+    assert forge("status", "job-7", "--scheduler", "quiet", env=env).stdout.strip() == "job-7: running"
+    proc = forge("logs", "job-7", "--scheduler", "quiet", env=env)
+    assert_one_line_error(proc, "scheduler 'quiet' cannot show logs", "logs/")
+
+
 def test_resume_of_a_non_run_directory(tmp_path):
     assert_one_line_error(forge("run", "--resume", str(tmp_path)), "not a run directory")
 

@@ -43,7 +43,7 @@ def test_plugin_tutorial_works_and_its_registration_module_stays_light(tmp_path:
         heavy = [m for m in ("pydantic", "forgerl_brevity.options", "forgerl_brevity.reward")
                  if m in sys.modules]
         assert not heavy, f"registering imported {heavy}"
-        reward = backend.create({"target_chars": 5})
+        reward = backend.build({"target_chars": 5})
         from forgerl.types import Problem, RewardInput
         print(reward.score(RewardInput(Problem(id="1", prompt="p"), "0123456789")))
         import test_brevity

@@ -14,7 +14,7 @@ from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
 
 def test_registry_builds_the_local_scheduler():
     backend = build_registry().require("scheduler", "local")
-    scheduler = backend.create({"stop_timeout": 2.5, "master_addr": "127.0.0.1"})
+    scheduler = backend.build({"stop_timeout": 2.5, "master_addr": "127.0.0.1"})
     assert isinstance(scheduler, LocalScheduler) and scheduler.detached is False
     assert scheduler.options.stop_timeout == 2.5
 

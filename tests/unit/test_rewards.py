@@ -140,6 +140,6 @@ def test_format_bad_pattern_is_refused_when_validating():
 
 def test_rewards_are_registered_and_built_by_name():
     registry = build_registry()
-    r = registry.require("reward", "math_answer").create({"fallback_credit": 0.1})
+    r = registry.require("reward", "math_answer").build({"fallback_credit": 0.1})
     assert r.score(sample("so 42")).value == 0.1
-    assert registry.require("reward", "format").create({}).score(sample("<answer>1</answer>")) == 1.0
+    assert registry.require("reward", "format").build({}).score(sample("<answer>1</answer>")) == 1.0

@@ -20,7 +20,7 @@ def registry():
 
 
 def arith(seed=0, **kw):
-    return ArithmeticTask(ArithmeticOptions(**kw), seed)
+    return ArithmeticTask(ArithmeticOptions(**kw), seed=seed)
 
 
 def key(p):
@@ -31,7 +31,7 @@ def key(p):
 
 
 def test_arithmetic_prompt_is_a_chat_with_the_tag_and_an_integer_answer(registry):
-    task = registry.require("task", "arithmetic").create({"tag": "final"}, 3)
+    task = registry.require("task", "arithmetic").build({"tag": "final"}, seed=3)
     (p,) = task.next_problems(1)
     a, op, b = key(p)
     assert p.prompt == [
@@ -128,7 +128,7 @@ def rows(n):
 
 
 def file_task(path, seed=0, **kw):
-    return FileTask(FileTaskOptions(path=str(path), **kw), seed)
+    return FileTask(FileTaskOptions(path=str(path), **kw), seed=seed)
 
 
 def test_file_rows_become_problems_with_chat_prompts_and_metadata(tmp_path):

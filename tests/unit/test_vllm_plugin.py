@@ -19,8 +19,18 @@ def _ctx(run_dir: Path) -> RunContext:
     return RunContext(config=RunConfig.model_validate({"generator": {"name": "vllm"}}), run_dir=run_dir)
 
 
+def _generator(options: VLLMGeneratorOptions, run_dir: Path):
+    """A vllm generator as a run builds it; its transport carries nothing in these tests."""
+    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
+    from forgerl_plugins.transports.shm import ShmTransportOptions
+    from forgerl_plugins.transports.shm.transport import ShmTransport
+
+    transport = ShmTransport(ShmTransportOptions(directory=str(run_dir / "weights")), context=None)
+    return VLLMGenerator(options, context=_ctx(run_dir), transport=transport)
+
+
 def test_the_role_runs_the_launcher_per_replica_and_restarts_it(tmp_path):
-    (role,) = server.roles(VLLMGeneratorOptions(replicas=3, max_restarts=2), _ctx(tmp_path))
+    (role,) = server.roles(VLLMGeneratorOptions(replicas=3, max_restarts=2), context=_ctx(tmp_path))
     assert role.name == "vllm" and role.replicas == 3 and role.max_restarts == 2 and not role.primary
     assert role.command[1:] == ("-m", "forgerl_plugins.generators.vllm.server", "--run-dir", str(tmp_path))
     # The replica index comes from FORGE_REPLICA, so one command serves every replica.
@@ -102,13 +112,12 @@ def test_endpoint_files_are_written_atomically_and_privately(tmp_path):
 
 def test_a_replica_that_never_comes_up_is_a_one_line_error_naming_its_log(tmp_path):
     pytest.importorskip("httpx")
-    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "vllm-0.log").write_text("loading...\nOSError: no such model\n")
     start = time.monotonic()
     with pytest.raises(GeneratorUnreachable) as err:
-        VLLMGenerator(VLLMGeneratorOptions(startup_timeout=1.0), _ctx(tmp_path))
+        _generator(VLLMGeneratorOptions(startup_timeout=1.0), tmp_path)
     message = str(err.value)
     took = time.monotonic() - start
     assert took < scaled(10), f"gave up after {took:.1f} s with startup_timeout 1 s"  # not a hang
@@ -118,7 +127,6 @@ def test_a_replica_that_never_comes_up_is_a_one_line_error_naming_its_log(tmp_pa
 
 def test_a_replica_whose_launcher_reported_a_failure_fails_at_once(tmp_path):
     pytest.importorskip("httpx")
-    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
 
     error = "vLLM failed its first request (HTTP 500: RuntimeError: boom)"
     server.write_endpoint(server.endpoint_file(tmp_path, 0), {"error": error, "time": time.time()})
@@ -126,7 +134,7 @@ def test_a_replica_whose_launcher_reported_a_failure_fails_at_once(tmp_path):
     with pytest.raises(
         GeneratorUnreachable, match="replica 0 failed to start: vLLM failed its first request"
     ):
-        VLLMGenerator(VLLMGeneratorOptions(startup_timeout=scaled(60)), _ctx(tmp_path))
+        _generator(VLLMGeneratorOptions(startup_timeout=scaled(60)), tmp_path)
     took = time.monotonic() - start
     # At once, not at the startup timeout (six times longer than this bound, at any scale).
     assert took < scaled(10), f"took {took:.1f} s: it waited for its startup timeout"
@@ -136,7 +144,6 @@ def test_files_left_by_an_earlier_job_are_not_taken_for_this_ones(tmp_path):
     """A resumed run's directory still holds the last job's endpoint files: an old failure
     report and an endpoint of a server that is gone must not count."""
     pytest.importorskip("httpx")
-    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
 
     old = time.time() - 3600
     server.write_endpoint(server.endpoint_file(tmp_path, 0), {"error": "old failure", "time": old})
@@ -146,7 +153,7 @@ def test_files_left_by_an_earlier_job_are_not_taken_for_this_ones(tmp_path):
         {"instance": "old", "host": "127.0.0.1", "port": port, "api_key": "k", "started": old},
     )
     with pytest.raises(GeneratorUnreachable) as err:
-        VLLMGenerator(VLLMGeneratorOptions(replicas=2, startup_timeout=1.5), _ctx(tmp_path))
+        _generator(VLLMGeneratorOptions(replicas=2, startup_timeout=1.5), tmp_path)
     assert "did not become healthy" in str(err.value) and "old failure" not in str(err.value)
 
 

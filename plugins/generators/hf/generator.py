@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import ConfigError, GeneratorError, TransportError
-from forgerl.interfaces import Generator, RunContext, TransportReceiver
+from forgerl.interfaces import Generator, RunContext, Transport, TransportReceiver
 from forgerl.types import Completion, FinishReason, GenerationRequest, GeneratorHealth, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -124,22 +124,24 @@ def _seeded(seed: int) -> torch.Generator:
 
 
 class HFGenerator(Generator):
-    """``HFGenerator(options, ctx)``: loads ``ctx.model_path`` and samples in-process."""
+    """``HFGenerator(options, *, context, transport)``: loads ``context.model_path`` and
+    samples in-process; new weights come through a receiver of ``transport``."""
 
-    def __init__(self, options: HFGeneratorOptions, ctx: RunContext) -> None:
+    def __init__(self, options: HFGeneratorOptions, *, context: RunContext, transport: Transport) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        if ctx.model_path is None:
+        if context.model_path is None:
             raise ConfigError("the hf generator needs a local model folder (RunContext.model_path is unset)")
         self.options = options
-        self.ctx = ctx
-        dtype_name = options.dtype or ctx.config.model.dtype
+        self.ctx = context
+        self.transport = transport
+        dtype_name = options.dtype or context.config.model.dtype
         if dtype_name not in _DTYPES:
             raise ConfigError(f"hf generator: dtype {dtype_name!r} is not one of {', '.join(_DTYPES)}")
         self.dtype = getattr(torch, dtype_name)
         self.device = torch.device(options.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        path = Path(ctx.model_path)
+        path = Path(context.model_path)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
             model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
@@ -339,12 +341,7 @@ class HFGenerator(Generator):
 
     def _get_receiver(self) -> TransportReceiver:
         if self._receiver is None:
-            transport = self.ctx.extras.get("transport")
-            if transport is None:
-                raise TransportError(
-                    "hf generator: no transport in RunContext.extras['transport'] to receive weights from"
-                )
-            self._receiver = transport.receiver(WORKER_ID)
+            self._receiver = self.transport.receiver(WORKER_ID)
         return self._receiver
 
     @staticmethod

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from forgerl.errors import GeneratorError, GeneratorUnreachable, TransportError
-from forgerl.interfaces import Generator, RunContext
+from forgerl.interfaces import Generator, RunContext, Transport
 from forgerl.types import Completion, FinishReason, GenerationRequest, GeneratorHealth
 
 from .server import endpoint_file, log_file
@@ -98,12 +98,15 @@ class _Retry(Exception):
 
 
 class VLLMGenerator(Generator):
-    """``VLLMGenerator(options, ctx)``: connects to the replicas of ``ctx.run_dir``."""
+    """``VLLMGenerator(options, *, context, transport)``: connects to the replicas of
+    ``context.run_dir``; their workers receive new weights through ``transport``'s
+    :meth:`~forgerl.interfaces.Transport.receiver_spec`."""
 
-    def __init__(self, options: VLLMGeneratorOptions, ctx: RunContext) -> None:
+    def __init__(self, options: VLLMGeneratorOptions, *, context: RunContext, transport: Transport) -> None:
         self.options = options
-        self.ctx = ctx
-        self.run_dir = Path(ctx.run_dir)
+        self.ctx = context
+        self.transport = transport
+        self.run_dir = Path(context.run_dir)
         # httpx logs every request at INFO: thousands of lines per step in the trainer's log.
         if logging.getLogger("httpx").level == logging.NOTSET:
             logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -516,7 +519,6 @@ class VLLMGenerator(Generator):
     async def _load(self, r: _Replica, version: int) -> None:
         """Load ``version`` on every worker of ``r`` (the transport's, or the model folder's
         for version 0). Sets ``r.version``; raises TransportError on failure."""
-        transport = self.ctx.extras.get("transport")
         timeout = float(self.ctx.config.transport.timeout)
         request: dict[str, Any] = {
             "version": version,
@@ -526,15 +528,13 @@ class VLLMGenerator(Generator):
         if version == 0:
             request["source"] = "base"
         else:
-            if transport is None:
-                raise TransportError(
-                    "vllm generator: no transport in RunContext.extras['transport'] to receive weights from"
-                )
+            # The workers build the same transport from its name and options (as the run's
+            # config gives them) and connect through the spec.
             request["source"] = "transport"
             request["transport"] = {
                 "name": self.ctx.config.transport.name,
                 "options": self.ctx.config.transport.options,
-                "spec": transport.receiver_spec(),
+                "spec": self.transport.receiver_spec(),
             }
         resp = await self._client.post(
             r.url + "/collective_rpc",

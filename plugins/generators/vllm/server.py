@@ -1,6 +1,6 @@
 """The server role of the ``vllm`` generator: one launcher process per replica.
 
-``roles(options, ctx)`` tells the scheduler to run ``replicas`` copies of::
+``roles(options, *, context)`` tells the scheduler to run ``replicas`` copies of::
 
     python -m forgerl_plugins.generators.vllm.server --run-dir RUN_DIR
 
@@ -87,7 +87,7 @@ def is_cpu_build() -> bool:
 # ----------------------------------------------------------------------------- the role
 
 
-def roles(options: VLLMGeneratorOptions, ctx: RunContext) -> list[RoleSpec]:
+def roles(options: VLLMGeneratorOptions, *, context: RunContext) -> list[RoleSpec]:
     """The server role the scheduler starts beside the trainer."""
     from forgerl.types import Resources, RoleSpec
 
@@ -100,7 +100,7 @@ def roles(options: VLLMGeneratorOptions, ctx: RunContext) -> list[RoleSpec]:
                 "-m",
                 "forgerl_plugins.generators.vllm.server",
                 "--run-dir",
-                str(ctx.run_dir),
+                str(context.run_dir),
             ),
             replicas=options.replicas,
             resources=Resources(cpus=1, gpus=0 if cpu else options.tensor_parallel_size),

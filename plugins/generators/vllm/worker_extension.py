@@ -134,9 +134,8 @@ class ForgeWorkerExtension:
 
             backend = build_registry().require("transport", transport["name"])
             worker_id = f"{req.get('worker_prefix', 'vllm')}-rank{int(getattr(self, 'rank', 0))}"
-            receivers[key] = backend.create(transport.get("options") or {}, None).receiver(
-                worker_id, transport.get("spec") or {}
-            )
+            built = backend.build(transport.get("options") or {}, context=None)
+            receivers[key] = built.receiver(worker_id, transport.get("spec") or {})
         return receivers[key]
 
     @staticmethod

@@ -81,6 +81,7 @@ def api_client(opts: KubernetesSchedulerOptions):
 class KubernetesScheduler(Scheduler):
     detached = True
     shares_filesystem = False  # task files and models live in the pods' volumes
+    supports_logs = True
 
     def __init__(self, options: KubernetesSchedulerOptions | None = None):
         self.options = options or KubernetesSchedulerOptions()

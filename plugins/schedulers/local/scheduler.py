@@ -50,6 +50,7 @@ _CANCELLED_CODE = 128 + signal.SIGTERM
 class LocalScheduler(Scheduler):
     Options = LocalSchedulerOptions
     detached = False
+    supports_logs = True
 
     def __init__(self, options: LocalSchedulerOptions | None = None):
         self.options = options if options is not None else LocalSchedulerOptions()

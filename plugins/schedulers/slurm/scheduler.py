@@ -97,6 +97,7 @@ def _one_line(stderr: str) -> str:
 
 class SlurmScheduler(Scheduler):
     detached = True
+    supports_logs = True
 
     def __init__(self, options: SlurmSchedulerOptions | None = None):
         self.options = options or SlurmSchedulerOptions()

@@ -45,21 +45,21 @@ log = logging.getLogger(__name__)
 class FSDPTrainer(Trainer):
     Options = FSDPTrainerOptions
 
-    def __init__(self, options: FSDPTrainerOptions, ctx: RunContext) -> None:
+    def __init__(self, options: FSDPTrainerOptions, *, context: RunContext) -> None:
         import torch
         import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
-        if ctx.model_path is None:
+        if context.model_path is None:
             raise ConfigError("the fsdp trainer needs a model folder (model.name in the config)")
         self.options = options
-        self.ctx = ctx
-        self.algorithm = ctx.config.algorithm
-        temperature = ctx.config.loop.sampling.temperature
+        self.ctx = context
+        self.algorithm = context.config.algorithm
+        temperature = context.config.loop.sampling.temperature
         # Logprobs are those of the distribution the generator samples from: logits / T.
         # Greedy (T = 0) samples no distribution; score plain logits then.
         self.temperature = temperature if temperature > 0 else 1.0
-        self.dtype = getattr(torch, ctx.config.model.dtype)  # "float32" | "bfloat16"
+        self.dtype = getattr(torch, context.config.model.dtype)  # "float32" | "bfloat16"
 
         self.device = pick_device()
         native = native_bf16(self.device)
@@ -73,14 +73,14 @@ class FSDPTrainer(Trainer):
                 self.device,
             )
         log.info("trainer computes in %s on %s", "bf16 autocast" if self.autocast_bf16 else "float32", self.device)
-        self._owns_process_group = init_distributed(options.backend, ctx, self.device)
+        self._owns_process_group = init_distributed(options.backend, context, self.device)
         self._closed = False
         self.model = self.reference_model = self.optimizer = None
         try:
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
             self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-            torch.manual_seed(ctx.config.loop.seed)
+            torch.manual_seed(context.config.loop.seed)
             self.model = self._load_model(trainable=True)
             # The reference model costs a full copy of the weights: only with a KL term.
             self.reference_model = self._load_model(trainable=False) if self.algorithm.kl_coef > 0 else None

@@ -402,9 +402,9 @@ class StoreHostedTransport:
         host, port, secret = self._sender_address(spec)
         return self.receiver_class(self.options, worker_id, host, port, self.default_timeout(), secret)
 
-    def __init__(self, options: Any, ctx: Any = None) -> None:
+    def __init__(self, options: Any, *, context: Any = None) -> None:
         self.options = options
-        self.ctx = ctx
+        self.ctx = context
         self._server: Any = None
         self._port: int | None = None
         self._secret: str | None = None

@@ -831,9 +831,9 @@ MAX_QUERY = 5.0
 
 
 class NcclTransport(control.StoreHostedTransport, Transport):
-    """Factory ``NcclTransport(options, ctx)``. On the trainer, ``sender()`` starts the
+    """Factory ``NcclTransport(options, *, context)``. On the trainer, ``sender()`` starts the
     control store; ``receiver_spec()`` tells receivers in other processes where it is.
-    In a receiver's process build it with ``ctx=None`` and pass that spec."""
+    In a receiver's process build it with ``context=None`` and pass that spec."""
 
     name = "nccl"
     namespace = NAMESPACE

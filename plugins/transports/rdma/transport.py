@@ -478,7 +478,7 @@ class RdmaReceiver(TransportReceiver):
 
 
 class RdmaTransport(control.StoreHostedTransport, Transport):
-    """Factory ``RdmaTransport(options, ctx)``; same shape as the nccl transport: the
+    """Factory ``RdmaTransport(options, *, context)``; same shape as the nccl transport: the
     trainer side hosts the control store, receivers get :meth:`receiver_spec`."""
 
     name = "rdma"

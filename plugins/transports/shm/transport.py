@@ -321,12 +321,12 @@ class ShmReceiver(TransportReceiver):
 
 
 class ShmTransport(Transport):
-    """Factory ``ShmTransport(options, ctx)``; ``ctx`` may be None in a receiver process
+    """Factory ``ShmTransport(options, *, context)``; ``context`` is None in a receiver process
     (then :meth:`receiver` needs the sender's :meth:`receiver_spec` or ``options.directory``)."""
 
-    def __init__(self, options: ShmTransportOptions, ctx: RunContext | None = None) -> None:
+    def __init__(self, options: ShmTransportOptions, *, context: RunContext | None = None) -> None:
         self.options = options
-        self.ctx = ctx
+        self.ctx = context
         self._directory: Path | None = Path(options.directory) if options.directory else None
         self._owns_directory = False
 

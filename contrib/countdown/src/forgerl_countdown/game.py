@@ -16,7 +16,7 @@ _EVAL_SEED = 1_234_567  # the held-out split is the same for every run seed
 
 
 class CountdownTask(Task):
-    def __init__(self, options: Any, seed: int):
+    def __init__(self, options: Any, *, seed: int):
         self.options = options
         self.seed = seed
         self.position = 0
