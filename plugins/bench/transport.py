@@ -218,7 +218,8 @@ class _RawGroup:
 
     def __init__(self, options: Any, nbytes: int, receivers: int, versions: int, timeout: float) -> None:
         import torch
-        from forgerl_plugins.transports.nccl import control, groups
+        from forgerl_plugins.transports.common import control
+        from forgerl_plugins.transports.nccl import groups
         from torch.distributed import PrefixStore
 
         self.backend = groups.resolve_backend(options.backend)
@@ -261,7 +262,7 @@ class _RawMooncake:
 
     def __init__(self, options: Any, nbytes: int, receivers: int, timeout: float) -> None:
         import torch
-        from forgerl_plugins.transports.nccl import control
+        from forgerl_plugins.transports.common import control
         from forgerl_plugins.transports.rdma.engine import Engine
 
         self.timeout = timeout

@@ -46,7 +46,8 @@ def _transport(a: dict[str, Any]) -> None:
 
 def _raw_group(a: dict[str, Any]) -> None:
     import torch
-    from forgerl_plugins.transports.nccl import control, groups
+    from forgerl_plugins.transports.common import control
+    from forgerl_plugins.transports.nccl import groups
     from torch.distributed import PrefixStore
 
     backend = a["backend"]

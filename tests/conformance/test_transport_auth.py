@@ -2,7 +2,7 @@
 
 For ``nccl`` and ``rdma`` the sender's control store listens on the run's interface only
 (loopback here) and every value the transports act on is signed with the run's secret
-(plugins/transports/nccl/auth.py). A receiver without the secret or with a wrong one is
+(plugins/transports/common/auth.py). A receiver without the secret or with a wrong one is
 refused with a message that says so; a stranger who reaches the store's port (listing,
 reading and writing keys as any TCPStore client can) cannot register, and what it writes
 is never taken for the sender's: the legitimate receivers get the sender's weights,
@@ -110,8 +110,8 @@ def _other_local_address() -> str | None:
 
 
 def test_store_values_are_signed_over_key_and_value():
-    from forgerl_plugins.transports.nccl.auth import ForgedValue, Signer, new_secret
-    from forgerl_plugins.transports.nccl.control import Control, start_server
+    from forgerl_plugins.transports.common.auth import ForgedValue, Signer, new_secret
+    from forgerl_plugins.transports.common.control import Control, start_server
 
     server = start_server(0, 5.0)
     mine, theirs = Signer(new_secret()), Signer(new_secret())
@@ -138,7 +138,7 @@ def test_store_values_are_signed_over_key_and_value():
 
 def test_the_run_secret_is_private_and_shared_by_one_run(tmp_path):
     from forgerl.errors import TransportError
-    from forgerl_plugins.transports.nccl.auth import SECRET_FILE, run_secret
+    from forgerl_plugins.transports.common.auth import SECRET_FILE, run_secret
 
     first = run_secret(tmp_path)
     assert run_secret(tmp_path) == first, "one run, one secret"
@@ -184,7 +184,7 @@ def test_receivers_without_the_secret_are_refused_and_the_sender_goes_on(
     name: str, endpoints: list, caplog: pytest.LogCaptureFixture
 ) -> None:
     from forgerl.errors import TransportError
-    from forgerl_plugins.transports.nccl.auth import new_secret
+    from forgerl_plugins.transports.common.auth import new_secret
     from torch.distributed import PrefixStore
 
     caplog.set_level(logging.INFO)

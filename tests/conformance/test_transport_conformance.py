@@ -375,7 +375,7 @@ def test_a_receiver_that_acknowledges_then_closes_took_the_version(
     read after version 1 waits for the receiver to have closed, then answers as it would
     have before the acknowledgement landed."""
     from forgerl.types import WeightSet
-    from forgerl_plugins.transports.nccl.control import Control
+    from forgerl_plugins.transports.common.control import Control
 
     name = confirming
     if name == "rdma":
