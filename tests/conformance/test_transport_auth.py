@@ -24,30 +24,15 @@ from typing import Any
 
 import pytest
 
-from ..helpers.requires import require_mooncake
 from ..helpers.timing import scaled, wait_until
 from ..helpers.transport_receiver import make_weights
-from .endpoints import Endpoint
 from .test_transport_conformance import OPTIONS, create, expected, start_receiver
 
 pytestmark = pytest.mark.integration
+#: The cases about the control store: the ``name`` fixture (conftest.py) narrowed to its transports.
+STORE_HOSTED = pytest.mark.parametrize("name", ["nccl", "rdma"], indirect=True)
 
 NAMESPACES = {"nccl": "forgerl/nccl/", "rdma": "forgerl/rdma/"}
-
-
-@pytest.fixture(params=["nccl", "rdma"])
-def name(request: pytest.FixtureRequest) -> str:
-    if request.param == "rdma":
-        require_mooncake()
-    return request.param
-
-
-@pytest.fixture
-def endpoints():
-    started: list[Endpoint] = []
-    yield started
-    for ep in started:
-        ep.cleanup()
 
 
 def _send(sender: Any, version: int, timeout: float = 30.0) -> None:
@@ -152,6 +137,7 @@ def test_the_run_secret_is_private_and_shared_by_one_run(tmp_path):
 # ------------------------------------------------------------ the interface
 
 
+@STORE_HOSTED
 @pytest.mark.hard_timeout(120)
 def test_store_and_groups_listen_on_the_run_interface_only(name: str, endpoints: list) -> None:
     transport = create(name)
@@ -179,6 +165,7 @@ def test_store_and_groups_listen_on_the_run_interface_only(name: str, endpoints:
 # ----------------------------------------------------------------- the secret
 
 
+@STORE_HOSTED
 @pytest.mark.hard_timeout(150)
 def test_receivers_without_the_secret_are_refused_and_the_sender_goes_on(
     name: str, endpoints: list, caplog: pytest.LogCaptureFixture
@@ -218,6 +205,7 @@ def test_receivers_without_the_secret_are_refused_and_the_sender_goes_on(
     assert "'no-secret'" not in log and "'wrong-secret'" not in log, "a refused receiver registered"
 
 
+@STORE_HOSTED
 @pytest.mark.hard_timeout(150)
 def test_what_a_stranger_writes_is_never_taken_for_the_senders(name: str, endpoints: list) -> None:
     """A stranger overwrites every key it can list, as the legitimate receiver waits: it

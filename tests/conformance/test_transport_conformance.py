@@ -32,11 +32,11 @@ import pytest
 from ..helpers.requires import require_mooncake
 from ..helpers.timing import scaled, wait_until
 from ..helpers.transport_receiver import digest, make_weights
+from .conftest import TRANSPORTS
 from .endpoints import Endpoint
 
 pytestmark = pytest.mark.integration
 
-TRANSPORTS = ["shm", "nccl", "rdma"]
 #: Transports whose ``send`` waits for every registered receiver and names the ones that
 #: did not take the version.
 CONFIRMS_DELIVERY = {"shm": False, "nccl": True, "rdma": True}
@@ -50,22 +50,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
 }
 #: Slack on top of a timeout for process scheduling on a busy 2-core machine (scaled).
 SLACK_S = 4.0
-
-
-@pytest.fixture(params=TRANSPORTS)
-def name(request: pytest.FixtureRequest) -> str:
-    if request.param == "rdma":
-        require_mooncake()
-    return request.param
-
-
-@pytest.fixture
-def endpoints():
-    """Every helper process a test starts; killed at teardown whatever happened."""
-    started: list[Endpoint] = []
-    yield started
-    for ep in started:
-        ep.cleanup()
 
 
 def create(name: str) -> Any:
