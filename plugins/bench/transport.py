@@ -114,12 +114,15 @@ def synthetic_weights(nbytes: int) -> dict[str, Any]:
 class _Worker:
     def __init__(self, mode: str, args: dict[str, Any]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "forgerl_plugins.bench.worker", mode, json.dumps(args)],
+            [sys.executable, "-m", "forgerl_plugins.bench.worker", mode],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
+        # Its arguments go through the pipe, not the command line: a transport's spec
+        # carries the run's secret, and ``ps`` shows every user every command line.
+        self.tell(json.dumps(args))
         self.events: queue.Queue[dict] = queue.Queue()
         self.stderr: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()

@@ -76,14 +76,15 @@ def start_receiver(
     rejoin: int | None = None,
     wait_go: bool = False,
     options: dict[str, Any] | None = None,
+    stop_when_started: int | None = None,
 ) -> Endpoint:
+    """A receiver process built from the sender's ``spec``, which reaches it on its stdin:
+    the spec carries the transport secret, and ``ps`` shows command lines to every user."""
     args = [
         "--transport",
         name,
         "--options",
         json.dumps(OPTIONS[name] if options is None else options),
-        "--spec",
-        json.dumps(spec),
         "--worker-id",
         worker_id,
         "--versions",
@@ -93,12 +94,15 @@ def start_receiver(
     ]
     if die_when_started is not None:
         args += ["--die-when-started", str(die_when_started)]
+    if stop_when_started is not None:
+        args += ["--stop-when-started", str(stop_when_started)]
     if rejoin is not None:
         args += ["--rejoin", str(rejoin)]
     if wait_go:
         args.append("--wait-go")
     ep = Endpoint(args, f"receiver {worker_id} ({name})")
     endpoints.append(ep)
+    ep.tell(json.dumps(spec))
     return ep
 
 
