@@ -114,12 +114,15 @@ def synthetic_weights(nbytes: int) -> dict[str, Any]:
 class _Worker:
     def __init__(self, mode: str, args: dict[str, Any]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "forgerl_plugins.bench.worker", mode, json.dumps(args)],
+            [sys.executable, "-m", "forgerl_plugins.bench.worker", mode],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
+        # Its arguments go through the pipe, not the command line: a transport's spec
+        # carries the run's secret, and ``ps`` shows every user every command line.
+        self.tell(json.dumps(args))
         self.events: queue.Queue[dict] = queue.Queue()
         self.stderr: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -218,7 +221,8 @@ class _RawGroup:
 
     def __init__(self, options: Any, nbytes: int, receivers: int, versions: int, timeout: float) -> None:
         import torch
-        from forgerl_plugins.transports.nccl import control, groups
+        from forgerl_plugins.transports.common import control
+        from forgerl_plugins.transports.nccl import groups
         from torch.distributed import PrefixStore
 
         self.backend = groups.resolve_backend(options.backend)
@@ -261,7 +265,7 @@ class _RawMooncake:
 
     def __init__(self, options: Any, nbytes: int, receivers: int, timeout: float) -> None:
         import torch
-        from forgerl_plugins.transports.nccl import control
+        from forgerl_plugins.transports.common import control
         from forgerl_plugins.transports.rdma.engine import Engine
 
         self.timeout = timeout

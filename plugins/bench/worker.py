@@ -1,10 +1,11 @@
 """Receiver processes of ``forge bench transport``: one per generator worker.
 
-    python -m forgerl_plugins.bench.worker MODE JSON-ARGS
+    python -m forgerl_plugins.bench.worker MODE  < JSON-ARGS
 
-Every mode prints JSON lines: ``ready``, then ``done`` with ``time.monotonic()`` when a
-version is fully in memory (the clock is shared by processes on one machine), and
-``closed``. Modes:
+The arguments (JSON) come as the first line on stdin, never on the command line: ``ps``
+shows those to every user, and a transport's spec carries the run's secret. Every mode
+prints JSON lines: ``ready``, then ``done`` with ``time.monotonic()`` when a version is
+fully in memory (the clock is shared by processes on one machine), and ``closed``. Modes:
 
 * ``transport``: the real receiver, built as a generator worker builds it, receiving
   versions 1..K (a version counts as done once its iterator is exhausted).
@@ -46,7 +47,8 @@ def _transport(a: dict[str, Any]) -> None:
 
 def _raw_group(a: dict[str, Any]) -> None:
     import torch
-    from forgerl_plugins.transports.nccl import control, groups
+    from forgerl_plugins.transports.common import control
+    from forgerl_plugins.transports.nccl import groups
     from torch.distributed import PrefixStore
 
     backend = a["backend"]
@@ -124,7 +126,7 @@ MODES = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    mode, args = argv[0], json.loads(argv[1])
+    mode, args = argv[0], json.loads(sys.stdin.readline())
     try:
         MODES[mode](args)
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which fails the bench

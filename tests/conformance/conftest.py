@@ -1,5 +1,6 @@
-"""A hard per-test time limit for the transport suites: a transport that hangs fails its
-test with a message instead of stalling the whole run."""
+"""Fixtures of the transport suites: the transport under test (``name``), the helper
+processes a test starts (``endpoints``), and a hard per-test time limit, so that a
+transport that hangs fails its test with a message instead of stalling the whole run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,13 @@ import signal
 
 import pytest
 
+from ..helpers.requires import require_mooncake
 from ..helpers.timing import scaled
+from .endpoints import Endpoint
+
+#: The transports ``name`` runs a test against. A module that applies to fewer narrows it:
+#: ``pytestmark = pytest.mark.parametrize("name", ["nccl", "rdma"], indirect=True)``.
+TRANSPORTS = ["shm", "nccl", "rdma"]
 
 DEFAULT_LIMIT_S = 90
 
@@ -32,3 +39,19 @@ def _hard_timeout(request: pytest.FixtureRequest):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(params=TRANSPORTS)
+def name(request: pytest.FixtureRequest) -> str:
+    if request.param == "rdma":
+        require_mooncake()
+    return request.param
+
+
+@pytest.fixture
+def endpoints():
+    """Every helper process a test starts; killed at teardown whatever happened."""
+    started: list[Endpoint] = []
+    yield started
+    for ep in started:
+        ep.cleanup()

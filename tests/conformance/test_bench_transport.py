@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +41,19 @@ def test_bench_transport_rejects_a_bad_size() -> None:
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert "500MB" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_bench_receivers_are_not_given_the_secret_on_their_command_line() -> None:
+    """`ps` shows every user each process's command line: the transport secret a bench
+    receiver needs (in the sender's receiver_spec()) must reach it another way, and does."""
+    from forgerl_plugins.bench.transport import _TransportPath, synthetic_weights
+
+    path = _TransportPath("nccl", {}, synthetic_weights(4096), receivers=1, versions=1, timeout=scaled(60))
+    try:
+        secret = path.transport.secret().encode()
+        for worker in path.workers:
+            cmdline = Path(f"/proc/{worker.proc.pid}/cmdline").read_bytes()
+            assert secret not in cmdline, f"the transport secret is on a command line: {cmdline[:300]!r}"
+        assert path.round(1) > 0  # and the receiver, which got it, took version 1
+    finally:
+        path.close()

@@ -7,8 +7,8 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 import torch
-from forgerl_plugins.transports.nccl.layout import ALIGN, Layout, tensor_bytes
-from forgerl_plugins.transports.nccl.transport import NcclSender, _Version
+from forgerl_plugins.transports.common.layout import ALIGN, Layout, tensor_bytes
+from forgerl_plugins.transports.nccl.staging import Staging, Version
 from hypothesis import given, settings
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64, torch.bool]
@@ -29,16 +29,15 @@ def _deliver(tensors: list[tuple[str, torch.Tensor]], bucket: int, own: int) -> 
     """What a receiver ends up holding: every chunk's source bytes at its offsets."""
     layout = Layout.build(7, tensors, bucket, own)
     layout = Layout.from_json(layout.to_json())  # as the receiver gets it
-    sender = NcclSender.__new__(NcclSender)  # only the chunk sources, no store or thread
-    sender._staging = {}
-    current = _Version(layout, [t for _, t in tensors])
+    staging = Staging()
+    current = Version(layout, [t for _, t in tensors])
     buffer = torch.full((max(layout.nbytes, 1),), 0xAB, dtype=torch.uint8)
     cpu = torch.device("cpu")
     for i, chunk in enumerate(layout.chunks):
         assert chunk.nbytes <= bucket, f"chunk {chunk} exceeds the bucket of {bucket} bytes"
-        src = sender._direct(current, chunk, cpu)
+        src = staging.direct(current, chunk, cpu)
         if src is None:
-            src = sender._pack(current, chunk, cpu, i % 2)
+            src = staging.pack(current, chunk, cpu, i % 2)
         buffer[chunk.start : chunk.end].copy_(src)
     return layout, buffer
 
@@ -72,9 +71,8 @@ def test_big_tensors_go_from_their_own_memory_and_small_ones_are_packed() -> Non
     layout = Layout.build(1, tensors, bucket_bytes=1024, own_chunk_bytes=512)
     big_chunks = [c for c in layout.chunks if c.entries == (1,)]
     assert len(big_chunks) == 4 and sum(c.nbytes for c in big_chunks) == 4000, big_chunks
-    sender = NcclSender.__new__(NcclSender)
-    current = _Version(layout, [t for _, t in tensors])
-    src = sender._direct(current, big_chunks[1], torch.device("cpu"))
+    current = Version(layout, [t for _, t in tensors])
+    src = Staging.direct(current, big_chunks[1], torch.device("cpu"))
     assert src is not None and src.data_ptr() == big.data_ptr() + 1024, (
         "a big tensor's chunk must not be copied"
     )

@@ -2,7 +2,7 @@
 
 For ``nccl`` and ``rdma`` the sender's control store listens on the run's interface only
 (loopback here) and every value the transports act on is signed with the run's secret
-(plugins/transports/nccl/auth.py). A receiver without the secret or with a wrong one is
+(plugins/transports/common/auth.py). A receiver without the secret or with a wrong one is
 refused with a message that says so; a stranger who reaches the store's port (listing,
 reading and writing keys as any TCPStore client can) cannot register, and what it writes
 is never taken for the sender's: the legitimate receivers get the sender's weights,
@@ -24,30 +24,15 @@ from typing import Any
 
 import pytest
 
-from ..helpers.requires import require_mooncake
 from ..helpers.timing import scaled, wait_until
 from ..helpers.transport_receiver import make_weights
-from .endpoints import Endpoint
 from .test_transport_conformance import OPTIONS, create, expected, start_receiver
 
 pytestmark = pytest.mark.integration
+#: The cases about the control store: the ``name`` fixture (conftest.py) narrowed to its transports.
+STORE_HOSTED = pytest.mark.parametrize("name", ["nccl", "rdma"], indirect=True)
 
 NAMESPACES = {"nccl": "forgerl/nccl/", "rdma": "forgerl/rdma/"}
-
-
-@pytest.fixture(params=["nccl", "rdma"])
-def name(request: pytest.FixtureRequest) -> str:
-    if request.param == "rdma":
-        require_mooncake()
-    return request.param
-
-
-@pytest.fixture
-def endpoints():
-    started: list[Endpoint] = []
-    yield started
-    for ep in started:
-        ep.cleanup()
 
 
 def _send(sender: Any, version: int, timeout: float = 30.0) -> None:
@@ -110,8 +95,8 @@ def _other_local_address() -> str | None:
 
 
 def test_store_values_are_signed_over_key_and_value():
-    from forgerl_plugins.transports.nccl.auth import ForgedValue, Signer, new_secret
-    from forgerl_plugins.transports.nccl.control import Control, start_server
+    from forgerl_plugins.transports.common.auth import ForgedValue, Signer, new_secret
+    from forgerl_plugins.transports.common.control import Control, start_server
 
     server = start_server(0, 5.0)
     mine, theirs = Signer(new_secret()), Signer(new_secret())
@@ -138,7 +123,7 @@ def test_store_values_are_signed_over_key_and_value():
 
 def test_the_run_secret_is_private_and_shared_by_one_run(tmp_path):
     from forgerl.errors import TransportError
-    from forgerl_plugins.transports.nccl.auth import SECRET_FILE, run_secret
+    from forgerl_plugins.transports.common.auth import SECRET_FILE, run_secret
 
     first = run_secret(tmp_path)
     assert run_secret(tmp_path) == first, "one run, one secret"
@@ -152,6 +137,7 @@ def test_the_run_secret_is_private_and_shared_by_one_run(tmp_path):
 # ------------------------------------------------------------ the interface
 
 
+@STORE_HOSTED
 @pytest.mark.hard_timeout(120)
 def test_store_and_groups_listen_on_the_run_interface_only(name: str, endpoints: list) -> None:
     transport = create(name)
@@ -179,12 +165,13 @@ def test_store_and_groups_listen_on_the_run_interface_only(name: str, endpoints:
 # ----------------------------------------------------------------- the secret
 
 
+@STORE_HOSTED
 @pytest.mark.hard_timeout(150)
 def test_receivers_without_the_secret_are_refused_and_the_sender_goes_on(
     name: str, endpoints: list, caplog: pytest.LogCaptureFixture
 ) -> None:
     from forgerl.errors import TransportError
-    from forgerl_plugins.transports.nccl.auth import new_secret
+    from forgerl_plugins.transports.common.auth import new_secret
     from torch.distributed import PrefixStore
 
     caplog.set_level(logging.INFO)
@@ -218,6 +205,7 @@ def test_receivers_without_the_secret_are_refused_and_the_sender_goes_on(
     assert "'no-secret'" not in log and "'wrong-secret'" not in log, "a refused receiver registered"
 
 
+@STORE_HOSTED
 @pytest.mark.hard_timeout(150)
 def test_what_a_stranger_writes_is_never_taken_for_the_senders(name: str, endpoints: list) -> None:
     """A stranger overwrites every key it can list, as the legitimate receiver waits: it

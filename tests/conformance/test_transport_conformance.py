@@ -32,11 +32,11 @@ import pytest
 from ..helpers.requires import require_mooncake
 from ..helpers.timing import scaled, wait_until
 from ..helpers.transport_receiver import digest, make_weights
+from .conftest import TRANSPORTS
 from .endpoints import Endpoint
 
 pytestmark = pytest.mark.integration
 
-TRANSPORTS = ["shm", "nccl", "rdma"]
 #: Transports whose ``send`` waits for every registered receiver and names the ones that
 #: did not take the version.
 CONFIRMS_DELIVERY = {"shm": False, "nccl": True, "rdma": True}
@@ -50,22 +50,6 @@ OPTIONS: dict[str, dict[str, Any]] = {
 }
 #: Slack on top of a timeout for process scheduling on a busy 2-core machine (scaled).
 SLACK_S = 4.0
-
-
-@pytest.fixture(params=TRANSPORTS)
-def name(request: pytest.FixtureRequest) -> str:
-    if request.param == "rdma":
-        require_mooncake()
-    return request.param
-
-
-@pytest.fixture
-def endpoints():
-    """Every helper process a test starts; killed at teardown whatever happened."""
-    started: list[Endpoint] = []
-    yield started
-    for ep in started:
-        ep.cleanup()
 
 
 def create(name: str) -> Any:
@@ -92,14 +76,15 @@ def start_receiver(
     rejoin: int | None = None,
     wait_go: bool = False,
     options: dict[str, Any] | None = None,
+    stop_when_started: int | None = None,
 ) -> Endpoint:
+    """A receiver process built from the sender's ``spec``, which reaches it on its stdin:
+    the spec carries the transport secret, and ``ps`` shows command lines to every user."""
     args = [
         "--transport",
         name,
         "--options",
         json.dumps(OPTIONS[name] if options is None else options),
-        "--spec",
-        json.dumps(spec),
         "--worker-id",
         worker_id,
         "--versions",
@@ -109,12 +94,15 @@ def start_receiver(
     ]
     if die_when_started is not None:
         args += ["--die-when-started", str(die_when_started)]
+    if stop_when_started is not None:
+        args += ["--stop-when-started", str(stop_when_started)]
     if rejoin is not None:
         args += ["--rejoin", str(rejoin)]
     if wait_go:
         args.append("--wait-go")
     ep = Endpoint(args, f"receiver {worker_id} ({name})")
     endpoints.append(ep)
+    ep.tell(json.dumps(spec))
     return ep
 
 
@@ -375,7 +363,7 @@ def test_a_receiver_that_acknowledges_then_closes_took_the_version(
     read after version 1 waits for the receiver to have closed, then answers as it would
     have before the acknowledgement landed."""
     from forgerl.types import WeightSet
-    from forgerl_plugins.transports.nccl.control import Control
+    from forgerl_plugins.transports.common.control import Control
 
     name = confirming
     if name == "rdma":

@@ -22,7 +22,6 @@ mid-version, whatever the machine's speed).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -35,10 +34,10 @@ from ..conformance.endpoints import Endpoint
 
 with warnings.catch_warnings():
     # Its hard_timeout marker is registered by tests/conformance/conftest.py, which does not
-    # apply here; the transports' test options and factory are shared on purpose, so that
+    # apply here; the transports' test options, factory and receivers are shared on purpose, so that
     # this test follows theirs (the run secret, as it lands).
     warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
-    from ..conformance.test_transport_conformance import OPTIONS, create, expected
+    from ..conformance.test_transport_conformance import create, expected, start_receiver
 from ..helpers.requires import require_mooncake
 from ..helpers.timing import scaled, wait_until
 from ..helpers.transport_receiver import make_weights
@@ -82,23 +81,6 @@ def endpoints():
             ep.cleanup()
 
 
-def start_worker(
-    endpoints: list, name: str, spec: dict, worker_id: str, versions: list[int], *extra: str
-) -> Endpoint:
-    args = [
-        "--transport", name,
-        "--options", json.dumps(OPTIONS[name]),
-        "--spec", json.dumps(spec),
-        "--worker-id", worker_id,
-        "--versions", ",".join(map(str, versions)),
-        "--timeout", str(scaled(20)),
-        *extra,
-    ]  # fmt: skip
-    ep = Endpoint(args, f"receiver {worker_id} ({name})")
-    endpoints.append(ep)
-    return ep
-
-
 def stopped(ep: Endpoint) -> bool:
     """Whether the process is stopped by a signal (state T in /proc)."""
     try:
@@ -126,8 +108,10 @@ def test_worker_stalled_mid_version(name: str, endpoints: list, record_property)
     transport = create(name)
     sender = transport.sender()
     spec = transport.receiver_spec()
-    healthy = start_worker(endpoints, name, spec, "gen.0.worker", [1, 2, 3, 4])
-    staller = start_worker(endpoints, name, spec, "gen.1.worker", [1, 2, 4], "--stop-when-started", "2")
+    healthy = start_receiver(endpoints, name, spec, "gen.0.worker", [1, 2, 3, 4], timeout=scaled(20))
+    staller = start_receiver(
+        endpoints, name, spec, "gen.1.worker", [1, 2, 4], timeout=scaled(20), stop_when_started=2
+    )
     healthy.wait("ready", timeout=scaled(60))
     staller.wait("ready", timeout=scaled(60))
 

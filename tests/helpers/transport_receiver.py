@@ -2,10 +2,12 @@
 
 Receiver (default)::
 
-    python tests/helpers/transport_receiver.py --transport nccl --spec JSON \\
-        --worker-id r1 --versions 1,2,3 [--timeout 10] [--die-when-started 2]
+    python tests/helpers/transport_receiver.py --transport nccl \\
+        --worker-id r1 --versions 1,2,3 [--timeout 10] [--die-when-started 2]  < SPEC
 
-builds the receiver the way a generator worker does
+reads the sender's ``receiver_spec()`` (JSON) from its first line on stdin, never from the
+command line: the spec carries the transport secret, and ``ps`` shows every user every
+process's command line. It builds the receiver the way a generator worker does
 (``build_registry().require("transport", NAME).build(options, context=None).receiver(id, spec)``),
 receives each version in turn and prints one JSON line per event on stdout: ``ready``,
 ``started`` (a transfer began: the receiver's ``progress`` moved), ``received`` (with a
@@ -110,9 +112,13 @@ def _watch(receiver: Any, die_version: int | None, stall_version: int | None, st
 def run_receiver(args: argparse.Namespace) -> int:
     from forgerl.plugins import build_registry
 
+    line = sys.stdin.readline()
+    if not line.strip():
+        raise SystemExit("transport_receiver: the sender's receiver_spec() (JSON) must be the first line on stdin")
+    spec = json.loads(line)
     backend = build_registry().require("transport", args.transport)
     transport = backend.build(json.loads(args.options), context=None)
-    receiver = transport.receiver(args.worker_id, json.loads(args.spec))
+    receiver = transport.receiver(args.worker_id, spec)
     stop = threading.Event()
     if hasattr(receiver, "progress"):
         threading.Thread(target=_watch, args=(receiver, args.die_when_started, args.stop_when_started, stop), daemon=True).start()
@@ -127,7 +133,7 @@ def run_receiver(args: argparse.Namespace) -> int:
     if args.rejoin is not None:
         # A restarted generator worker: a new receiver under the same worker id, asking
         # for the version that is current now.
-        receiver = transport.receiver(args.worker_id, json.loads(args.spec))
+        receiver = transport.receiver(args.worker_id, spec)
         receive_one(receiver, args.rejoin, args, rejoined=True)
         registered = getattr(receiver, "registered_bytes", 0)
         receiver.close()
@@ -206,7 +212,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--role", choices=["receiver", "sender"], default="receiver")
     p.add_argument("--transport", required=True)
     p.add_argument("--options", default="{}", help="the transport's options (JSON)")
-    p.add_argument("--spec", default="{}", help="the sender's receiver_spec() (JSON)")
     p.add_argument("--worker-id", default="r0")
     p.add_argument("--versions", default="")
     p.add_argument("--timeout", type=float, default=10.0)

@@ -347,7 +347,7 @@ def test_run_directory_files_are_documented():
     from forgerl import checkpoint, checkpoint_format, runs
     from forgerl_plugins.generators.vllm import server
     from forgerl_plugins.schedulers.local import jobfile
-    from forgerl_plugins.transports.nccl import auth
+    from forgerl_plugins.transports.common import auth
 
     files = {
         runs.CONFIG_FILE, runs.SUBMISSION_FILE, runs.METRICS_FILE, runs.SUMMARY_FILE,

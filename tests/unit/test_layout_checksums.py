@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from forgerl_plugins.transports.nccl.layout import Layout, word_sum  # noqa: E402
+from forgerl_plugins.transports.common.layout import Layout, word_sum  # noqa: E402
 
 
 def tensors() -> list[tuple[str, torch.Tensor]]:

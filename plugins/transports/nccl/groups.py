@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from forgerl_plugins.transports.nccl.control import timedelta
+from forgerl_plugins.transports.common.control import Backoff, timedelta
 
 log = logging.getLogger(__name__)
 
@@ -87,11 +87,9 @@ def broadcast(pg: Any, tensor: Any, root: int, timeout: float) -> Any:
 
 
 def wait(work: Any, deadline: Any) -> None:
-    """Wait for ``work`` until ``deadline`` (a :class:`~.control.Deadline`); raises what
+    """Wait for ``work`` until ``deadline`` (a :class:`..common.control.Deadline`); raises what
     the work raised, or TimeoutError. Polls instead of ``work.wait()``, which trusts the
     backend to honour its own timeout."""
-    from forgerl_plugins.transports.nccl.control import Backoff
-
     backoff = Backoff(0.01)
     while not work.is_completed():
         if deadline.expired:

@@ -6,7 +6,8 @@ Shape (see docs/transports.md):
   *slots*. ``send(v)`` packs version ``v`` into the slot not holding the newest version
   (double buffering: the previous version stays readable and unchanged while receivers
   may still read it), then publishes ``{version, layout, session, address}`` as
-  ``current`` in its control store (a ``TCPStore``; :mod:`..nccl.control`).
+  ``current`` in its control store (a ``TCPStore``; :mod:`..common.control`, shared with
+  the ``nccl`` transport like registration, layout and the secret).
 * A receiver polls ``current``, reads the version with one-sided
   ``batch_transfer_sync_read`` calls into its own registered buffer (reused across
   versions), checks that the slot still holds that version (a generation key the sender
@@ -31,19 +32,24 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import TransportError, TransportTimeout
-from forgerl.interfaces import Transport, TransportReceiver, TransportSender
+from forgerl.interfaces import Transport
 from forgerl.types import WeightSet
-from forgerl_plugins.transports.nccl import control
-from forgerl_plugins.transports.nccl.auth import ForgedValue, Signer
-from forgerl_plugins.transports.nccl.control import (
+from forgerl_plugins.transports.common import membership
+from forgerl_plugins.transports.common.auth import ForgedValue, Signer
+from forgerl_plugins.transports.common.control import (
+    MAX_QUERY,
     STORE_ERRORS,
     Backoff,
     Control,
     Deadline,
-    member_key,
+    local_address,
+    sender_address,
     short,
 )
-from forgerl_plugins.transports.nccl.layout import Layout, copy_bytes, tensor_bytes
+from forgerl_plugins.transports.common.endpoints import StoreReceiver, StoreSender
+from forgerl_plugins.transports.common.hosting import StoreHostedTransport
+from forgerl_plugins.transports.common.layout import Layout
+from forgerl_plugins.transports.common.membership import LATEST, SENDER_CLOSED, Member, member_key
 from forgerl_plugins.transports.rdma.engine import Engine
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,11 +59,8 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 NAMESPACE = "forgerl/rdma/"
-EVENTS = "events"
-CURRENT = "current"  # the newest version: layout, session, address
-LATEST = "latest"  # its number
-MAX_QUERY = 5.0
-SENDER_CLOSED = "the sender closed"
+CURRENT = "current"  # the newest version: layout, session, address (its number: LATEST)
+NOT_SIGNED = "its acknowledgement in the control store is not signed with the run's secret"
 
 
 def _slot_key(slot: int) -> str:
@@ -70,27 +73,19 @@ def _filled_key(slot: int) -> str:
     return f"filled/{slot}"
 
 
-def _address(host: str) -> str:
-    return control.local_address(host) if control.is_loopback(host) else host
-
-
 # ============================================================================ sender
 
 
 @dataclass
-class _Member:
-    worker_id: str
-    nonce: str
-    pid: int
-    host: str
-    acked: int = -1
-    failed: str | None = None
-
-    def label(self) -> str:
-        return f"{self.worker_id!r} (pid {self.pid} on {self.host})"
+class _Member(Member):
+    acked: int = -1  # the newest version it acknowledged
 
 
-class RdmaSender(TransportSender):
+class RdmaSender(StoreSender):
+    name = "rdma"
+    namespace = NAMESPACE
+    member_class = _Member
+
     def __init__(
         self,
         options: RdmaTransportOptions,
@@ -101,20 +96,10 @@ class RdmaSender(TransportSender):
         release: Any,
         signer: Signer,
     ) -> None:
-        self.options = options
-        self.default_timeout = timeout
-        self.port = port
-        self._server = server
-        self._release = release
-        self._engine = Engine(_address(options.host), options.protocol, options.device_name)
-        self._ctl = Control(server, NAMESPACE, signer, store_host, port)
+        super().__init__(options, server, store_host, port, timeout, release, signer)
+        self._engine = Engine(sender_address(options.host), options.protocol, options.device_name)
         self._slots: list[Any] = [None, None]
         self._newest_slot: int | None = None
-        self._members: dict[str, _Member] = {}
-        self._closed = False
-        self.last_version: int | None = None
-        self.last_send_seconds: float | None = None
-        self.last_send_bytes = 0
 
     @property
     def session(self) -> str:
@@ -127,18 +112,8 @@ class RdmaSender(TransportSender):
     def send(self, weights: WeightSet, timeout: float | None = None) -> None:
         import torch
 
-        if self._closed:
-            raise TransportError("rdma sender is closed")
-        deadline = Deadline(self.default_timeout if timeout is None else timeout)
-        version = int(weights.version)
-        if self.last_version is not None and version <= self.last_version:
-            raise ValueError(
-                f"weight versions must strictly increase: got {version} after {self.last_version}"
-            )
         start = time.perf_counter()
-        tensors = [
-            (n, t.detach() if t.is_contiguous() else t.detach().contiguous()) for n, t in weights.items()
-        ]
+        deadline, version, tensors = self._prepare(weights, timeout)
         layout = Layout.build(version, tensors, self.options.chunk_mb * 2**20)
         # (No local reference to the store: an exception's frames would keep its port open.)
         slot = 0 if self._newest_slot is None else 1 - self._newest_slot
@@ -165,11 +140,9 @@ class RdmaSender(TransportSender):
         self._ctl.set(LATEST, str(version), deadline)  # what receivers poll (small)
         # Published before it is filled: receivers read each chunk as soon as it is packed
         # (``filled`` says how far), so packing and reading overlap.
+        arrays = [t for _, t in tensors]
         for chunk in layout.chunks:
-            for ix in chunk.entries:
-                e = layout.entries[ix]
-                lo, hi = max(e.offset, chunk.start), min(e.end, chunk.end)
-                copy_bytes(buf[lo:hi], tensor_bytes(tensors[ix][1])[lo - e.offset : hi - e.offset])
+            layout.pack(chunk, arrays, buf)
             self._ctl.set(_filled_key(slot), str(chunk.end), deadline)
         self._ctl.set(_filled_key(slot), str(layout.nbytes), deadline)
         self._newest_slot = slot
@@ -183,26 +156,12 @@ class RdmaSender(TransportSender):
         if failed:
             for m in failed:
                 self._drop(m)
-            what = "; ".join(f"{m.label()}: {m.failed}" for m in failed)
-            got = len(targets) - len(failed)
-            msg = (
-                f"weights version {version} did not reach {len(failed)} of {len(targets)} receivers: "
-                f"{what}. {got} received it; the others are dropped until they register again"
-            )
+            msg = membership.undelivered(version, targets, failed)
             timed_out = all(m.failed and m.failed.startswith("no acknowledgement") for m in failed)
             raise (TransportTimeout if timed_out else TransportError)(msg)
 
     def _collect_joins(self, deadline: Deadline) -> None:
-        events = self._ctl.pop_all(EVENTS, deadline)
-        control.log_refused(self._ctl, "rdma")
-        for ev in events:
-            if ev.get("type") != "join":
-                continue
-            for old in self._members.values():
-                if old.worker_id == ev["worker_id"] and old.failed is None:
-                    old.failed = "replaced by a new incarnation of the same worker"
-            self._members[ev["nonce"]] = _Member(ev["worker_id"], ev["nonce"], int(ev["pid"]), ev["host"])
-            log.info("rdma: receiver %r registered (pid %s on %s)", ev["worker_id"], ev["pid"], ev["host"])
+        self._take_events(self._ctl, deadline)
         for nonce in [n for n, m in self._members.items() if m.failed is not None]:
             self._drop(self._members[nonce])
 
@@ -219,20 +178,20 @@ class RdmaSender(TransportSender):
             still = []
             for m, ack in zip(waiting, acks):
                 if ack is None:
-                    m.failed = "its acknowledgement in the control store is not signed with the run's secret"
+                    m.failed = NOT_SIGNED
                     continue
                 m.acked = max(m.acked, int(ack))
                 if m.acked >= version:
                     continue
-                closed = self._ctl.get(member_key(m.nonce, "closed"), deadline)
-                if closed is None:
-                    still.append(m)
+                try:
+                    closed, took = membership.closed_since(self._ctl, m.nonce, version, deadline)
+                except ForgedValue:  # a stranger overwrote its acknowledgement or closed key
+                    m.failed = NOT_SIGNED
                     continue
-                # A receiver acknowledges before it closes, so one that took this version
-                # and closed between the two reads above has its acknowledgement there now.
-                ack = self._signed_ack(m, deadline)
-                if ack is not None and int(ack) >= version:
-                    m.acked = max(m.acked, int(ack))
+                if took:
+                    m.acked = max(m.acked, version)
+                elif closed is None:
+                    still.append(m)
                 else:
                     m.failed = f"it gave up: {closed.decode()}"
             waiting = still
@@ -252,12 +211,7 @@ class RdmaSender(TransportSender):
     def _drop(self, m: _Member) -> None:
         self._members.pop(m.nonce, None)
         log.warning("rdma: receiver %s dropped: %s", m.label(), m.failed)
-        try:
-            self._ctl.set(
-                member_key(m.nonce, "closed"), f"dropped by the sender: {m.failed}", Deadline(MAX_QUERY)
-            )
-        except STORE_ERRORS:
-            pass
+        membership.say_closed(self._ctl, m.nonce, f"dropped by the sender: {m.failed}", Deadline(MAX_QUERY))
 
     def close(self) -> None:
         if self._closed:
@@ -283,70 +237,25 @@ class RdmaSender(TransportSender):
 # ========================================================================== receiver
 
 
-class RdmaReceiver(TransportReceiver):
-    """Reads versions into one registered buffer it reuses. The tensors :meth:`receive`
-    yields are views of that buffer, valid until the next :meth:`receive`."""
+class RdmaReceiver(StoreReceiver):
+    """Reads versions into one registered buffer it reuses (see :class:`StoreReceiver`)."""
+
+    name = "rdma"
+    namespace = NAMESPACE
 
     def __init__(
         self, options: RdmaTransportOptions, worker_id: str, host: str, port: int, timeout: float, secret: str
     ) -> None:
-        self.options = options
-        self._signer = Signer(secret)
-        self.worker_id = worker_id
-        self.host = host
-        self.port = int(port)
-        self.default_timeout = timeout
-        self._engine: Engine | None = Engine(
-            control.local_address(host), options.protocol, options.device_name
-        )
-        self._ctl: Control | None = None
-        self._nonce: str | None = None
-        self._buffer: Any = None
-        self._held: Layout | None = None
-        self._closed = False
-        self.progress: tuple[int, int, int] | None = None
-        try:
-            self._register(Deadline(min(5.0, options.connect_timeout)))
-        except STORE_ERRORS as exc:
-            log.info("rdma receiver %s: sender not reachable yet (%s); will retry", worker_id, short(exc))
-            self._ctl = None
-        except TransportError:  # refused (wrong secret): do not keep the engine's ports open
-            self.close()
-            raise
+        super().__init__(options, worker_id, host, port, timeout, secret)
+        self._engine: Engine | None = Engine(local_address(host), options.protocol, options.device_name)
+        # Refused (wrong secret): closes, so that the engine's ports do not stay open.
+        self._register_now()
 
     @property
     def registered_bytes(self) -> int:
         return 0 if self._engine is None else self._engine.registered_bytes
 
-    def latest_version(self) -> int | None:
-        try:
-            if self._ctl is None:
-                self._ctl = self._connect(self.options.connect_timeout)
-            latest = self._ctl.get(LATEST, Deadline(MAX_QUERY))
-        except STORE_ERRORS as exc:
-            raise TransportError(
-                f"rdma: the sender at {self.host}:{self.port} is unreachable: {short(exc)}"
-            ) from exc
-        return None if latest is None else int(latest)
-
-    def _connect(self, timeout: float) -> Control:
-        """A connection to a sender that proved the secret (TransportError if not)."""
-        ctl = Control.connect(self.host, self.port, NAMESPACE, timeout, self._signer)
-        control.check_sender(ctl)
-        return ctl
-
-    def _register(self, deadline: Deadline) -> None:
-        if self._ctl is None:
-            self._ctl = self._connect(max(0.05, min(self.options.connect_timeout, deadline.remaining())))
-        self._nonce = control.join(self._ctl, EVENTS, self.worker_id, self.host, deadline)
-
-    def receive(self, version: int, timeout: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._closed:
-            raise TransportError(f"rdma receiver {self.worker_id} is closed")
-        deadline = Deadline(self.default_timeout if timeout is None else timeout)
-        version = int(version)
-        if self._held is not None and self._held.version == version:
-            return self._held.views(self._buffer)
+    def _receive(self, version: int, deadline: Deadline) -> Iterator[tuple[str, torch.Tensor]]:
         last_error = "not published yet"
         backoff = Backoff(self.options.poll_interval)
         next_closed_check = 0.0
@@ -357,13 +266,7 @@ class RdmaReceiver(TransportReceiver):
                 ctl = self._ctl
                 assert ctl is not None and self._nonce is not None
                 if time.monotonic() >= next_closed_check:
-                    closed = ctl.get(member_key(self._nonce, "closed"), deadline)
-                    if closed is not None and closed.decode() == SENDER_CLOSED:
-                        raise TransportError(
-                            f"rdma receiver {self.worker_id}: the sender at {self.host}:{self.port} closed "
-                            "(the trainer finished or is restarting)"
-                        )
-                    if closed is not None:
+                    if self._dropped(ctl, deadline) is not None:
                         self._nonce = None  # dropped by the sender: register again, then read
                         continue
                     next_closed_check = time.monotonic() + self.options.poll_interval
@@ -380,11 +283,8 @@ class RdmaReceiver(TransportReceiver):
                     backoff.sleep(deadline)
                     continue
                 if int(cur["version"]) > version:
-                    raise TransportError(
-                        f"rdma receiver {self.worker_id}: weights version {version} was superseded by "
-                        f"{cur['version']} (the sender keeps only its newest version readable); receive "
-                        f"{cur['version']} instead (latest_version() tells it)"
-                    )
+                    why = "the sender keeps only its newest version readable"
+                    raise self._superseded(version, int(cur["version"]), why)
                 error = self._read(ctl, cur, deadline)
                 if error is None:
                     ctl.set(member_key(self._nonce, "ack"), str(version), deadline)
@@ -395,10 +295,7 @@ class RdmaReceiver(TransportReceiver):
                 last_error = f"sender unreachable: {short(exc)}"
                 self._ctl, self._nonce = None, None
                 deadline.sleep(0.25)
-        raise TransportTimeout(
-            f"rdma receiver {self.worker_id}: weights version {version} did not arrive from the sender at "
-            f"{self.host}:{self.port} within {deadline.seconds:g} s ({last_error}); is the trainer running?"
-        )
+        raise self._timed_out(version, deadline, last_error)
 
     def _read(self, ctl: Control, cur: Mapping[str, Any], deadline: Deadline) -> str | None:
         """Read the published version into the buffer; an error string when it must be retried."""
@@ -459,13 +356,7 @@ class RdmaReceiver(TransportReceiver):
         if self._closed:
             return
         self._closed = True
-        if self._ctl is not None and self._nonce is not None:
-            try:
-                self._ctl.set(
-                    member_key(self._nonce, "closed"), f"receiver {self.worker_id} closed", Deadline(1.0)
-                )
-            except STORE_ERRORS:
-                pass
+        self._say_closed(f"receiver {self.worker_id} closed")
         self._ctl = None
         if self._engine is not None:
             self._engine.close()
@@ -477,7 +368,7 @@ class RdmaReceiver(TransportReceiver):
 # ========================================================================= transport
 
 
-class RdmaTransport(control.StoreHostedTransport, Transport):
+class RdmaTransport(StoreHostedTransport, Transport):
     """Factory ``RdmaTransport(options, *, context)``; same shape as the nccl transport: the
     trainer side hosts the control store, receivers get :meth:`receiver_spec`."""
 

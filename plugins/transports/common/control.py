@@ -6,9 +6,9 @@ goes through the store. Every call is bounded: :class:`Control` sets the store's
 from the caller's :class:`Deadline` before each operation, so a frozen or dead sender
 turns into a timeout, never a hang.
 
-Used by the ``nccl`` and ``rdma`` transports, which also share what is built on it here:
-receiver registration (:func:`join`) and the transport object that hosts the store on
-the trainer and tells receivers where it is (:class:`StoreHostedTransport`).
+Used by the ``nccl`` and ``rdma`` transports, which also share what is built on it:
+receiver registration and acknowledgements (:mod:`.membership`) and the transport object
+that hosts the store on the trainer and tells receivers where it is (:mod:`.hosting`).
 
 The store listens on the run's interface only (loopback unless ``options.host`` names
 another address), and every value in it is signed with the run's secret (:mod:`.auth`):
@@ -21,19 +21,14 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import json
-import logging
 import os
 import socket
-import threading
 import time
-import uuid
 from collections.abc import Iterable
 from typing import Any
 
 from forgerl.errors import TransportError
-from forgerl_plugins.transports.nccl.auth import PROOF_KEY, PROOF_VALUE, ForgedValue, Signer
-
-log = logging.getLogger(__name__)
+from forgerl_plugins.transports.common.auth import ForgedValue, Signer
 
 #: Errors the store raises when its peer is gone, slow, or a key is missing in time.
 #: (torch's DistError and friends derive from RuntimeError.)
@@ -43,6 +38,8 @@ STORE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, OSError)
 MAX_OP_SECONDS = 10.0
 #: Shortest bound given to one store operation, however little of a deadline is left.
 MIN_OP_SECONDS = 2.0
+#: Bound of a single bookkeeping query made outside any caller's deadline.
+MAX_QUERY = 5.0
 
 
 class Deadline:
@@ -112,6 +109,12 @@ def local_address(peer_host: str) -> str:
             return s.getsockname()[0]
         except OSError:
             return socket.gethostbyname(socket.gethostname())
+
+
+def sender_address(host: str) -> str:
+    """The address a sender's data channels (gloo listeners, Mooncake's engine) use on
+    the machine receivers reach as ``host``: ``host`` itself, loopback for a loopback name."""
+    return local_address(host) if is_loopback(host) else host
 
 
 def bind_address(host: str) -> str:
@@ -292,198 +295,7 @@ class Control:
         return out
 
 
-# ===================================================================== membership
-
-
-def member_key(nonce: str, what: str) -> str:
-    """A key about one registered receiver (``ack``, ``closed``, offers...)."""
-    return f"m/{nonce}/{what}"
-
-
-def log_refused(ctl: Control, transport: str) -> None:
-    """Say so when someone without the secret queued a message (a registration, mostly)."""
-    for tail in ctl.refused:
-        log.warning(
-            "%s: refused a message not signed with the run's transport secret (someone without it "
-            "reached the control store): ...%r",
-            transport,
-            tail[-120:],
-        )
-    ctl.refused.clear()
-
-
-def check_sender(ctl: Control, deadline: Deadline | None = None) -> None:
-    """Refuse to go on unless the store's sender signed its proof with our secret: a
-    receiver with a wrong secret learns so at once, in words (TransportError, not a
-    store error, so no retry loop swallows it)."""
-    host, port = ctl._address
-    try:
-        proof = ctl.get(PROOF_KEY, deadline)
-    except ForgedValue:
-        raise TransportError(
-            f"the transport sender at {host}:{port} refused this receiver: its secret does not match the "
-            "run's (the receiver must be built from this run's receiver_spec(), which carries the secret)"
-        ) from None
-    if proof != PROOF_VALUE:
-        raise TransportError(
-            f"the control store at {host}:{port} does not prove the run's transport secret: it is not "
-            "this run's sender (a stale address, or a forgerl too old to sign its store)"
-        )
-
-
-def join(ctl: Control, events: str, worker_id: str, sender_host: str, deadline: Deadline) -> str:
-    """Register a receiver with the sender: check the sender's proof, then a fresh nonce
-    (one per incarnation, so a restarted worker is a new member), its ``ack`` key at -1,
-    and a signed ``join`` event on the ``events`` queue naming the worker, its pid and
-    the address it reaches the sender from (what the sender's errors name). Returns the
-    nonce."""
-    check_sender(ctl, deadline)
-    nonce = uuid.uuid4().hex[:16]
-    ctl.set(member_key(nonce, "ack"), "-1", deadline)
-    event = {
-        "type": "join",
-        "nonce": nonce,
-        "worker_id": worker_id,
-        "pid": os.getpid(),
-        "host": local_address(sender_host),
-    }
-    ctl.push(events, event, deadline)
-    return nonce
-
-
-# ====================================================== the transport object around it
-
-#: Seconds a send or receive may take when neither the options nor the run say.
-DEFAULT_TIMEOUT = 120.0
-
-
 def short(exc: BaseException) -> str:
     """First line of an exception (torch's store errors carry C++ stack traces)."""
     lines = str(exc).strip().splitlines()
     return lines[0][:300] if lines else type(exc).__name__
-
-
-class StoreHostedTransport:
-    """What the ``nccl`` and ``rdma`` transport objects share: the trainer side hosts the
-    control store (started on the first ``sender()`` or ``receiver_spec()``), and a
-    receiver in another process finds it through :meth:`receiver_spec`, or through
-    ``options.host``/``options.port`` when the store listens on a fixed port.
-
-    The secret that signs the store's values is the run's (``<run_dir>/transport.secret``)
-    when there is a run context, else one made for this object; ``receiver_spec()``
-    carries it to receivers in other processes.
-
-    Subclasses set ``name``, ``namespace`` and the classes of their two halves, which
-    take the same constructor arguments in both transports.
-    """
-
-    name = ""
-    namespace = ""
-    #: ``sender_class(options, store_server, store_host, port, timeout, release, signer)``
-    sender_class: Any = None
-    #: ``receiver_class(options, worker_id, host, port, timeout, secret)``
-    receiver_class: Any = None
-
-    def sender(self) -> Any:
-        from forgerl_plugins.transports.nccl.auth import Signer
-
-        server, port = self._hosted()
-        return self.sender_class(
-            self.options,
-            server,
-            self.store_host,
-            port,
-            self.default_timeout(),
-            self._release,
-            Signer(self.secret()),
-        )
-
-    def receiver(self, worker_id: str, spec: Any = None) -> Any:
-        host, port, secret = self._sender_address(spec)
-        return self.receiver_class(self.options, worker_id, host, port, self.default_timeout(), secret)
-
-    def __init__(self, options: Any, *, context: Any = None) -> None:
-        self.options = options
-        self.ctx = context
-        self._server: Any = None
-        self._port: int | None = None
-        self._secret: str | None = None
-        self._lock = threading.Lock()
-
-    def default_timeout(self) -> float:
-        """The transport's own ``timeout`` option, else the run's ``transport.timeout``."""
-        if self.options.timeout is not None:
-            return float(self.options.timeout)
-        if self.ctx is not None:
-            return float(self.ctx.config.transport.timeout)
-        return DEFAULT_TIMEOUT
-
-    def secret(self) -> str:
-        """``options.secret_file``'s, else the run's (from the run directory), else this
-        object's own (no run: it reaches receivers through :meth:`receiver_spec`)."""
-        with self._lock:
-            if self._secret is None:
-                from forgerl_plugins.transports.nccl import auth
-
-                if self.options.secret_file:
-                    self._secret = auth.secret_from_file(self.options.secret_file)
-                elif self.ctx is not None:
-                    self._secret = auth.run_secret(self.ctx.run_dir)
-                else:
-                    self._secret = auth.new_secret()
-            return self._secret
-
-    @property
-    def store_host(self) -> str:
-        """How this process reaches the store it hosts (its bind address)."""
-        return client_address(bind_address(self.options.host))
-
-    def _hosted(self) -> tuple[Any, int]:
-        """The store this process hosts (started now if need be) and its port."""
-        secret = self.secret()
-        with self._lock:
-            if self._server is None:
-                server = start_server(self.options.port, self.options.connect_timeout, self.options.host)
-                # Before anyone learns the port: a receiver checks this first.
-                Control(server, self.namespace, Signer(secret)).set(PROOF_KEY, PROOF_VALUE)
-                self._server, self._port = server, int(server.port)
-            assert self._port is not None
-            return self._server, self._port
-
-    def _release(self) -> None:
-        """Called by the sender when it closes: the store goes with it."""
-        with self._lock:
-            self._server = None
-
-    def receiver_spec(self) -> dict[str, Any]:
-        """Where the store is and the secret to talk to it: hand it to receivers in their
-        request or configuration, never on a command line (``ps`` shows those to all)."""
-        return {"host": self.options.host, "port": self._hosted()[1], "secret": self.secret()}
-
-    def _sender_address(self, spec: Any) -> tuple[str, int, str]:
-        """Where a receiver reaches the store, and the secret: the spec, this process's
-        own store, or the fixed address in the options with the run's secret."""
-        if spec and spec.get("port"):
-            secret = spec.get("secret") or (self.secret() if self.options.secret_file else None)
-            if not secret:
-                raise TransportError(
-                    f"{self.name} receiver refused: its spec carries no transport secret; build it from the "
-                    "sender's receiver_spec(), which carries the run's secret"
-                )
-            return str(spec.get("host") or self.options.host), int(spec["port"]), str(secret)
-        if self._server is not None:
-            return self.store_host, int(self._port or 0), self.secret()
-        if self.options.port:
-            if self.ctx is None and not self.options.secret_file:
-                raise TransportError(
-                    f"{self.name} receiver refused: without the sender's receiver_spec() it needs the run's "
-                    "transport secret: set transport.options.secret_file, or build it with the run context"
-                )
-            return self.options.host, self.options.port, self.secret()
-        raise TransportError(
-            f"{self.name} receiver does not know where the sender is: pass the sender's receiver_spec() "
-            "or set transport.options.host and transport.options.port"
-        )
-
-    def close(self) -> None:
-        self._release()

@@ -152,7 +152,7 @@ class Layout:
             offset += nbytes
         return cls(int(version), tuple(entries), offset, tuple(_chunks(entries, bucket_bytes, own)))
 
-    # ---------------------------------------------------------------- checksums
+    # ------------------------------------------------------------------ packing
 
     def _parts(self, chunk: Chunk) -> Iterator[tuple[int, int, int]]:
         """``(entry index, lo, hi)``: the bytes ``[lo, hi)`` of the flat buffer that
@@ -160,6 +160,16 @@ class Layout:
         for ix in chunk.entries:
             e = self.entries[ix]
             yield ix, max(e.offset, chunk.start), min(e.end, chunk.end)
+
+    def pack(self, chunk: Chunk, tensors: Sequence[torch.Tensor], dst: torch.Tensor, base: int = 0) -> None:
+        """Copy the bytes ``chunk`` carries out of ``tensors`` (in entry order) into
+        ``dst``, a 1-D uint8 tensor whose first byte stands for byte ``base`` of the flat
+        buffer (0: ``dst`` is the whole buffer; ``chunk.start``: it holds the chunk only)."""
+        for ix, lo, hi in self._parts(chunk):
+            off = self.entries[ix].offset
+            copy_bytes(dst[lo - base : hi - base], tensor_bytes(tensors[ix])[lo - off : hi - off])
+
+    # ---------------------------------------------------------------- checksums
 
     def with_sums(self, tensors: Sequence[torch.Tensor]) -> Layout:
         """This layout with the checksum of every chunk, made from the tensors it describes

@@ -1,0 +1,14 @@
+"""What the ``nccl`` and ``rdma`` transports share. Both push each version to receivers
+that register with a control store the sender hosts (a torch ``TCPStore`` whose values
+are signed with the run's secret), lay a version out in one flat buffer, and wait for
+every receiver's acknowledgement:
+
+* :mod:`.auth`: the run's transport secret, and store values signed with it;
+* :mod:`.control`: the control store, bounded operations on it, deadlines and backoff;
+* :mod:`.membership`: receivers' registration, acknowledgements and goodbyes;
+* :mod:`.layout`: a version's flat layout, its chunks and their checksums;
+* :mod:`.endpoints`: the bookkeeping their senders and receivers have in common;
+* :mod:`.hosting`: the transport object that hosts the store and tells receivers where it is.
+
+Not a plugin: it registers no backend.
+"""
