@@ -17,12 +17,13 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -180,6 +181,16 @@ def _gap(model, prompt: list[int], tokens: list[int], logprobs: list[float], tem
     return float((torch.tensor(logprobs, dtype=torch.float32) - want).abs().max())
 
 
+def _assert_text_of(tokenizer, comp) -> None:
+    """A completion's text is its tokens decoded, but for the bytes of an unfinished UTF-8
+    character at its end: vLLM decodes as it streams and holds those back (on this byte-level
+    vocabulary half the tokens are single bytes, so a completion cut at max_tokens can end
+    mid-character), where a whole decode writes U+FFFD for them."""
+    decoded = tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+    held_back = decoded[len(comp.text) :]
+    assert decoded.startswith(comp.text) and set(held_back) <= {"\ufffd"}, (comp.text, decoded)
+
+
 def _generate(generator, requests):
     return asyncio.run(generator.generate(requests))
 
@@ -258,12 +269,16 @@ def test_completions_carry_token_ids_and_the_trainers_logprobs(cluster: Cluster)
     cases = [
         SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0),
         SamplingParams(max_tokens=MAX_TOKENS, temperature=0.7),  # the contract divides by T
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=2.0),  # vLLM's hottest: n draws differ
         SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0),
     ]
+    # Seeded, as the loop's requests are: the same tokens on every run whatever the batching
+    # (unseeded, what was drawn depended on which requests shared an engine step). vLLM seeds
+    # the n completions of a request with seed, seed + 1, ...: 10 apart, no overlap.
+    asked = [(i, j, p, s) for i, s in enumerate(cases) for j, p in enumerate([*prompts, prompts[0] + [eos]])]
     requests = [
-        GenerationRequest(f"r{i}-{j}", p, 3, s)
-        for i, s in enumerate(cases)
-        for j, p in enumerate([*prompts, prompts[0] + [eos]])
+        GenerationRequest(f"r{i}-{j}", p, 3, replace(s, seed=1000 + 10 * k))
+        for k, (i, j, p, s) in enumerate(asked)
     ]
     results = _generate(c.generator, requests)
     assert [len(cs) for cs in results] == [3] * len(requests)
@@ -276,14 +291,30 @@ def test_completions_carry_token_ids_and_the_trainers_logprobs(cluster: Cluster)
                 assert len(comp.token_ids) == MAX_TOKENS
             else:
                 assert comp.token_ids[-1] == eos and eos not in comp.token_ids[:-1], comp.token_ids
-            assert comp.text == c.tokenizer.decode(comp.token_ids, skip_special_tokens=True)
+            _assert_text_of(c.tokenizer, comp)
             t = request.sampling.temperature
             gap = _gap(model, list(request.prompt_token_ids), comp.token_ids, comp.logprobs, t)
             assert gap < ATOL, f"{request.request_id}: logprob gap {gap:.2e} at T={t}"
     greedy = [cs for r, cs in zip(requests, results) if r.sampling.temperature == 0]
     assert all(len({tuple(x.token_ids) for x in cs}) == 1 for cs in greedy)
-    sampled = [cs for r, cs in zip(requests, results) if r.sampling.temperature > 0]
-    assert any(len({tuple(x.token_ids) for x in cs}) > 1 for cs in sampled), "n samples never differed"
+    # The n completions are n independent draws (not one draw repeated, nor n draws from one
+    # seed). Asked only where chance cannot make them equal: with the first completion
+    # drawn, independent draws repeat it with probability p^(n-1), p = exp(sum of its
+    # logprobs) (the sampling distribution itself: its logprobs equal the trainer's, above).
+    # At T = 1 and 0.7 this tiny model is so peaked that three draws of 16 tokens were equal
+    # half the time (p ~ 0.9), so "some request's draws differed" failed by chance; at
+    # T = 2 after a chat prompt p is below 1e-8.
+    unlikely = 0
+    for request, completions in zip(requests, results):
+        if request.sampling.temperature > 0:
+            repeat = math.exp((request.n - 1) * sum(completions[0].logprobs))
+            if repeat < 1e-6:
+                unlikely += 1
+                samples = [tuple(x.token_ids) for x in completions]
+                assert len(set(samples)) > 1, (
+                    f"{request.request_id}: {request.n} draws equal (chance {repeat:.1e}): {samples[0]}"
+                )
+    assert unlikely, "no sampled request was unlikely to repeat its first completion: nothing shown"
     served = [r["dispatched"] for r in c.generator.replica_info()]
     assert all(n > 0 for n in served), f"requests per replica: {served} (no balancing?)"
 
@@ -369,13 +400,13 @@ def _requests_held_until(gen, release_after: Callable[[str, int], bool]):
     held: list[str] = []
     release = asyncio.Event()
     calls: dict[str, int] = {}
-    post, admin, update = gen._client.post, gen._admin, gen._update_replica
+    complete, admin, update = gen._client.complete, gen._client.admin, gen._update_replica
 
-    async def held_post(url, *args, **kwargs):
-        if url.endswith("/v1/completions") and not release.is_set():
-            held.append(url)
+    async def held_complete(r, body):
+        if not release.is_set():
+            held.append(r.url)
             await release.wait()
-        return await post(url, *args, **kwargs)
+        return await complete(r, body)
 
     async def watched_admin(r, path, params=None):
         if release_after("before " + path, calls.get(path, 0) + 1):
@@ -390,12 +421,13 @@ def _requests_held_until(gen, release_after: Callable[[str, int], bool]):
             release.set()
         await (update(r, version) if policy is None else update(r, version, policy))
 
-    gen._client.post, gen._admin, gen._update_replica = held_post, watched_admin, watched_update
+    gen._client.complete, gen._client.admin = held_complete, watched_admin
+    gen._update_replica = watched_update
     try:
         yield held, release
     finally:
         gen._loop.call_soon_threadsafe(release.set)
-        del gen._client.post, gen._admin, gen._update_replica
+        del gen._client.complete, gen._client.admin, gen._update_replica
 
 
 @pytest.mark.parametrize(
