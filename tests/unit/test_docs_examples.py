@@ -197,13 +197,21 @@ def test_transport_tutorial_delivers_whole_versions_to_another_process(mini_src:
     receiver built in another process with context=None from receiver_spec() gets a
     version whole and bit-exact, versions strictly increase, a version that never comes
     is a TransportTimeout after about its timeout, and close() leaves nothing behind."""
+    transport = mini_registry().require("transport", "files").build({}, context=run_context(tmp_path))
+    try:
+        check_files_transport(transport, mini_src)
+    finally:
+        transport.close()
+    assert not Path(transport.receiver_spec()["directory"]).exists(), "close() left the directory"
+
+
+def check_files_transport(transport, mini_src: Path) -> None:
     import json
 
     import torch
 
     from forgerl.types import WeightSet
 
-    transport = mini_registry().require("transport", "files").build({}, context=run_context(tmp_path))
     sender = transport.sender()
     local = transport.receiver("local")
     assert local.latest_version() is None
@@ -226,12 +234,7 @@ def test_transport_tutorial_delivers_whole_versions_to_another_process(mini_src:
     assert out["got"] == {name: [str(t.dtype), t.tolist()] for name, t in v2.items()}
     message, waited = out["timed_out"]
     assert "version 3" in message and waited >= 0.5
-
-    directory = Path(transport.receiver_spec()["directory"])
-    assert directory.is_dir()
     sender.close()
-    transport.close()
-    assert not directory.exists()
 
 
 def reference_logprobs(model, prompt: list[int], completion, temperature: float):
@@ -458,3 +461,24 @@ def test_trainer_tutorial_takes_the_same_step_on_two_ranks_as_on_one(
     double = json.loads(outputs[0].strip().splitlines()[-1])
     assert double["loss"] == pytest.approx(single["loss"], rel=1e-5)
     assert double["weights"] == pytest.approx(single["weights"], rel=1e-5, abs=1e-6)
+
+
+def test_a_run_on_the_three_tutorial_backends(mini_src: Path, tmp_path: Path):
+    """The command the tutorials give, `forge run --model tiny --transport files --generator
+    mini --trainer mini`, completes, the weights reach the generator every step, and the
+    generator and trainer agree on logprobs (the gap metric ~0)."""
+    import json
+
+    args = ["--model", "tiny", "--transport", "files", "--generator", "mini", "--trainer", "mini",
+            "--reward", "format", "--set", "rewards.0.options.pattern=\\d", "--steps", "2",
+            "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=4",
+            "--set", "loop.sampling.max_tokens=8", "--set", "loop.eval_size=2",
+            "--output", str(tmp_path / "run")]
+    done = subprocess.run([sys.executable, "-m", "forgerl.cli", "run", *args], capture_output=True, text=True,
+                          timeout=scaled(300), env=child_env(mini_src), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert (summary["status"], summary["policy_version"]) == ("completed", 2)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["policy_version"] for r in rows] == [1, 2]
+    assert all(r["logprob_gap/max"] < 1e-4 for r in rows), rows
