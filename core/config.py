@@ -17,6 +17,7 @@ import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from forgerl.algorithms.config import PRESETS, AlgorithmConfig, fill_length_defaults
+from forgerl.capped_read import read_capped
 from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.options import OptionsModel
 
@@ -286,9 +287,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     """The top-level mapping of a YAML config file; ConfigError (one line) for anything else."""
     path = Path(path)
     try:
-        with path.open("rb") as f:
-            # Read at most one byte past the limit: /dev/zero or a huge file must not fill memory.
-            raw = f.read(MAX_CONFIG_BYTES + 1)
+        # At most one byte past the limit: /dev/zero or a huge file must not fill memory.
+        raw = read_capped(path, MAX_CONFIG_BYTES + 1)
     except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
         reason = getattr(exc, "strerror", None) or str(exc)
         raise ConfigError(f"cannot read config file {str(path)!r}: {reason}") from None
