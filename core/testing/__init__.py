@@ -31,6 +31,7 @@ Deadlines in the kits stretch with ``FORGE_TEST_TIMEOUT_SCALE`` (:mod:`forgerl.t
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 _KITS = {
@@ -41,6 +42,14 @@ _KITS = {
 }
 
 __all__ = sorted(_KITS)
+
+_pytest = sys.modules.get("pytest")
+if _pytest is not None:
+    # Under pytest, a failed check of a kit shows its values like a test's own assert does
+    # (the kits are imported after this line, so pytest can rewrite their asserts).
+    _pytest.register_assert_rewrite(
+        "forgerl.testing.reward", "forgerl.testing.task", "forgerl.testing.transport"
+    )
 
 
 def __getattr__(name: str) -> Any:

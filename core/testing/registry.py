@@ -6,8 +6,6 @@ import functools
 from importlib import metadata
 from typing import TYPE_CHECKING, Sequence
 
-import pytest
-
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.backends import Backend
     from forgerl.plugins import Registry
@@ -33,6 +31,8 @@ def backend_under_test(kind: str, name: str, plugins: Sequence[str] = (), *, req
     """The record of backend ``name`` of ``kind``. A backend that is registered but cannot
     be used here (a missing optional package) skips the test with the reason, or fails it
     when ``required``; an unknown name fails it, listing the known ones."""
+    import pytest
+
     from forgerl.errors import BackendUnavailable, UnknownBackend
 
     registry = registry_for(plugins)
