@@ -62,6 +62,27 @@ def test_plugin_tutorial_works_and_its_registration_module_stays_light(tmp_path:
     assert "RewardResult(value=0.5, components={'chars': 10.0}" in done.stdout, done.stdout
 
 
+def test_plugin_tutorial_reward_passes_the_reward_kit_as_its_conformance_test_says(tmp_path: Path):
+    """plugins.md section 6: the tutorial's conformance test, written out as it stands,
+    runs forgerl.testing's reward kit on the tutorial's reward with pytest, and passes."""
+    blocks = code_blocks("plugins.md")
+    for path in ("src/forgerl_brevity/plugin.py", "src/forgerl_brevity/options.py",
+                 "src/forgerl_brevity/reward.py", "tests/test_conformance.py"):
+        assert path in blocks, f"docs/plugins.md has no block starting '# {path}'"
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(blocks[path])
+    (tmp_path / "src/forgerl_brevity/__init__.py").write_text("")
+    shim = REPO / ".pyshim"
+    shims = [str(shim)] if shim.is_dir() else []  # a worktree's import shim, when there is one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), *shims, *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py"],
+        capture_output=True, text=True, timeout=scaled(120), env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "6 passed" in done.stdout, done.stdout[-3000:]
+
+
 def test_tracker_example_in_plugins_md_forwards_metrics(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """The W&B example registers as a plugin (hook names and arguments are checked by
     pluggy) and forwards each step's row, without None values, to the tracker."""
