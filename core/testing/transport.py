@@ -36,6 +36,9 @@ who read it (the interface allows that), so the cases about naming a receiver th
 not take a version apply to push transports only; for a pull transport they check that
 ``send`` is not held up and that the survivors still get every version.
 
+The kit builds every transport with ``context=None``, the sender's side included: its
+options must be enough to build a sender outside a run (e.g. a directory to publish in).
+
 A plugin's test names its transport in a subclass::
 
     class TestMyTransport(TransportContract):
@@ -148,9 +151,12 @@ class TransportContract:
 
     def held_paths(self, case: TransportCase, spec: Mapping[str, Any]) -> list[Path]:
         """Paths the transport creates and must remove at close: by default the
-        ``directory`` of its receiver spec, when it has one."""
+        ``directory`` of its receiver spec, when it has one and the options did not name it
+        (a directory the user named is the user's)."""
         directory = spec.get("directory")
-        return [Path(directory)] if isinstance(directory, str) else []
+        if not isinstance(directory, str) or directory == case.options.get("directory"):
+            return []
+        return [Path(directory)]
 
     def check_open(self, case: TransportCase, transport: Any, sender: Any, spec: Mapping[str, Any]) -> None:
         """What must hold of an open transport before it is closed."""

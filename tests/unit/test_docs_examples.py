@@ -292,6 +292,20 @@ def train_batch(prompt: list[int], completions, advantages: list[float]):
                       torch.tensor([c.policy_version for c in completions]), num_groups=1)
 
 
+def test_transport_tutorial_passes_the_transport_kits_in_process_case(mini_src: Path, tmp_path: Path):
+    """The `files` transport of the tutorial, checked by forgerl.testing's transport kit as
+    its "Checking it" section says (the case that needs no helper process): nothing blocks
+    forever, and its close leaves nothing behind."""
+    from forgerl.testing import TransportCase, TransportContract
+
+    directory = tmp_path / "weights"
+    directory.mkdir()
+    case = TransportCase(
+        "files", {"directory": str(directory)}, confirms_delivery=False, plugins=("forgerl_mini.plugin",)
+    )
+    TransportContract().test_nothing_blocks_forever(case)
+
+
 def test_generator_and_trainer_tutorials_keep_the_logprob_and_weight_contracts(
     mini_src: Path, tiny_model_dir: Path, tmp_path: Path
 ):
