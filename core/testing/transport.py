@@ -52,6 +52,7 @@ with ``params`` returning a :class:`TransportCase` each.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import threading
@@ -178,8 +179,6 @@ class TransportContract:
     ) -> None:
         """Close the sender and the transport; then nothing they or the receivers held may
         be left."""
-        import os
-
         pids = {os.getpid(), *(ep.pid for ep in endpoints)}
         ports = self.held_ports(case, sender, spec)
         self.check_open(case, transport, sender, spec)
