@@ -10,6 +10,8 @@ import pytest
 from forgerl.testing import RewardContract, TaskContract
 from forgerl.types import Problem, RewardInput
 
+from ..helpers.timing import scaled
+
 FAKES = ("tests.helpers.kit_fakes",)
 
 
@@ -90,3 +92,20 @@ def test_an_unknown_reward_fails_naming_the_fix():
 def test_each_task_check_fails_on_a_task_that_breaks_it(backend, check, message):
     with pytest.raises(AssertionError, match=message):
         getattr(task_kit(backend), check)()
+
+
+def test_importing_the_kits_imports_neither_torch_nor_pytest_until_a_kit_is_used():
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\n"
+        "import forgerl.testing\n"
+        "assert 'pytest' not in sys.modules and 'torch' not in sys.modules, 'import forgerl.testing'\n"
+        "from forgerl.testing import RewardContract, TaskContract, TransportContract\n"
+        "assert 'torch' not in sys.modules, 'importing the kits imported torch'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=scaled(60))
+    assert done.returncode == 0, done.stderr
