@@ -250,9 +250,9 @@ class TransportContract:
         sender.send(WeightSet(3, make_weights(3)), timeout=scaled(30))
         assert survivor.wait("received", 3)["digests"] == expected(3)
 
-        # Versions only go forward.
+        # Versions only go forward (ValueError; its words are the transport's own).
         for stale in (3, 2):
-            with pytest.raises(ValueError, match="strictly increase"):
+            with pytest.raises(ValueError):
                 sender.send(WeightSet(stale, make_weights(stale)), timeout=scaled(5))
 
         # The survivor's worker restarts (a new receiver, same worker id): it joins after
