@@ -8,9 +8,10 @@ import signal
 
 import pytest
 
+from forgerl.testing.endpoints import Endpoint
+
 from ..helpers.requires import require_mooncake
 from ..helpers.timing import scaled
-from .endpoints import Endpoint
 
 #: The transports ``name`` runs a test against. A module that applies to fewer narrows it:
 #: ``pytestmark = pytest.mark.parametrize("name", ["nccl", "rdma"], indirect=True)``.

@@ -8,7 +8,7 @@ reading and writing keys as any TCPStore client can) cannot register, and what i
 is never taken for the sender's: the legitimate receivers get the sender's weights,
 bit-exact. ``shm`` keeps its directory 0700 and its files 0600.
 
-The legitimate receivers run in their own processes (tests/helpers/transport_receiver.py),
+The legitimate receivers run in their own processes (forgerl/testing/transport_receiver.py),
 as generator workers do; the refused ones and the stranger run here.
 """
 
@@ -24,8 +24,9 @@ from typing import Any
 
 import pytest
 
+from forgerl.testing.transport_receiver import make_weights
+
 from ..helpers.timing import scaled, wait_until
-from ..helpers.transport_receiver import make_weights
 from .test_transport_conformance import OPTIONS, create, expected, start_receiver
 
 pytestmark = pytest.mark.integration

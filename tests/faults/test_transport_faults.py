@@ -15,7 +15,7 @@ What a user relies on:
   version until it receives the newest one.
 
 Receivers are the conformance suite's helper processes, built the way a generator worker
-builds them (tests/helpers/transport_receiver.py, ``--stop-when-started``: it stops itself
+builds them (forgerl/testing/transport_receiver.py, ``--stop-when-started``: it stops itself
 with SIGSTOP once the transfer of that version has begun, so the stall always falls
 mid-version, whatever the machine's speed).
 """
@@ -30,7 +30,8 @@ from typing import Any
 
 import pytest
 
-from ..conformance.endpoints import Endpoint
+from forgerl.testing.endpoints import Endpoint
+from forgerl.testing.transport_receiver import make_weights
 
 with warnings.catch_warnings():
     # Its hard_timeout marker is registered by tests/conformance/conftest.py, which does not
@@ -40,7 +41,6 @@ with warnings.catch_warnings():
     from ..conformance.test_transport_conformance import create, expected, start_receiver
 from ..helpers.requires import require_mooncake
 from ..helpers.timing import scaled, wait_until
-from ..helpers.transport_receiver import make_weights
 
 pytestmark = pytest.mark.integration
 

@@ -9,43 +9,11 @@ slow or loaded machine:
 
 The default is 1. A deadline that passes on an idle machine but not under load means the
 test measured speed, not behaviour: fix the test, do not raise the deadline.
+
+The functions are the conformance kits' own (forgerl/testing/timing.py), so that the kits
+and forgerl's tests stretch alike.
 """
 
-from __future__ import annotations
+from forgerl.testing.timing import scale, scaled, wait_until
 
-import os
-import time
-from typing import Callable, TypeVar
-
-T = TypeVar("T")
-
-
-def scale() -> float:
-    """The factor from ``FORGE_TEST_TIMEOUT_SCALE`` (at least 1)."""
-    raw = os.environ.get("FORGE_TEST_TIMEOUT_SCALE", "1")
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"FORGE_TEST_TIMEOUT_SCALE must be a number, got {raw!r}") from None
-    return max(1.0, value)
-
-
-def scaled(seconds: float) -> float:
-    """``seconds`` times the suite's timeout factor."""
-    return seconds * scale()
-
-
-def wait_until(
-    condition: Callable[[], T], timeout: float, what: str, interval: float = 0.05
-) -> T:
-    """Poll ``condition`` until it returns something true and return that; fail the test
-    with ``what`` (and how long it waited) once ``scaled(timeout)`` seconds pass."""
-    limit = scaled(timeout)
-    deadline = time.monotonic() + limit
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"gave up after {limit:g} s waiting for {what}")
-        time.sleep(interval)
+__all__ = ["scale", "scaled", "wait_until"]

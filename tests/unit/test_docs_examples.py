@@ -62,6 +62,27 @@ def test_plugin_tutorial_works_and_its_registration_module_stays_light(tmp_path:
     assert "RewardResult(value=0.5, components={'chars': 10.0}" in done.stdout, done.stdout
 
 
+def test_plugin_tutorial_reward_passes_the_reward_kit_as_its_conformance_test_says(tmp_path: Path):
+    """plugins.md section 6: the tutorial's conformance test, written out as it stands,
+    runs forgerl.testing's reward kit on the tutorial's reward with pytest, and passes."""
+    blocks = code_blocks("plugins.md")
+    for path in ("src/forgerl_brevity/plugin.py", "src/forgerl_brevity/options.py",
+                 "src/forgerl_brevity/reward.py", "tests/test_conformance.py"):
+        assert path in blocks, f"docs/plugins.md has no block starting '# {path}'"
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(blocks[path])
+    (tmp_path / "src/forgerl_brevity/__init__.py").write_text("")
+    shim = REPO / ".pyshim"
+    shims = [str(shim)] if shim.is_dir() else []  # a worktree's import shim, when there is one
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), *shims, *sys.path])}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py"],
+        capture_output=True, text=True, timeout=scaled(120), env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "6 passed" in done.stdout, done.stdout[-3000:]
+
+
 def test_tracker_example_in_plugins_md_forwards_metrics(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """The W&B example registers as a plugin (hook names and arguments are checked by
     pluggy) and forwards each step's row, without None values, to the tracker."""
@@ -269,6 +290,35 @@ def train_batch(prompt: list[int], completions, advantages: list[float]):
         behaviour[row, len(prompt) : end] = torch.tensor(c.logprobs)
     return TrainBatch(ids, attention, loss_mask, behaviour, torch.tensor(advantages),
                       torch.tensor([c.policy_version for c in completions]), num_groups=1)
+
+
+def test_transport_tutorial_passes_the_transport_kits_in_process_case(mini_src: Path, tmp_path: Path):
+    """The `files` transport of the tutorial, checked by forgerl.testing's transport kit as
+    its "Checking it" section says (the case that needs no helper process): nothing blocks
+    forever, and its close leaves nothing behind."""
+    from forgerl.testing import TransportCase, TransportContract
+
+    directory = tmp_path / "weights"
+    directory.mkdir()
+    case = TransportCase(
+        "files", {"directory": str(directory)}, confirms_delivery=False, plugins=("forgerl_mini.plugin",)
+    )
+    TransportContract().test_nothing_blocks_forever(case)
+
+
+@pytest.mark.integration
+def test_transport_tutorial_passes_the_transport_kit_as_its_conformance_test_says(mini_src: Path, tmp_path: Path):
+    """The conformance test of plugins-transport.md, written out as it stands, runs the
+    whole transport kit (receivers in their own processes) on the tutorial's `files`
+    transport with pytest, the plugin loaded as an installed one would be, and passes."""
+    test = code_blocks("plugins-transport.md")["tests/test_conformance.py"]
+    (tmp_path / "test_conformance.py").write_text(test)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_conformance.py"],
+        capture_output=True, text=True, timeout=scaled(300), env=child_env(mini_src), cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "3 passed" in done.stdout, done.stdout[-3000:]
 
 
 def test_generator_and_trainer_tutorials_keep_the_logprob_and_weight_contracts(

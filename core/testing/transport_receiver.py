@@ -1,15 +1,18 @@
-"""A weights-transport endpoint in its own process, driven by the conformance suite.
+"""A weights-transport endpoint in its own process, driven by the transport kit
+(:mod:`forgerl.testing.transport`) and forgerl's own transport tests.
 
 Receiver (default)::
 
-    python tests/helpers/transport_receiver.py --transport nccl \\
+    python -m forgerl.testing.transport_receiver --transport nccl \\
         --worker-id r1 --versions 1,2,3 [--timeout 10] [--die-when-started 2]  < SPEC
 
 reads the sender's ``receiver_spec()`` (JSON) from its first line on stdin, never from the
 command line: the spec carries the transport secret, and ``ps`` shows every user every
 process's command line. It builds the receiver the way a generator worker does
-(``build_registry().require("transport", NAME).build(options, context=None).receiver(id, spec)``),
-receives each version in turn and prints one JSON line per event on stdout: ``ready``,
+(``build_registry().require("transport", NAME).build(options, context=None).receiver(id, spec)``;
+``--plugins a.b,c.d`` loads plugin modules that are not installed), receives each version
+in turn and prints one JSON line per event on stdout: ``ready`` (with ``progress``: whether
+the receiver reports a transfer's progress),
 ``started`` (a transfer began: the receiver's ``progress`` moved), ``received`` (with a
 digest of every tensor), ``error`` (exception type, message, seconds, tensors yielded
 before it), ``closed`` (memory registered with Mooncake before and after closing, rdma). ``--die-when-started V`` kills
@@ -23,7 +26,9 @@ transport's ``receiver_spec()``), then sends ``make_weights(V, big)`` for every 
 ``sent`` or ``send-error``; ``close`` closes it.
 
 The test process imports :func:`make_weights` and :func:`digest` from here to know what
-must arrive.
+must arrive. A receiver that has a ``progress`` attribute, ``(version, bytes done, bytes
+total)`` while it receives, is watched through it (``started``, and dying or stopping at the
+start of a transfer); one without is stopped after its first tensor of the version.
 """
 
 from __future__ import annotations
@@ -109,20 +114,25 @@ def _watch(receiver: Any, die_version: int | None, stall_version: int | None, st
         time.sleep(0.0005)
 
 
-def run_receiver(args: argparse.Namespace) -> int:
-    from forgerl.plugins import build_registry
+def _build(args: argparse.Namespace) -> Any:
+    from forgerl.testing.registry import registry_for
 
+    plugins = [p for p in args.plugins.split(",") if p]
+    backend = registry_for(plugins).require("transport", args.transport)
+    return backend.build(json.loads(args.options), context=None)
+
+
+def run_receiver(args: argparse.Namespace) -> int:
     line = sys.stdin.readline()
     if not line.strip():
         raise SystemExit("transport_receiver: the sender's receiver_spec() (JSON) must be the first line on stdin")
     spec = json.loads(line)
-    backend = build_registry().require("transport", args.transport)
-    transport = backend.build(json.loads(args.options), context=None)
+    transport = _build(args)
     receiver = transport.receiver(args.worker_id, spec)
     stop = threading.Event()
     if hasattr(receiver, "progress"):
         threading.Thread(target=_watch, args=(receiver, args.die_when_started, args.stop_when_started, stop), daemon=True).start()
-    emit("ready", worker_id=args.worker_id)
+    emit("ready", worker_id=args.worker_id, progress=hasattr(receiver, "progress"))
     if args.wait_go:
         sys.stdin.readline()  # the test says when the sender is up
     for version in [int(v) for v in args.versions.split(",") if v]:
@@ -176,11 +186,9 @@ def receive_one(receiver: Any, version: int, args: argparse.Namespace, **extra: 
 
 def run_sender(args: argparse.Namespace) -> int:
     from forgerl.errors import ForgeError
-    from forgerl.plugins import build_registry
     from forgerl.types import WeightSet
 
-    backend = build_registry().require("transport", args.transport)
-    transport = backend.build(json.loads(args.options), context=None)
+    transport = _build(args)
     sender = transport.sender()
     # Made before anything is sent: generating 64 MiB must not eat the receivers' timeout.
     prepared = {v: make_weights(v, big=args.big) for v in [int(v) for v in args.versions.split(",") if v]}
@@ -212,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--role", choices=["receiver", "sender"], default="receiver")
     p.add_argument("--transport", required=True)
     p.add_argument("--options", default="{}", help="the transport's options (JSON)")
+    p.add_argument("--plugins", default="", help="plugin modules to load besides the installed ones (a,b)")
     p.add_argument("--worker-id", default="r0")
     p.add_argument("--versions", default="")
     p.add_argument("--timeout", type=float, default=10.0)

@@ -1,4 +1,4 @@
-"""Helper processes (tests/helpers/transport_receiver.py) and the JSON events they print.
+"""Helper processes (:mod:`forgerl.testing.transport_receiver`) and the JSON events they print.
 
 Two ways to start one:
 
@@ -9,7 +9,7 @@ Two ways to start one:
   child is still its own process, with its own store connections, groups and engines,
   and dies for real when killed.
 * ``subprocess`` (``FORGE_CONFORMANCE_SPAWN=subprocess``): a fresh
-  ``python tests/helpers/transport_receiver.py ...``, exactly as a generator worker
+  ``python -m forgerl.testing.transport_receiver ...``, exactly as a generator worker
   would start. Slower; use it to rule out anything inherited from the forkserver.
 """
 
@@ -27,9 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..helpers.timing import scaled
+from forgerl.testing.timing import scaled
 
-HELPER = Path(__file__).resolve().parents[1] / "helpers" / "transport_receiver.py"
+HELPER = "forgerl.testing.transport_receiver"
+#: Name prefix of the threads that read a helper's output (the transport kit's check that
+#: a transport's own threads end at close leaves them out).
+READER_THREAD_PREFIX = "forgerl-testing-endpoint"
 SPAWN = os.environ.get("FORGE_CONFORMANCE_SPAWN", "fork")
 
 _forkserver: Any = None
@@ -41,7 +44,7 @@ def _context() -> Any:
         ctx = multiprocessing.get_context("forkserver")
         # Imported once in the server, inherited by every child; nothing here starts a
         # thread, so forking after it is safe.
-        ctx.set_forkserver_preload(["torch", "forgerl.plugins", "tests.helpers.transport_receiver"])
+        ctx.set_forkserver_preload(["torch", "forgerl.plugins", HELPER])
         _forkserver = ctx
     return _forkserver
 
@@ -89,7 +92,7 @@ def _forked_main(argv: list[str], events: Any, commands: Any, log_path: str) -> 
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the process
     sys.stdout = _LineSender(events)  # type: ignore[assignment]
     sys.stdin = _LineReceiver(commands)  # type: ignore[assignment]
-    from tests.helpers import transport_receiver
+    from forgerl.testing import transport_receiver
 
     code = 1
     try:
@@ -109,7 +112,7 @@ class Endpoint:
         self._stderr: list[str] = []
         if SPAWN == "subprocess":
             self._popen = subprocess.Popen(
-                [sys.executable, str(HELPER), *args],
+                [sys.executable, "-m", HELPER, *args],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -118,8 +121,8 @@ class Endpoint:
             )
             self._proc = None
             self.pid = self._popen.pid
-            threading.Thread(target=self._read_lines, args=(self._popen.stdout,), daemon=True).start()
-            threading.Thread(target=self._read_stderr, daemon=True).start()
+            self._reader(self._read_lines, self._popen.stdout)
+            self._reader(self._read_stderr)
         else:
             ctx = _context()
             events_in, events_out = ctx.Pipe(duplex=False)
@@ -135,9 +138,13 @@ class Endpoint:
             commands_in.close()
             self._commands = commands_out
             self.pid = self._proc.pid
-            threading.Thread(target=self._read_conn, args=(events_in,), daemon=True).start()
+            self._reader(self._read_conn, events_in)
 
     # ----------------------------------------------------------------- output
+
+    def _reader(self, target: Any, *args: Any) -> None:
+        name = f"{READER_THREAD_PREFIX}-{self.pid}"
+        threading.Thread(target=target, args=args, daemon=True, name=name).start()
 
     def _accept(self, line: str) -> None:
         if line.startswith("{"):

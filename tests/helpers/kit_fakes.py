@@ -1,0 +1,188 @@
+"""A plugin of deliberately broken rewards and tasks, each breaking one rule the kits of
+:mod:`forgerl.testing` check: the tests of the kits show that each check can fail.
+
+Loaded by import path (``plugins = ("tests.helpers.kit_fakes",)``), so that reward worker
+processes find these backends too.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Mapping
+
+from forgerl.backends import RewardBackend, TaskBackend
+from forgerl.hookspecs import hookimpl
+from forgerl.interfaces import Reward, Task
+from forgerl.types import Problem, RewardInput, RewardResult
+
+
+class GoodReward(Reward):
+    """1.0 when the completion contains the reference answer."""
+
+    def __init__(self, options: Any):
+        self.options = options
+
+    def score(self, sample: RewardInput) -> float:
+        return float(bool(sample.problem.answer) and sample.problem.answer in sample.completion_text)
+
+
+class NanOnEmpty(GoodReward):
+    def score(self, sample: RewardInput) -> float:
+        return float("nan") if not sample.completion_text else super().score(sample)
+
+
+class RaisesOnSurrogates(GoodReward):
+    def score(self, sample: RewardInput) -> float:
+        sample.completion_text.encode("utf-8")  # UnicodeEncodeError on a lone surrogate
+        return super().score(sample)
+
+
+class ReturnsText(GoodReward):
+    def score(self, sample: RewardInput) -> Any:
+        return "1.0"
+
+
+class InfiniteComponent(GoodReward):
+    def score(self, sample: RewardInput) -> RewardResult:
+        return RewardResult(super().score(sample), {"length": float("inf")})
+
+
+class Random(GoodReward):
+    def score(self, sample: RewardInput) -> float:
+        return random.random()
+
+
+class AsyncDisagrees(GoodReward):
+    async def ascore(self, sample: RewardInput) -> float:
+        return 1.0 - self.score(sample)
+
+
+class OnlyInThisProcess(GoodReward):
+    """Scores 1.0 here, fails in a worker process: it reads state the worker lacks."""
+
+    here: dict[str, float] = {}
+
+    def score(self, sample: RewardInput) -> float:
+        return self.here["value"]
+
+
+class NotAReward:
+    def __init__(self, options: Any):
+        pass
+
+    def score(self, sample: RewardInput) -> float:
+        return 0.0
+
+
+class GoodTask(Task):
+    """Problem i of the stream is "What is i + seed?"."""
+
+    def __init__(self, options: Any, *, seed: int):
+        self.seed = seed
+        self.position = 0
+
+    def problem(self, i: int) -> Problem:
+        return Problem(id=f"p{i}", prompt=f"What is {i} + {self.seed}?", answer=str(i + self.seed))
+
+    def next_problems(self, n: int) -> list[Problem]:
+        out = [self.problem(self.position + k) for k in range(n)]
+        self.position += n
+        return out
+
+    def eval_problems(self) -> list[Problem]:
+        return [Problem(id=f"e{i}", prompt=f"What is {i} + 1000?", answer=str(i + 1000)) for i in range(4)]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.position = int(state["position"])
+
+
+class ShortBatches(GoodTask):
+    def next_problems(self, n: int) -> list[Problem]:
+        return super().next_problems(min(n, 100))  # stops at the end of its data instead of cycling
+
+
+class EmptyChatMessage(GoodTask):
+    def problem(self, i: int) -> Problem:
+        return Problem(id=f"p{i}", prompt=[{"role": "user"}], answer="1")
+
+
+class NumberAnswer(GoodTask):
+    def problem(self, i: int) -> Problem:
+        return Problem(id=f"p{i}", prompt="What is 1?", answer=1)  # type: ignore[arg-type]
+
+
+class Unpicklable(GoodTask):
+    def problem(self, i: int) -> Problem:
+        return Problem(id=f"p{i}", prompt="What is 1?", answer="1", metadata={"check": lambda x: x})
+
+
+class RotatingEval(GoodTask):
+    """Each call starts the held-out list one problem later."""
+
+    calls = 0
+
+    def eval_problems(self) -> list[Problem]:
+        problems = super().eval_problems()
+        self.calls += 1
+        return problems[self.calls % 4 :] + problems[: self.calls % 4]
+
+
+class Unseeded(GoodTask):
+    def __init__(self, options: Any, *, seed: int):
+        super().__init__(options, seed=seed)
+        self.seed = random.randrange(10**9)
+
+
+class ForgetsPosition(GoodTask):
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
+class StateNotJson(GoodTask):
+    def state_dict(self) -> dict[str, Any]:
+        return {"position": self.position, "rng": random.Random(1)}
+
+
+class StateDictDraws(GoodTask):
+    def state_dict(self) -> dict[str, Any]:
+        self.position += 1
+        return {"position": self.position}
+
+
+_REWARDS = {
+    "kit_good": GoodReward,
+    "kit_nan_on_empty": NanOnEmpty,
+    "kit_raises_on_surrogates": RaisesOnSurrogates,
+    "kit_returns_text": ReturnsText,
+    "kit_infinite_component": InfiniteComponent,
+    "kit_random": Random,
+    "kit_async_disagrees": AsyncDisagrees,
+    "kit_only_in_this_process": OnlyInThisProcess,
+    "kit_not_a_reward": NotAReward,
+}
+
+_TASKS = {
+    "kit_good": GoodTask,
+    "kit_short_batches": ShortBatches,
+    "kit_empty_chat_message": EmptyChatMessage,
+    "kit_number_answer": NumberAnswer,
+    "kit_unpicklable": Unpicklable,
+    "kit_rotating_eval": RotatingEval,
+    "kit_unseeded": Unseeded,
+    "kit_forgets_position": ForgetsPosition,
+    "kit_state_not_json": StateNotJson,
+    "kit_state_dict_draws": StateDictDraws,
+}
+
+
+@hookimpl
+def forge_rewards():
+    return [RewardBackend(name=name, factory=cls) for name, cls in _REWARDS.items()]
+
+
+@hookimpl
+def forge_tasks():
+    return [TaskBackend(name=name, factory=cls) for name, cls in _TASKS.items()]

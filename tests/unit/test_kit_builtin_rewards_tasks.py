@@ -1,0 +1,72 @@
+"""forgerl's own rewards and tasks pass the conformance kits of forgerl.testing, run the way
+a third-party plugin runs them: by naming the backend and its options."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from forgerl.testing import RewardContract, TaskContract
+from forgerl.types import Problem, RewardInput
+
+QUESTION = Problem(id="q", prompt="What is 17 + 25?", answer="42", metadata={"answer_type": "integer"})
+
+
+class TestMathAnswerReward(RewardContract):
+    backend = "math_answer"
+    completions = ("17 + 25 = 42, so <answer>42</answer>", "It is 42.", "<answer>\\frac{1}{2}</answer>")
+    known_scores = (
+        (RewardInput(QUESTION, "so <answer>42</answer>"), 1.0),
+        (RewardInput(QUESTION, "it is 42"), 0.5),  # fallback_credit: right, but not in the tag
+        (RewardInput(QUESTION, "<answer>17 + 25</answer>"), 0.0),  # restates the question
+    )
+
+
+class TestMathAnswerRewardWithoutTag(RewardContract):
+    backend = "math_answer"
+    options = {"tag": None}
+
+
+class TestFormatReward(RewardContract):
+    backend = "format"
+    known_scores = (
+        (RewardInput(QUESTION, "<answer>42</answer>"), 1.0),
+        (RewardInput(QUESTION, "<answer></answer>"), 0.0),
+    )
+
+
+class TestFormatRewardFullmatch(RewardContract):
+    backend = "format"
+    options = {"pattern": r"\s*<answer>.*</answer>\s*", "mode": "fullmatch"}
+
+
+class TestArithmeticTask(TaskContract):
+    backend = "arithmetic"
+    options = {"operations": ["+", "-", "*"], "eval_size": 16}
+
+
+class TestArithmeticTaskSmallSpace(TaskContract):
+    """A space of 36 problems, 8 held out: the stream repeats problems, never eval ones."""
+
+    backend = "arithmetic"
+    options = {"min_value": 1, "max_value": 6, "eval_size": 8}
+
+
+class TestFileTask(TaskContract):
+    """A file of 13 rows, smaller than what the kit asks for at once: it cycles through epochs."""
+
+    backend = "file"
+
+    @pytest.fixture(autouse=True)
+    def _data(self, tmp_path):
+        path = tmp_path / "problems.jsonl"
+        rows = [
+            {"id": f"r{i}", "prompt": f"What is {i} * 3?", "answer": str(3 * i), "level": i % 3}
+            for i in range(10)
+        ] + [
+            {"prompt": [{"role": "user", "content": f"Say {w}."}], "answer": w}
+            for w in ("yes", "no", "maybe")
+        ]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        self.options = {"path": str(path), "eval_fraction": 0.2, "system_prompt": "Be brief."}
