@@ -12,9 +12,12 @@ check measured speed, not behaviour.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import time
-from typing import Callable, TypeVar
+from collections.abc import Iterator
+from typing import Any, Callable, TypeVar
 
 T = TypeVar("T")
 
@@ -48,3 +51,21 @@ def wait_until(
         if time.monotonic() >= deadline:
             raise AssertionError(f"gave up after {limit:g} s waiting for {what}")
         time.sleep(interval)
+
+
+@contextlib.contextmanager
+def hard_limit(seconds: int, message: str) -> Iterator[None]:
+    """Raise TimeoutError(``message``) in the main thread once ``seconds`` pass (SIGALRM),
+    so that a test whose code hangs fails instead of stalling the whole run. The
+    caller scales ``seconds``; the previous SIGALRM handler is put back afterwards."""
+
+    def expire(signum: int, frame: Any) -> None:  # runs in the main thread, between bytecodes
+        raise TimeoutError(message)
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(max(1, int(seconds)))
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -63,7 +63,7 @@ from typing import Any, ClassVar, Iterator, Mapping, Sequence
 import pytest
 
 from forgerl.testing.endpoints import Endpoint
-from forgerl.testing.timing import scaled, wait_until
+from forgerl.testing.timing import hard_limit, scaled, wait_until
 from forgerl.testing.transport_receiver import make_weights
 from forgerl.testing.transport_support import (
     SLACK_S,
@@ -130,17 +130,8 @@ class TransportContract:
     def _hard_timeout(self, request: pytest.FixtureRequest) -> Iterator[None]:
         name = getattr(request.function, "__name__", "")
         limit = max(1, int(scaled(self.hard_limits.get(name, self.default_hard_limit))))
-
-        def expire(signum: int, frame: Any) -> None:  # runs in the main thread, between bytecodes
-            raise TimeoutError(f"{request.node.nodeid} ran past its hard timeout of {limit} s")
-
-        previous = signal.signal(signal.SIGALRM, expire)
-        signal.alarm(limit)
-        try:
+        with hard_limit(limit, f"{request.node.nodeid} ran past its hard timeout of {limit} s"):
             yield
-        finally:
-            signal.alarm(0)
-            signal.signal(signal.SIGALRM, previous)
 
     # ------------------------------------------------------------------- hooks
 

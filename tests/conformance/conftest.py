@@ -4,11 +4,10 @@ transport that hangs fails its test with a message instead of stalling the whole
 
 from __future__ import annotations
 
-import signal
-
 import pytest
 
 from forgerl.testing.endpoints import Endpoint
+from forgerl.testing.timing import hard_limit
 
 from ..helpers.requires import require_mooncake
 from ..helpers.timing import scaled
@@ -29,17 +28,8 @@ def _hard_timeout(request: pytest.FixtureRequest):
     marker = request.node.get_closest_marker("hard_timeout")
     # The marker's seconds are for an idle machine: stretched like every test deadline.
     limit = int(scaled(marker.args[0] if marker else DEFAULT_LIMIT_S))
-
-    def expire(signum, frame):  # runs in the main thread, between bytecodes
-        raise TimeoutError(f"{request.node.nodeid} ran past its hard timeout of {limit} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(limit)
-    try:
+    with hard_limit(limit, f"{request.node.nodeid} ran past its hard timeout of {limit} s"):
         yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture(params=TRANSPORTS)

@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from forgerl.testing.endpoints import Endpoint
+from forgerl.testing.timing import hard_limit
 from forgerl.testing.transport_receiver import make_weights
 
 with warnings.catch_warnings():
@@ -64,17 +65,10 @@ def endpoints():
     """Helper processes of the test; resumed and killed at teardown whatever happened."""
     started: list[Endpoint] = []
     limit = int(scaled(HARD_LIMIT_S))
-
-    def expire(signum, frame):
-        raise TimeoutError(f"the transport stall test ran past {limit} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(limit)
     try:
-        yield started
+        with hard_limit(limit, f"the transport stall test ran past {limit} s"):
+            yield started
     finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
         for ep in started:
             if ep.alive():
                 os.kill(ep.pid, signal.SIGCONT)
