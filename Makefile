@@ -3,7 +3,7 @@
 VENV := .venv
 STAMP := $(VENV)/.forgerl-setup
 
-.PHONY: setup demo test test-fast test-stress clean
+.PHONY: setup demo test test-fast test-stress lint clean
 
 setup: $(STAMP)
 
@@ -20,6 +20,10 @@ test: setup
 # The suite under load: two busy loops on the cores, deadlines x3 (scripts/stress.sh).
 test-stress: setup
 	bash scripts/stress.sh
+
+# Static checks, as CI runs them: ruff's lint rules (configured in pyproject.toml).
+lint: setup
+	$(VENV)/bin/ruff check .
 
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not integration" tests

@@ -5,8 +5,8 @@ completions with this module. It mirrors, for problems whose answer is an intege
 arithmetic task's), the default reward block of `forge run`:
 
     rewards:
-    - {name: math_answer, weight: 1.0}   # plugins/rewards/math_answer.py, default options
-    - {name: format, weight: 0.2}        # plugins/rewards/format.py, default options
+    - {name: math_answer, weight: 1.0}   # plugins/forgerl_plugins/rewards/math_answer.py, default options
+    - {name: format, weight: 0.2}        # plugins/forgerl_plugins/rewards/format.py, default options
 
 - math_answer: the last non-empty ``<answer>…</answer>`` (case-insensitive, across lines)
   holds the answer, and its last number must equal the reference (1.0); without such a

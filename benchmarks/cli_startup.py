@@ -35,8 +35,8 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         probe = subprocess.run(
             [sys.executable, "-c",
-             "import sys\nfrom forgerl.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
-             "print('torch' in sys.modules)" % (argv,)],
+             "import sys\nfrom forgerl.cli import main\ntry:\n"
+             f"    main({argv!r})\nexcept SystemExit:\n    pass\nprint('torch' in sys.modules)"],
             capture_output=True, text=True, check=True,
         )
         results[label] = {

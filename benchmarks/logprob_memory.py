@@ -32,7 +32,7 @@ def _load_logprobs():
     try:
         from forgerl.algorithms import logprobs
     except ImportError:  # not installed: logprobs.py has no package-relative imports
-        spec = importlib.util.spec_from_file_location("_forgerl_logprobs", REPO / "core" / "algorithms" / "logprobs.py")
+        spec = importlib.util.spec_from_file_location("_forgerl_logprobs", REPO / "core" / "forgerl" / "algorithms" / "logprobs.py")
         logprobs = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(logprobs)
     return logprobs

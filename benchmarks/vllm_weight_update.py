@@ -51,6 +51,7 @@ def memcpy_seconds(nbytes: int, repeat: int = 5) -> float:
 
 def check_logprobs(gen, model, tokenizer) -> float:
     import torch
+
     from forgerl.types import GenerationRequest, SamplingParams
 
     prompt = tokenizer.apply_chat_template(
@@ -68,8 +69,9 @@ def check_logprobs(gen, model, tokenizer) -> float:
 
 def main() -> None:
     import torch
-    from forgerl.types import WeightSet
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from forgerl.types import WeightSet
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2-135m-instruct")

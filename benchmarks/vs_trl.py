@@ -45,7 +45,7 @@ HERE = Path(__file__).resolve().parent
 TRL_VENV = ROOT / ".venv-trl"
 TRL_CONSTRAINTS = HERE / "trl-constraints.txt"
 sys.path.insert(0, str(HERE))
-import _trl_rewards
+import _trl_rewards  # noqa: E402 - found through the sys.path entry above
 
 #: Settings compared (P prompts x G completions per step, the task's operand range).
 SETTINGS = {
@@ -181,10 +181,11 @@ def model_folder() -> Path:
 def build_problems(setting: dict, model: Path) -> dict[str, list]:
     """The problems forgerl's arithmetic task gives a run with this setting, in order, with
     the prompt token ids forgerl sends to its generator."""
+    from transformers import AutoTokenizer
+
     from forgerl.rollout import Tokenizing
     from forgerl_plugins.tasks.arithmetic import ArithmeticTask
     from forgerl_plugins.tasks.options import ArithmeticOptions
-    from transformers import AutoTokenizer
 
     task = ArithmeticTask(ArithmeticOptions(min_value=setting["min_value"], max_value=setting["max_value"]),
                           seed=setting["seed"])

@@ -7,9 +7,10 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
+
 from forgerl_plugins.transports.common.layout import ALIGN, Layout, tensor_bytes
 from forgerl_plugins.transports.nccl.staging import Staging, Version
-from hypothesis import given, settings
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int8, torch.int64, torch.bool]
 

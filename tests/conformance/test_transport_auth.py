@@ -2,7 +2,7 @@
 
 For ``nccl`` and ``rdma`` the sender's control store listens on the run's interface only
 (loopback here) and every value the transports act on is signed with the run's secret
-(plugins/transports/common/auth.py). A receiver without the secret or with a wrong one is
+(plugins/forgerl_plugins/transports/common/auth.py). A receiver without the secret or with a wrong one is
 refused with a message that says so; a stranger who reaches the store's port (listing,
 reading and writing keys as any TCPStore client can) cannot register, and what it writes
 is never taken for the sender's: the legitimate receivers get the sender's weights,
@@ -171,9 +171,10 @@ def test_store_and_groups_listen_on_the_run_interface_only(name: str, endpoints:
 def test_receivers_without_the_secret_are_refused_and_the_sender_goes_on(
     name: str, endpoints: list, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from torch.distributed import PrefixStore
+
     from forgerl.errors import TransportError
     from forgerl_plugins.transports.common.auth import new_secret
-    from torch.distributed import PrefixStore
 
     caplog.set_level(logging.INFO)
     transport = create(name)

@@ -21,9 +21,10 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import yaml
@@ -570,7 +571,7 @@ def test_signal_during_start_up_stops_forge_at_once(tmp_path: Path, sig: int, co
 
         writer = wait_until(reader_is_waiting, 60, "forge to open its config for reading")
         proc.send_signal(sig)
-        out, err = proc.communicate(timeout=scaled(10))
+        _out, err = proc.communicate(timeout=scaled(10))
     finally:
         if writer is not None:
             os.close(writer)

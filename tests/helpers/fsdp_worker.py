@@ -33,6 +33,7 @@ def make_batch(rows: int, vocab_size: int, pad_id: int, seed: int = 0, length: i
     """A right-padded batch of prompt + completion rows with varied lengths, advantages
     of both signs and zero behaviour logprobs (set them with :func:`on_policy`)."""
     import torch
+
     from forgerl.types import TrainBatch
 
     gen = torch.Generator().manual_seed(seed)

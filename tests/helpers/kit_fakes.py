@@ -8,7 +8,8 @@ processes find these backends too.
 from __future__ import annotations
 
 import random
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from forgerl.backends import RewardBackend, TaskBackend
 from forgerl.hookspecs import hookimpl

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from forgerl.config import RunConfig
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext

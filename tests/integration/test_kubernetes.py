@@ -15,18 +15,20 @@ from typing import Any
 
 import pytest
 import yaml
+
 from forgerl.errors import JobNotFound, UserError
 from forgerl.types import JobSpec, JobState, JobStatus, Resources, RoleSpec
 from forgerl_plugins.schedulers.kubernetes.options import KubernetesSchedulerOptions
 
 kmock = pytest.importorskip("kmock")
 kubernetes = pytest.importorskip("kubernetes")
-from forgerl_plugins.schedulers.kubernetes.scheduler import (
+from kubernetes import client  # noqa: E402 - after the importorskip above
+
+from forgerl_plugins.schedulers.kubernetes.scheduler import (  # noqa: E402
     KubernetesScheduler,
     KubernetesUnreachable,
 )
-from kubernetes import client
-from tests.helpers.timing import scaled
+from tests.helpers.timing import scaled  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import pytest
+
 from forgerl.types import JobSpec, JobState, RoleSpec
 from forgerl_plugins.schedulers.local import LocalSchedulerOptions
 from forgerl_plugins.schedulers.local.scheduler import LocalScheduler

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from ..unit.fakedist import make_dist
 from ..helpers.timing import scaled, wait_until
+from ..unit.fakedist import make_dist
 
 pytestmark = pytest.mark.integration
 

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from forgerl.errors import ForgeError, JobNotFound, UserError
 from forgerl.types import JobSpec, JobState, Resources, RoleSpec
 from forgerl_plugins.schedulers.slurm.options import SlurmSchedulerOptions
@@ -255,7 +256,7 @@ def test_forge_run_on_slurm_waits_and_a_requeued_run_resumes(slurm, tmp_path):
         assert proc.poll() is None, proc.communicate()
         requeue = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True, check=False)
         assert requeue.returncode == 0, requeue.stderr
-        stdout, stderr = proc.communicate(timeout=scaled(400))
+        _stdout, stderr = proc.communicate(timeout=scaled(400))
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -23,9 +23,10 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -47,9 +48,10 @@ MAX_TOKENS = 16
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from forgerl_plugins.models import TinyModelOptions
     from forgerl_plugins.models.tiny import build_tiny_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     built = build_tiny_model(TinyModelOptions(hidden_size=128), cache_dir=tmp_path_factory.mktemp("models"))
     model = AutoModelForCausalLM.from_pretrained(built, dtype=torch.float32)
@@ -83,6 +85,8 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from forgerl import runs
     from forgerl.config import build_config, resolve
     from forgerl.interfaces import RunContext
@@ -95,7 +99,6 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
     from forgerl_plugins.transports.shm import ShmTransportOptions
     from forgerl_plugins.transports.shm.transport import ShmTransport
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     run_dir = tmp_path_factory.mktemp("vllm-run")
     registry = build_registry()
@@ -199,6 +202,7 @@ def _push(c: Cluster, version: int, scale: float = 0.02) -> None:
     """The trainer's half of a step: new weights (every tensor, the tied embedding too),
     sent through the transport while the generator loads them, as the loop does."""
     import torch
+
     from forgerl.types import WeightSet
 
     model = c.reference(c.version)

@@ -2,7 +2,7 @@
 
 The servers run in vLLM's dev mode (weight updates go through ``/collective_rpc``,
 ``/pause``, ``/resume``, ``/reset_prefix_cache``), and vLLM's own ``--api-key`` check
-guards only ``/v1``-style paths. The plugin's middleware (plugins/generators/vllm/auth.py)
+guards only ``/v1``-style paths. The plugin's middleware (plugins/forgerl_plugins/generators/vllm/auth.py)
 guards every path. The first tests drive the middleware with plain ASGI messages; the
 rest start one real server through the plugin's server role, exactly as a run does, and
 call every route it serves without the key, with a wrong key and with the right one.

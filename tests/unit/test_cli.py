@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.helpers.timing import scaled
 
 FORGE = [sys.executable, "-m", "forgerl.cli"]

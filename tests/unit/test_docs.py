@@ -164,7 +164,7 @@ def _env_reads_in_python(path: Path) -> set[str]:
     variables of their own for the processes they start; those are not knobs.)"""
 
     def is_environ(node: ast.AST) -> bool:
-        return isinstance(node, ast.Attribute) and node.attr == "environ" or (
+        return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
             isinstance(node, ast.Name) and node.id == "environ"
         )
 
@@ -236,8 +236,8 @@ def test_documented_environment_variables_exist():
 
 
 def test_plugin_switches_are_in_the_hook_reference():
-    # The plugin manager's modules (core/plugins.py, and any it is split into).
-    switches = set().union(*(_env_names_in_python(p) for p in (REPO / "core").glob("*plugin*.py")))
+    # The plugin manager's modules (core/forgerl/plugins.py, and any it is split into).
+    switches = set().union(*(_env_names_in_python(p) for p in (REPO / "core" / "forgerl").glob("*plugin*.py")))
     assert "FORGE_PLUGINS" in switches
     missing = switches - env_names_in_table("hooks.md", "## Environment switches")
     assert not missing, f"plugin switches missing from docs/hooks.md: {sorted(missing)}"
@@ -247,28 +247,28 @@ def test_plugin_switches_are_in_the_hook_reference():
 
 
 def loop_metric_keys() -> set[str]:
-    """Every key core/loop.py puts in a metrics.jsonl row (``<>`` for a computed part),
-    with the reward component names of core/rewarding.py filled into ``reward/<>``."""
-    loop = REPO / "core" / "loop.py"
+    """Every key core/forgerl/loop.py puts in a metrics.jsonl row (``<>`` for a computed part),
+    with the reward component names of core/forgerl/rewarding.py filled into ``reward/<>``."""
+    loop = REPO / "core" / "forgerl" / "loop.py"
     train_one, evaluate = function(loop, "train_one"), function(loop, "evaluate")
     keys = dict_literal_keys(train_one) | subscript_keys(train_one, "row") | dict_literal_keys(evaluate)
-    components = subscript_keys(function(REPO / "core" / "rewarding.py", "_combine"), "components")
-    assert components, "core/rewarding.py: no reward component keys found"
-    for key in [k for k in keys if k.startswith("reward/") and "<>" in k]:
+    components = subscript_keys(function(REPO / "core" / "forgerl" / "rewarding.py", "_combine"), "components")
+    assert components, "core/forgerl/rewarding.py: no reward component keys found"
+    if any(k.startswith("reward/") and "<>" in k for k in keys):
         keys |= {"reward/" + c for c in components}
     return keys
 
 
 def algorithm_metric_keys() -> set[str]:
-    """``METRIC_KEYS`` of core/algorithms/loss.py, read without importing torch."""
-    for node in ast.parse((REPO / "core" / "algorithms" / "loss.py").read_text()).body:
+    """``METRIC_KEYS`` of core/forgerl/algorithms/loss.py, read without importing torch."""
+    for node in ast.parse((REPO / "core" / "forgerl" / "algorithms" / "loss.py").read_text()).body:
         if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "METRIC_KEYS":
             return set(ast.literal_eval(node.value))
-    raise AssertionError("core/algorithms/loss.py has no METRIC_KEYS")
+    raise AssertionError("core/forgerl/algorithms/loss.py has no METRIC_KEYS")
 
 
 def fsdp_metric_keys() -> set[str]:
-    trainer = REPO / "plugins" / "trainers" / "fsdp" / "trainer.py"
+    trainer = REPO / "plugins" / "forgerl_plugins" / "trainers" / "fsdp" / "trainer.py"
     return subscript_keys(function(trainer, "train_step"), "metrics")
 
 

@@ -415,9 +415,9 @@ def test_server_generator_parts_of_the_generator_tutorial(mini_src: Path, tmp_pa
     from types import SimpleNamespace
 
     import torch
+    from forgerl_myengine.roles import roles
 
     from forgerl.types import WeightSet
-    from forgerl_myengine.roles import roles
 
     ctx = run_context(tmp_path)
     [role] = roles(SimpleNamespace(replicas=2, gpus_per_replica=1, max_restarts=3), context=ctx)

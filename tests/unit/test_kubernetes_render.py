@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 import yaml
+from pydantic import ValidationError
+
 from forgerl.errors import ConfigError
 from forgerl.types import JobSpec, Resources, RoleSpec
 from forgerl_plugins.schedulers.kubernetes.manifests import render_objects, render_yaml
 from forgerl_plugins.schedulers.kubernetes.options import KubernetesSchedulerOptions
-from pydantic import ValidationError
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 jsonschema = pytest.importorskip("jsonschema")

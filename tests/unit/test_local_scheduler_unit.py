@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+
 from forgerl.errors import JobNotFound, SchedulerError
 from forgerl.plugins import build_registry
 from forgerl.types import JobSpec, RoleSpec

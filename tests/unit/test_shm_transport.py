@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from forgerl.config import RunConfig
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext
@@ -138,7 +139,7 @@ def test_reader_never_sees_a_partial_version(tmp_path):
                 got = dict(receiver.receive(v, timeout=scaled(10)))
                 assert torch.equal(got["w"], torch.full((50_000,), float(v))), f"version {v} torn"
                 seen.append(v)
-        except BaseException as exc:  # reported by the main thread
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
 
     reader = threading.Thread(target=read_all)

@@ -2,7 +2,7 @@
 
 The trainer skips FSDP on one rank, runs the LM head only at loss positions, groups
 rows of like length into micro-batches, takes the "old" logprobs from the update
-forward and steps a fused AdamW (see plugins/trainers/fsdp/trainer.py). None of that may
+forward and steps a fused AdamW (see plugins/forgerl_plugins/trainers/fsdp/trainer.py). None of that may
 change what a step computes: here the same batch goes through a reference written the
 obvious way (one forward over the whole batch, full-vocabulary ``log_softmax``, a separate
 no-grad forward for the old policy, ``clip_grad_norm_``, the per-tensor AdamW loop) and

@@ -14,9 +14,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from forgerl_plugins.generators.vllm import liveness
 from forgerl_plugins.generators.vllm.server import free_port, healthy
-
 from tests.helpers.timing import wait_until
 
 SERVER = textwrap.dedent(
@@ -86,7 +86,7 @@ def test_a_server_that_answers_is_left_alone_until_it_exits(server):
 
 
 def test_a_launcher_that_is_stopping_does_not_kill(server):
-    child, engine, url = server
+    child, _engine, _url = server
     os.kill(child.pid, signal.SIGSTOP)
     stopping = [False]
 

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from forgerl.config import RunConfig
 from forgerl.errors import GeneratorUnreachable
 from forgerl.interfaces import RunContext

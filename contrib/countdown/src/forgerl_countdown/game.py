@@ -6,8 +6,9 @@ import ast
 import random
 import re
 from collections import Counter
+from collections.abc import Mapping
 from fractions import Fraction
-from typing import Any, Mapping
+from typing import Any
 
 from forgerl.interfaces import Reward, Task
 from forgerl.types import Problem, RewardInput, RewardResult

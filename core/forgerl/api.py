@@ -1,0 +1,125 @@
+"""The embedding API: build a registry, load a config, run or submit it from Python.
+
+See docs/embedding.md for a runnable example.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from forgerl import runs
+from forgerl.config import RunConfig, build_config, resolve
+from forgerl.interfaces import Scheduler
+from forgerl.plugins import Registry, build_registry
+from forgerl.types import JobHandle, JobSpec, JobStatus
+
+
+def load_config(
+    file: str | Path | None = None,
+    *,
+    sets: Iterable[str] = (),
+    flags: Mapping[str, Any] | None = None,
+    registry: Registry | None = None,
+    base: Mapping[str, Any] | None = None,
+    check_available: bool = False,
+) -> RunConfig:
+    """Defaults < ``base`` < ``file`` < ``flags`` < ``sets`` (``"dotted.key=value"``),
+    validated, with every backend's options checked and filled in by the backend."""
+    registry = registry or build_registry()
+    config = build_config(file, sets=sets, flags=flags, base=base)
+    return resolve(config, registry, check_available=check_available)
+
+
+@dataclass
+class Submission:
+    """A submitted run: its directory, its scheduler and the scheduler's handle."""
+
+    run_dir: Path
+    handle: JobHandle
+    scheduler: Scheduler
+    job: JobSpec
+
+    def wait(self, timeout: float | None = None) -> JobStatus:
+        return self.scheduler.wait(self.handle, timeout)
+
+    def summary(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.run_dir / runs.SUMMARY_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+
+
+@dataclass
+class Plan:
+    """What a run would do, before anything starts: for ``--dry-run`` and for submit."""
+
+    config: RunConfig
+    run_dir: Path
+    job: JobSpec
+    scheduler: Scheduler
+    resumed: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def render(self) -> str:
+        return self.scheduler.render(self.job)
+
+
+def plan(
+    config: RunConfig,
+    *,
+    registry: Registry | None = None,
+    resume_dir: str | Path | None = None,
+    create: bool = True,
+) -> Plan:
+    """Resolve backends (they must be available here), choose the run directory, build the
+    job and run the pre-flight checks (:mod:`forgerl.preflight`). With ``create`` the run
+    directory is then created and config.yaml written: a mistake found before that leaves
+    nothing behind."""
+    from forgerl import preflight
+
+    registry = registry or build_registry()
+    config = resolve(config, registry, check_available=True)
+    scheduler = registry.require("scheduler", config.scheduler.name).build(config.scheduler.options)
+    if create:
+        scheduler.check()  # e.g. no sbatch: fail before a run directory appears
+    fresh = resume_dir is None
+    run_dir = runs.planned_run_dir(config) if fresh else runs.existing_run_dir(resume_dir)
+    if create or not fresh:
+        config = config.model_copy(update={"output": str(run_dir)})
+    job = runs.build_job(config, registry, run_dir)
+    preflight.check_run(config, registry, scheduler, job, run_dir=run_dir, fresh=fresh)
+    if create:
+        if fresh:
+            runs.new_run_dir(config, run_dir)
+        runs.write_config(run_dir, config)
+    return Plan(config, run_dir, job, scheduler, resumed=resume_dir is not None)
+
+
+def submit(
+    config: RunConfig,
+    *,
+    registry: Registry | None = None,
+    resume_dir: str | Path | None = None,
+) -> Submission:
+    """Start the run through its scheduler and return at once (the local scheduler's
+    processes run until :meth:`Submission.wait` supervises them)."""
+    p = plan(config, registry=registry, resume_dir=resume_dir)
+    handle = p.scheduler.submit(p.job)
+    runs.write_submission(p.run_dir, handle)
+    return Submission(p.run_dir, handle, p.scheduler, p.job)
+
+
+def run(
+    config: RunConfig,
+    *,
+    registry: Registry | None = None,
+    resume_dir: str | Path | None = None,
+    timeout: float | None = None,
+) -> tuple[JobStatus, Submission]:
+    """Submit the run and wait for it to end; returns the final status and the submission."""
+    sub = submit(config, registry=registry, resume_dir=resume_dir)
+    return sub.wait(timeout), sub

@@ -1,0 +1,296 @@
+"""Backend records: what a plugin's hooks return to make a backend selectable by name.
+
+A record names a backend, carries its options model (pydantic, ``extra="forbid"``) and a
+factory. The factory may be given as ``"module:attr"`` so that listing backends never
+imports a heavy dependency: the module is imported only when the backend is built.
+
+Each kind of record builds its backend with one typed method, ``build``, whose keyword
+arguments are the runtime objects of that kind (:mod:`forgerl.contract`): it validates
+the options once into the options model and calls ``factory(options_model, **runtime)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
+
+from forgerl.contract import check_factory
+from forgerl.errors import BackendContractError, BackendLoadError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from pydantic import BaseModel
+
+    from forgerl.interfaces import Generator, Reward, RunContext, Scheduler, Task, Trainer, Transport
+    from forgerl.types import RoleSpec
+
+#: What ``build`` takes as options: the validated model, or a mapping (a config's options
+#: block) validated by ``build`` itself, or None for all defaults.
+Options: TypeAlias = "BaseModel | Mapping[str, Any] | None"
+
+# Listing backends (`forge --help`, `forge plugins list`) must stay fast: records may name
+# their options model as "module:attr", imported only when options are validated, so that
+# registration modules need not import pydantic at all.
+NO_OPTIONS = "forgerl.options:NoOptions"
+
+
+@dataclass(frozen=True)
+class Backend:
+    """Base record. ``kind`` is fixed per subclass ("generator", "trainer", ...)."""
+
+    kind: ClassVar[str] = "backend"
+
+    name: str
+    factory: Callable[..., Any] | str | None
+    #: The options model (a pydantic model with extra="forbid"), or "module:attr".
+    options: type[BaseModel] | str = NO_OPTIONS
+    description: str = ""
+    #: Importable modules the backend needs at run time (checked without importing).
+    requires: tuple[str, ...] = ()
+    #: The pip extra of the distribution that installs ``requires``.
+    extra: str | None = None
+    #: The distribution whose extra it is (first-party backends: forgerl).
+    extra_of: str = "forgerl"
+    #: Overrides the pip-extra hint when installing is not a plain extra.
+    install_hint: str | None = None
+    #: False for a backend that is registered but whose implementation has not landed.
+    implemented: bool = True
+    #: Free-form facts for ``forge plugins list`` (e.g. how it is installed).
+    info: dict[str, Any] = field(default_factory=dict)
+    #: Optional cheap check run by ``forge run`` before anything is created or started:
+    #: ``preflight(options)`` with the validated options raises a UserError for what the
+    #: user must fix (a missing or unreadable data file). "module:attr" is imported only then.
+    preflight: Callable[..., Any] | str | None = None
+    #: Set by the registry, not by plugins: "plugin NAME (DISTRIBUTION VERSION)", so that
+    #: a failure to import the implementation says whose it is.
+    provider: str = field(default="", compare=False)
+
+    def unavailable_reason(self) -> str | None:
+        """None when the backend can be used here, else one line saying why and what to do."""
+        if not self.implemented:
+            return "not implemented yet"
+        missing = [m for m in self.requires if not _importable(m)]
+        if missing:
+            what = ", ".join(missing)
+            if self.install_hint:
+                return f"needs {what}: {self.install_hint}"
+            if self.extra:
+                return f"needs {what}: pip install '{self.extra_of}[{self.extra}]'"
+            return f"needs {what}: pip install {missing[0]}"
+        return None
+
+    def load_factory(self) -> Callable[..., Any]:
+        if self.factory is None:
+            raise TypeError(f"{self.kind} {self.name!r} has no factory")
+        return self.load_part(self.factory, "factory")
+
+    def load_part(self, ref: Any, part: str) -> Any:
+        """``ref`` itself, or the object a "module:attr" ref names. A module that fails to
+        import (a missing dependency, a bug in the plugin) is a :class:`BackendLoadError`:
+        one line naming the backend, its plugin and where the import failed."""
+        if not isinstance(ref, str):
+            return ref
+        try:
+            return _import(ref)
+        except Exception as exc:
+            raise BackendLoadError(self._load_failure(ref, part, exc)) from exc
+
+    def _load_failure(self, ref: str, part: str, exc: Exception) -> str:
+        # The cause first: schedulers show a failed run's last log line shortened.
+        where = _failing_line(exc)
+        message = (
+            f"{self._label()} cannot be loaded: {type(exc).__name__}: {exc} "
+            f"(importing its {part} {ref!r}{f', at {where}' if where else ''})"
+        )
+        return " ".join(message.split())
+
+    @property
+    def options_model(self) -> type[BaseModel]:
+        """The options model, imported on first use when given as "module:attr"."""
+        return self.load_part(self.options, "options model")
+
+    def _build(self, options: Options, **runtime: Any) -> Any:
+        """``factory(validated options, **runtime)``: the one way every kind is built. The
+        options are validated here once (a model of the right class passes as is); a
+        factory that cannot take ``runtime`` is refused before it is called."""
+        return self._call(self.factory, "factory", self.kind, self.validate_options(options), runtime)
+
+    def _call(self, ref: Any, part: str, what: str, options: BaseModel, runtime: Mapping[str, Any]) -> Any:
+        if ref is None:
+            raise TypeError(f"{self.kind} {self.name!r} has no {part}")
+        target = self.load_part(ref, part)
+        check_factory(what, self._label(), ref, target, runtime)
+        return target(options, **runtime)
+
+    def _label(self) -> str:
+        return f"{self.kind} {self.name!r}" + (f" of {self.provider}" if self.provider else "")
+
+    def check_before_run(self, options: Options) -> None:
+        """Run the backend's :attr:`preflight` check (if it declares one) on ``options``."""
+        if self.preflight is None:
+            return
+        check = self.load_part(self.preflight, "preflight check")
+        check(self.validate_options(options))
+
+    def validate_options(self, options: Options) -> BaseModel:
+        model = self.options_model
+        if isinstance(options, model):
+            return options
+        return model.model_validate(options or {})
+
+
+def lazy_options(package: str, names: tuple[str, ...]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for a registration module whose options models live in
+    ``<package>.options``: ``from pkg import XOptions`` keeps working, and listing
+    backends still never imports pydantic."""
+
+    def __getattr__(name: str) -> Any:
+        if name in names:
+            return getattr(importlib.import_module(f"{package}.options"), name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return __getattr__
+
+
+def _import(ref: str) -> Any:
+    module_name, _, attr = ref.partition(":")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split(".") if attr else ():
+        obj = getattr(obj, part)
+    return obj
+
+
+def _failing_line(exc: BaseException) -> str | None:
+    """"file:line" of the plugin code where an import failed, skipping the import
+    machinery (and this module): the line a plugin author has to look at."""
+    here = os.path.abspath(__file__)
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith("<") and os.path.abspath(f.filename) != here
+        and os.sep + os.path.join("importlib", "__init__.py") not in f.filename
+    ]
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@dataclass(frozen=True)
+class GeneratorBackend(Backend):
+    """``factory(options, *, context: RunContext, transport: Transport) -> Generator``.
+
+    ``transport`` is the run's transport: the generator receives new weights through
+    receivers it makes from it (``transport.receiver(...)`` in this process, or
+    ``transport.receiver_spec()`` handed to the engine's worker processes).
+
+    ``roles`` (optional) is ``roles(options, *, context: RunContext) -> list[RoleSpec]``:
+    server processes the scheduler must start beside the trainer (e.g. vLLM replicas).
+    In-process generators have none.
+    """
+
+    kind: ClassVar[str] = "generator"
+    roles: Callable[..., Any] | str | None = None
+
+    def build(self, options: Options, *, context: RunContext, transport: Transport) -> Generator:
+        return self._build(options, context=context, transport=transport)
+
+    def server_roles(self, options: Options, *, context: RunContext) -> list[RoleSpec]:
+        """The server roles of a run (none when the generator declares no ``roles``)."""
+        if self.roles is None:
+            return []
+        validated = self.validate_options(options)
+        return list(self._call(self.roles, "roles", "generator roles", validated, {"context": context}))
+
+
+@dataclass(frozen=True)
+class TrainerBackend(Backend):
+    """``factory(options, *, context: RunContext) -> Trainer`` (called on every trainer rank)."""
+
+    kind: ClassVar[str] = "trainer"
+
+    def build(self, options: Options, *, context: RunContext) -> Trainer:
+        return self._build(options, context=context)
+
+
+@dataclass(frozen=True)
+class RewardBackend(Backend):
+    """``factory(options) -> Reward``."""
+
+    kind: ClassVar[str] = "reward"
+
+    def build(self, options: Options) -> Reward:
+        from forgerl.interfaces import Reward
+
+        reward = self._build(options)
+        if isinstance(reward, Reward) and not reward.implements_scoring():
+            raise BackendContractError(
+                f"{self._label()}: {type(reward).__name__} implements neither score nor ascore; "
+                "a Reward must override one of them"
+            )
+        return reward
+
+
+@dataclass(frozen=True)
+class TransportBackend(Backend):
+    """``factory(options, *, context: RunContext | None) -> Transport``; ``context`` is None
+    for a transport built outside a run (a receiver in a generator's worker process)."""
+
+    kind: ClassVar[str] = "transport"
+
+    def build(self, options: Options, *, context: RunContext | None) -> Transport:
+        return self._build(options, context=context)
+
+
+@dataclass(frozen=True)
+class SchedulerBackend(Backend):
+    """``factory(options) -> Scheduler``."""
+
+    kind: ClassVar[str] = "scheduler"
+
+    def build(self, options: Options) -> Scheduler:
+        return self._build(options)
+
+
+@dataclass(frozen=True)
+class TaskBackend(Backend):
+    """``factory(options, *, seed: int) -> Task``."""
+
+    kind: ClassVar[str] = "task"
+
+    def build(self, options: Options, *, seed: int) -> Task:
+        return self._build(options, seed=seed)
+
+
+@dataclass(frozen=True)
+class ModelBackend(Backend):
+    """A named model source: ``factory(options, *, cache_dir: Path) -> Path`` returns a
+    local Hugging Face folder (building or converting it on first use)."""
+
+    kind: ClassVar[str] = "model"
+
+    def build(self, options: Options, *, cache_dir: Path) -> Path:
+        return Path(self._build(options, cache_dir=cache_dir))
+
+
+BACKEND_KINDS: dict[str, type[Backend]] = {
+    cls.kind: cls
+    for cls in (
+        GeneratorBackend,
+        TrainerBackend,
+        RewardBackend,
+        TransportBackend,
+        SchedulerBackend,
+        TaskBackend,
+        ModelBackend,
+    )
+}

@@ -1,0 +1,262 @@
+"""The interfaces every backend implements.
+
+Each is a small abstract class: the methods forgerl really calls, and nothing else. A
+backend is a class implementing one of them plus a record (see :mod:`forgerl.backends`)
+that names it and says how to build it. How each kind is built (its validated options
+model, then named runtime arguments such as the :class:`RunContext`) is the build
+contract of :mod:`forgerl.contract`.
+
+What a caller may use only when the backend says it can is a capability flag on the class
+(``Scheduler.supports_logs``), checked before the call; nothing here raises
+NotImplementedError at run time.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from forgerl.errors import SchedulerError
+from forgerl.types import (
+    Completion,
+    GenerationRequest,
+    JobHandle,
+    JobSpec,
+    JobStatus,
+    Problem,
+    RewardInput,
+    RewardResult,
+    TrainBatch,
+    WeightSet,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from forgerl.config import RunConfig
+
+
+@dataclass
+class RunContext:
+    """What a backend may know about the run it is part of.
+
+    ``model_path`` is a local Hugging Face folder (resolved by the core before backends
+    are built). ``rank``/``world_size`` describe this process among the trainer ranks.
+    Other backends a backend works with (a generator's transport) are build arguments of
+    their own (:mod:`forgerl.contract`), not part of the context.
+    """
+
+    config: RunConfig
+    run_dir: Path
+    model_path: Path | None = None
+    rank: int = 0
+    world_size: int = 1
+
+
+class Closeable:
+    def close(self) -> None:
+        """Release processes, ports, memory. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Task(abc.ABC):
+    """Where prompts and reference answers come from.
+
+    Called on trainer rank 0 only. ``next_problems`` must be deterministic given the
+    seed and the state restored by :meth:`load_state_dict` (exact resume relies on it).
+    """
+
+    @abc.abstractmethod
+    def next_problems(self, n: int) -> list[Problem]:
+        """The next ``n`` training problems (cycling through the data as needed)."""
+
+    @abc.abstractmethod
+    def eval_problems(self) -> list[Problem]:
+        """The held-out split, the same list every call."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position in the data and RNG state, JSON-serialisable."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027 - optional, like state_dict
+        """Restore what :meth:`state_dict` returned."""
+
+
+class Generator(Closeable, abc.ABC):
+    """Prompts → completions with token ids and per-token sampling logprobs.
+
+    Called from trainer rank 0 (a rollout thread with its own event loop). May raise
+    :class:`~forgerl.errors.GeneratorError` (or ``GeneratorUnreachable`` when no replica
+    answers). The loop does not watch a generator's health: a generator with several
+    replicas retries a failed request on another one and keeps a failed replica out of
+    service itself, and one whose engine is gone raises from :meth:`generate`.
+    """
+
+    @abc.abstractmethod
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
+        """``requests[i].n`` completions for each request, in request order."""
+
+    @abc.abstractmethod
+    def update_weights(self, version: int) -> None:
+        """Receive weight version ``version`` through the transport the generator was
+        built with (its ``transport`` build argument) and load it.
+
+        Called while the transport's sender sends that version (possibly concurrently,
+        in another thread). After it returns every new completion reports ``version``.
+        Raises :class:`~forgerl.errors.TransportError` on failure or timeout; the
+        generator then keeps serving the last complete version.
+        """
+
+    @property
+    @abc.abstractmethod
+    def policy_version(self) -> int:
+        """The weight version currently served."""
+
+
+class Trainer(Closeable, abc.ABC):
+    """Optimises the policy. SPMD: every trainer rank calls every method, in the same order.
+
+    The train/inference logprob gap is a metric of :meth:`train_step` (``logprob_gap/*``
+    from :func:`forgerl.algorithms.policy_loss`, given the batch's behaviour logprobs): the
+    loss's own forward pass computes the trainer's logprobs, so no separate pass is asked for.
+    """
+
+    @abc.abstractmethod
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimiser step on ``batch`` (each rank passes the same full batch; the
+        trainer splits it across ranks and micro-batches). Returns metrics (same on all
+        ranks), including the algorithm's metrics."""
+
+    @abc.abstractmethod
+    def export_weights(self, version: int) -> WeightSet | None:
+        """Full weights under Hugging Face names; a WeightSet on rank 0, None elsewhere."""
+
+    @abc.abstractmethod
+    def save(self, path: Path) -> None:
+        """Save model and optimiser state under ``path`` (a directory; all ranks call)."""
+
+    @abc.abstractmethod
+    def load(self, path: Path) -> None:
+        """Load what :meth:`save` wrote."""
+
+
+class Reward(abc.ABC):  # noqa: B024 - score or ascore, checked when built (see below)
+    """Scores a finished sample.
+
+    Implement :meth:`score` (blocking; the core runs it in a worker process, built there
+    from the backend's name and options, and kills that process on timeout) or override
+    :meth:`ascore` (run on the event loop; it must not block). Return a float or a
+    :class:`RewardResult`. Raising is allowed: the core scores that sample as failed and
+    the run goes on. A reward that implements neither is refused when it is built.
+    """
+
+    def score(self, sample: RewardInput) -> float | RewardResult:
+        raise TypeError(f"{type(self).__name__} implements neither score nor ascore")
+
+    async def ascore(self, sample: RewardInput) -> float | RewardResult:
+        return await asyncio.to_thread(self.score, sample)
+
+    @classmethod
+    def implements_scoring(cls) -> bool:
+        """Whether the class overrides :meth:`score` or :meth:`ascore`."""
+        return cls.score is not Reward.score or cls.ascore is not Reward.ascore
+
+
+class TransportSender(Closeable, abc.ABC):
+    """The trainer-side half of a transport (trainer rank 0)."""
+
+    @abc.abstractmethod
+    def send(self, weights: WeightSet, timeout: float | None = None) -> None:
+        """Make ``weights`` available to every receiver. Returns when delivered (or
+        published, for pull-based transports). Raises TransportTimeout naming the
+        receivers that did not complete."""
+
+
+class TransportReceiver(Closeable, abc.ABC):
+    """The generator-side half, living inside the generator's workers."""
+
+    @abc.abstractmethod
+    def receive(self, version: int, timeout: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Named tensors of ``version`` (complete, never partial). Raises
+        TransportTimeout when it does not arrive in time."""
+
+    @abc.abstractmethod
+    def latest_version(self) -> int | None:
+        """The newest version the sender has made available, or None before the first.
+        A worker that starts late (a restarted generator) asks for this version instead
+        of waiting for one that has already gone by. Does not block for long."""
+
+
+class Transport(Closeable, abc.ABC):
+    """Builds the two halves. Must be reconstructible in another process from the same
+    options and :meth:`receiver_spec` (a JSON-able dict). :meth:`close` releases what
+    the transport object itself holds (a control store, a directory it created); the run
+    closes it after its sender."""
+
+    @abc.abstractmethod
+    def sender(self) -> TransportSender: ...
+
+    @abc.abstractmethod
+    def receiver(self, worker_id: str, spec: Mapping[str, Any] | None = None) -> TransportReceiver: ...
+
+    def receiver_spec(self) -> dict[str, Any]:
+        """What a receiver in another process needs to connect (addresses, paths)."""
+        return {}
+
+
+class Scheduler(abc.ABC):
+    """Turns a JobSpec into running processes.
+
+    ``forge run`` calls :meth:`check`, :meth:`render` (``--dry-run``), :meth:`submit` and
+    :meth:`wait`; ``forge status|cancel`` call :meth:`status`/:meth:`cancel`; ``forge logs``
+    calls :meth:`logs` only when :attr:`supports_logs` says it can.
+    """
+
+    #: Whether ``submit`` returns while the job runs elsewhere (slurm, kubernetes), so
+    #: that ``forge status|logs|cancel`` make sense, or runs it in the foreground (local).
+    detached: bool = True
+    #: Whether the job's processes see this machine's files at the same paths (local,
+    #: Slurm on a shared filesystem). When False (Kubernetes pods), `forge run` does not
+    #: check the task files and model folder here before submitting: they live in the
+    #: pods' volumes.
+    shares_filesystem: bool = True
+    #: Whether :meth:`logs` can show a job's logs. When False, ``forge logs`` says so in
+    #: one line (the logs are still files in the run directory) instead of calling it.
+    supports_logs: ClassVar[bool] = False
+
+    def check(self) -> None:  # noqa: B027 - optional: most schedulers can always submit
+        """Raise a user-fixable error when this scheduler cannot submit from here (no
+        sbatch on PATH, no kubeconfig). Called before anything is created or submitted."""
+
+    @abc.abstractmethod
+    def submit(self, job: JobSpec) -> JobHandle: ...
+
+    @abc.abstractmethod
+    def status(self, job_id: str) -> JobStatus: ...
+
+    @abc.abstractmethod
+    def cancel(self, job_id: str) -> None: ...
+
+    @abc.abstractmethod
+    def wait(self, handle: JobHandle, timeout: float | None = None) -> JobStatus:
+        """Block until the job ends and return its final status (``forge run`` in the
+        foreground, ``--wait``). With ``timeout``, give up after that many seconds: return
+        the job's current status, or raise SchedulerError; the job itself goes on."""
+
+    def logs(self, job_id: str, role: str | None = None) -> Iterator[str]:
+        """Lines of the job's logs (all roles, or one). Only called when
+        :attr:`supports_logs` is True: a scheduler that sets it overrides this."""
+        raise SchedulerError(f"{type(self).__name__} shows no logs (its supports_logs is False)")
+
+    def render(self, job: JobSpec) -> str:
+        """What ``--dry-run`` prints: the script or manifests that would be submitted."""
+        return repr(job)

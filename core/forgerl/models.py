@@ -1,0 +1,93 @@
+"""Turning ``model.name`` into a local Hugging Face folder.
+
+A name is, in this order: a named model a plugin provides (``forge plugins list`` shows
+them; built or converted once into the cache directory), an existing local folder with a
+``config.json``, or a hub id, fetched with huggingface_hub where the network allows
+(``HF_HUB_OFFLINE=1`` uses only what the hub cache already holds).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from forgerl.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.config import ModelConfig
+    from forgerl.plugins import Registry
+
+#: Files a model folder needs; weights only as safetensors (pickled .bin files are neither
+#: fetched nor loaded).
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"]
+
+
+def default_cache_dir() -> Path:
+    """Where named models are built: ``$FORGE_CACHE_DIR`` or ``~/.cache/forgerl/models``."""
+    env = os.environ.get("FORGE_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "forgerl" / "models"
+
+
+def resolve_model(model_config: ModelConfig, registry: Registry, cache_dir: Path | None = None) -> Path:
+    """The local folder of ``model_config.name`` (see the module docstring for the order)."""
+    name = model_config.name
+    if name in registry.backends("model"):
+        backend = registry.require("model", name)  # BackendUnavailable names the install step
+        cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        cache.mkdir(parents=True, exist_ok=True)
+        try:
+            options = backend.validate_options(model_config.options)
+        except ValidationError as exc:
+            from forgerl.config import format_validation_error
+
+            raise ConfigError(format_validation_error(exc, prefix="model.options")) from None
+        return backend.build(options, cache_dir=cache)
+
+    local = Path(name).expanduser()
+    if local.is_dir():
+        if (local / "config.json").is_file():
+            return local.resolve()
+        raise ConfigError(
+            f"model {name!r} is a folder without config.json, not a Hugging Face model folder "
+            "(it needs config.json, the weights as safetensors and the tokenizer files)"
+        )
+    if local.exists():
+        raise ConfigError(f"model {name!r} is a file; give the Hugging Face folder that holds it")
+    if _looks_like_path(name):
+        raise ConfigError(f"model {name!r}: no such folder")
+    return _from_hub(name)
+
+
+def _looks_like_path(name: str) -> bool:
+    # A hub id is "name" or "owner/name"; anything else that does not exist is a mistyped path.
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or (os.sep != "/" and os.sep in name)
+
+
+def _from_hub(name: str) -> Path:
+    named = "`forge plugins list`"
+    prefix = (
+        f"model {name!r} is not a named model (see {named}), not a local folder with config.json, "
+        "and could not be fetched from the hub"
+    )
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise ConfigError(
+            f"{prefix}: huggingface_hub is not installed (pip install huggingface_hub)"
+        ) from None
+    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    try:
+        folder = Path(snapshot_download(repo_id=name, allow_patterns=HUB_PATTERNS, local_files_only=offline))
+    except Exception as exc:  # noqa: BLE001 - network, auth, validation: all one user-facing line
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if offline and "LocalEntryNotFound" in type(exc).__name__:
+            reason += " (HF_HUB_OFFLINE is set: only models already in the hub cache can be used)"
+        raise ConfigError(f"{prefix}: {type(exc).__name__}: {reason}") from None
+    if not (folder / "config.json").is_file():
+        raise ConfigError(f"{prefix}: the hub repository has no config.json")
+    return folder

@@ -1,0 +1,109 @@
+"""What ``forge run`` checks after the config validates and before anything exists.
+
+Validation sees only the config; these checks look at the world it names, cheaply, so
+that a mistake is one line with exit status 2 *before* the run directory is created or a
+process starts (and not a traceback in a trainer log a minute later):
+
+* the output location: no run there yet, and a writable directory can be created;
+* the model: a named model's backend can build it here; a local folder exists and has a
+  config.json; ``loop.sampling.max_tokens`` is below the model's context length;
+* every backend's own ``preflight`` (the ``file`` task: its files exist, are readable and
+  have the configured fields);
+* the scheduler's ``check_job``, where it has one (the local scheduler: the job's
+  processes fit this machine's cores and GPUs).
+
+Files are only looked at where the scheduler's processes see this machine's files (a
+scheduler may say otherwise with ``shares_filesystem = False``, as a Kubernetes cluster's
+pods do not).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from forgerl import runs
+from forgerl.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.config import RunConfig
+    from forgerl.interfaces import Scheduler
+    from forgerl.plugins import Registry
+    from forgerl.types import JobSpec
+
+#: config.json keys that hold a model's context length, in the order transformers uses them.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+
+
+def check_run(
+    config: RunConfig,
+    registry: Registry,
+    scheduler: Scheduler,
+    job: JobSpec,
+    *,
+    run_dir: Path,
+    fresh: bool,
+) -> None:
+    """Raise a one-line UserError for anything that would make the run fail to start."""
+    from forgerl.config import SINGLE_BACKEND_FIELDS
+
+    if fresh:
+        runs.check_output_location(run_dir)
+    local_files = scheduler.shares_filesystem
+    context = model_context_length(config, registry, local_files=local_files)
+    max_tokens = config.loop.sampling.max_tokens
+    if context is not None and max_tokens >= context:
+        raise ConfigError(
+            f"loop.sampling.max_tokens ({max_tokens}) must be below the context length of model "
+            f"{config.model.name!r} ({context} tokens): the prompt needs room too"
+        )
+    if local_files:
+        choices = [(kind, getattr(config, field)) for field, kind in SINGLE_BACKEND_FIELDS.items()]
+        choices += [("reward", reward) for reward in config.rewards]
+        for kind, choice in choices:
+            registry.get(kind, choice.name).check_before_run(choice.options)
+    check_job = getattr(scheduler, "check_job", None)
+    if check_job is not None:
+        check_job(job)
+
+
+def model_context_length(config: RunConfig, registry: Registry, *, local_files: bool = True) -> int | None:
+    """The model's context length where it can be known without building or fetching it;
+    raises for a named model that cannot be built here and for a bad local folder."""
+    from forgerl.models import _looks_like_path, resolve_model
+
+    name = config.model.name
+    if name in registry.backends("model"):
+        backend = registry.require("model", name)  # BackendUnavailable names the install step
+        length = backend.info.get("context_length")
+        return length if _positive_int(length) else None
+    if not local_files:
+        return None
+    try:
+        is_local = Path(name).expanduser().exists() or _looks_like_path(name)
+    except (OSError, ValueError) as exc:  # a name too long for a path, a NUL byte
+        raise ConfigError(f"model {name[:80]!r} is neither a named model nor a usable path ({exc})") from None
+    if not is_local:
+        return None  # a hub id: fetched, and checked, when the run starts
+    folder = resolve_model(config.model, registry)  # a local folder: no network
+    return _context_length(folder / "config.json")
+
+
+def _context_length(path: Path) -> int | None:
+    try:
+        data: Any = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model folder: {path} is not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model folder: {path} is not a JSON object")
+    for section in (data, data.get("text_config")):
+        if isinstance(section, dict):
+            for key in CONTEXT_KEYS:
+                if _positive_int(section.get(key)):
+                    return section[key]
+    return None
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

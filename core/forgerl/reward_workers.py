@@ -1,0 +1,497 @@
+"""Worker processes for blocking rewards: a reward that hangs or crashes costs one process.
+
+A thread cannot be stopped, and a reward stuck in C code that holds the GIL (a regular
+expression backtracking catastrophically) stops every thread of the trainer with it. So
+:meth:`Reward.score` runs in a small pool of worker processes, and a sample that outlives
+its timeout gets its worker SIGKILLed (a reward may ignore SIGTERM) and replaced.
+
+- A worker is a fresh interpreter (``python -m forgerl.reward_workers FD``, started with
+  subprocess, so effectively the *spawn* method): the trainer has threads and maybe torch,
+  where fork is unsafe; and unlike multiprocessing's spawn it re-imports neither the
+  parent's ``__main__`` nor starts a resource-tracker process that would outlive the pool.
+- A worker builds its rewards itself, from the registry, by backend name and options
+  (:class:`RewardRecipe`): reward objects never cross the pipe, which they often could not
+  (open clients, loaded models). Only the sample goes there, and the outcome comes back as
+  plain data ``(value or None, sub-components, error or None)``.
+- One slot thread per worker takes (reward, sample) jobs from a shared queue, waits for
+  its worker's answer up to the timeout, and kills and restarts it when the answer does not
+  come or the worker dies. Replacements start at once, so the pool never shrinks.
+- Workers start in the background (:meth:`RewardWorkerPool.start`) and live as long as the
+  pool; the time a job waits for a starting worker does not count against its timeout.
+- A worker dies with its parent (``PR_SET_PDEATHSIG`` on Linux, and end-of-file on its
+  pipe), so even a SIGKILLed trainer leaves no reward process behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import math
+import numbers
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+log = logging.getLogger("forgerl.rewards")
+
+#: (value, sub-components, error): value is None when the reward failed, error says why.
+Outcome = tuple["float | None", "dict[str, float]", "str | None"]
+
+# A worker that cannot start this many times in a row (its plugin fails to import, its
+# reward cannot be built) will not start the next time either: fail fast from then on.
+_MAX_START_FAILURES = 3
+
+
+@dataclass(frozen=True)
+class RewardRecipe:
+    """How a worker process builds a reward: the backend's name and its options as plain
+    data (already validated by the parent, which built the same reward to check them)."""
+
+    backend: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+def default_pool_size() -> int:
+    """The cores this process may use, at least 2 (one stuck reward must not stall all
+    scoring while its replacement starts) and at most 8 (each worker holds its rewards'
+    imports in memory, ~100 MB with math-verify)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    return max(2, min(8, cores))
+
+
+class RewardWorkerPool:
+    """``size`` worker processes running the rewards of ``recipes`` (by position).
+
+    :meth:`submit` returns a future that always completes with an :data:`Outcome`, never
+    an exception: within ``timeout`` seconds once a worker has taken the job (plus the time
+    to kill it), or at once when the pool is closed or its workers cannot start.
+    """
+
+    def __init__(
+        self,
+        recipes: Sequence[RewardRecipe],
+        *,
+        size: int,
+        timeout: float,
+        plugins: Sequence[str] = (),
+        start_timeout: float = 120.0,
+    ):
+        if size < 1:
+            raise ValueError(f"a reward pool needs at least one worker, got size={size}")
+        self.recipes = list(recipes)
+        self.size = size
+        self.timeout = float(timeout)
+        self.start_timeout = float(start_timeout)
+        self._init = {
+            "sys_path": list(sys.path),
+            "plugins": list(plugins),
+            "recipes": [(r.backend, dict(r.options)) for r in self.recipes],
+        }
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._slots: list[_Slot] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._start_failures = 0
+        self._ready_once = 0  # workers that reported ready; the first `size` of them: the pool is up
+        self._started_at = 0.0
+        self.broken: str | None = None  # why workers cannot start, once that is certain
+        #: Workers killed for a timeout, workers found dead, workers started (replacements included).
+        self.timeouts = self.deaths = self.starts = 0
+        #: Seconds from a kill to the replacement reporting ready, one entry per replacement.
+        self.replacement_seconds: list[float] = []
+        # The run may end without closing the pool (an exception, an embedding caller that
+        # forgot): close it at interpreter exit. A weak reference, so that registering does
+        # not keep every pool alive.
+        ref = weakref.ref(self)
+        self._at_exit = lambda: (pool := ref()) is not None and pool.close()
+        atexit.register(self._at_exit)
+
+    # ------------------------------------------------------------------ public
+
+    def start(self) -> None:
+        """Start the workers in the background (returns at once); idempotent. A worker is
+        started by its own long-lived slot thread: the kernel's parent-death signal follows
+        the *thread* that started a process, so a short-lived caller's thread must not."""
+        with self._lock:
+            if self._closed or self._slots:
+                return
+            self._started_at = time.monotonic()
+            self._slots = [_Slot(self, i) for i in range(self.size)]
+            for slot in self._slots:
+                slot.thread.start()
+
+    def submit(self, index: int, sample: Any) -> Future[Outcome]:
+        """Score ``sample`` with reward ``index`` of the recipes."""
+        future: Future[Outcome] = Future()
+        if self._closed:
+            future.set_result(_failed("the reward workers were closed"))
+            return future
+        self.start()
+        self._jobs.put(_Job(index, sample, future))
+        return future
+
+    def pids(self) -> list[int]:
+        """Process ids of the workers running now."""
+        return [s.proc.pid for s in self._slots if s.proc is not None and s.proc.poll() is None]
+
+    def close(self) -> None:
+        """Stop every worker (politely when idle, SIGKILL when busy) and wait for them;
+        jobs not yet answered complete as failed. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            slots = list(self._slots)
+        atexit.unregister(self._at_exit)
+        for _ in slots:
+            self._jobs.put(None)
+        for slot in slots:
+            slot.interrupt()
+        for slot in slots:
+            slot.thread.join(self.start_timeout)
+        # Jobs queued behind the stop marks, or submitted while closing.
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None and job.future.set_running_or_notify_cancel():
+                job.future.set_result(_failed("the reward workers were closed"))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> RewardWorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ slots' bookkeeping
+
+    def _start_failed(self, why: str) -> None:
+        with self._lock:
+            if self._closed:  # close() killed a starting worker: not a failure to start
+                return
+            self._start_failures += 1
+            if self._start_failures >= _MAX_START_FAILURES and self.broken is None:
+                self.broken = why
+                log.error("reward workers cannot start; every blocking reward is scored failed: %s", why)
+                print(f"forge: error: reward workers cannot start: {why}", file=sys.stderr)
+
+    def _started(self) -> None:
+        with self._lock:
+            self._start_failures = 0
+            self._ready_once += 1
+            first_time_all = self._ready_once == self.size
+        if first_time_all:
+            log.info("%d reward worker processes ready in %.2fs", self.size, time.monotonic() - self._started_at)
+
+
+@dataclass
+class _Job:
+    index: int
+    sample: Any
+    future: Future[Outcome]
+
+
+class _WorkerStartError(Exception):
+    pass
+
+
+class _Slot:
+    """One worker process and the thread that feeds it jobs, kills and replaces it."""
+
+    def __init__(self, pool: RewardWorkerPool, number: int):
+        self.pool = pool
+        self.number = number
+        self.proc: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.ready = False
+        self.busy = False
+        self.killed_at: float | None = None  # when the previous worker was killed
+        self._lock = threading.Lock()
+        self.thread = threading.Thread(target=self._serve, name=f"forge-reward-slot-{number}", daemon=True)
+
+    # --------------------------------------------------------------- the thread
+
+    def _serve(self) -> None:
+        while True:
+            # Take a job only with a worker ready for it: while this worker (re)starts,
+            # the other slots take the queue's jobs.
+            if not (self.ready or self.pool.closed or self.pool.broken):
+                try:
+                    self._wait_ready()
+                except _WorkerStartError:
+                    pass  # counted; the next job tries again, or fails once the pool is broken
+            job = self.pool._jobs.get()
+            if job is None:
+                break
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_result(self._run(job))
+        self._stop()
+
+    def _run(self, job: _Job) -> Outcome:
+        pool = self.pool
+        for attempt in (1, 2):  # a worker found dead while idle is not the sample's fault
+            if pool.closed:
+                return _failed("the reward workers were closed")
+            if pool.broken:
+                return _failed(f"reward workers cannot start: {pool.broken}")
+            try:
+                self._wait_ready()
+            except _WorkerStartError as exc:
+                return _failed(f"reward worker could not start: {exc}")
+            with self._lock:
+                if pool.closed:
+                    return _failed("the reward workers were closed")
+                self.busy = True
+            try:
+                try:
+                    self.conn.send((job.index, job.sample))
+                except (OSError, EOFError):
+                    self._discard(kill=True)
+                    if attempt == 2:
+                        return _failed("the reward worker died before it took the sample")
+                    continue
+                except Exception as exc:  # noqa: BLE001 - the sample itself cannot be pickled
+                    return _failed(f"could not send the sample to a reward worker: {type(exc).__name__}: {exc}")
+                return self._answer()
+            finally:
+                with self._lock:
+                    self.busy = False
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _answer(self) -> Outcome:
+        pool = self.pool
+        try:
+            if self.conn.poll(pool.timeout):
+                outcome = self.conn.recv()
+                return outcome
+        except (OSError, EOFError):
+            status = self._discard(kill=True)
+            if pool.closed:
+                return _failed("the reward workers were closed")
+            pool.deaths += 1
+            self._spawn()
+            return _failed(f"its reward worker died ({_describe(status)}) and was replaced")
+        # Timed out: the reward may be stuck in C with the GIL held, or ignore SIGTERM.
+        self._discard(kill=True)
+        pool.timeouts += 1
+        self.killed_at = time.monotonic()
+        self._spawn()
+        return _failed(f"timed out after {pool.timeout:g}s (its worker was killed and replaced)")
+
+    # --------------------------------------------------------------- worker lifecycle
+
+    def _spawn(self) -> None:
+        """Start a worker and send it what it needs to build its rewards (non-blocking:
+        it reports ready later, read by :meth:`_wait_ready`)."""
+        pool = self.pool
+        if pool.closed or pool.broken:
+            return
+        ours, theirs = socket.socketpair()
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "forgerl.reward_workers", str(theirs.fileno()), str(os.getpid())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+            )
+        except OSError as exc:
+            ours.close()
+            pool._start_failed(f"{type(exc).__name__}: {exc}")
+            return
+        finally:
+            theirs.close()
+        with self._lock:
+            self.proc, self.conn, self.ready = proc, Connection(ours.detach()), False
+        pool.starts += 1
+        try:
+            self.conn.send(pool._init)
+        except OSError:
+            pass  # it died at once; _wait_ready reports how
+
+    def _wait_ready(self) -> None:
+        if self.ready:
+            return
+        if self.proc is None:
+            self._spawn()
+            if self.proc is None:
+                raise _WorkerStartError(self.pool.broken or "the worker process could not be started")
+        try:
+            if not self.conn.poll(self.pool.start_timeout):
+                self._discard(kill=True)
+                why = f"not ready within {self.pool.start_timeout:g}s"
+                self.pool._start_failed(why)
+                raise _WorkerStartError(why)
+            kind, detail = self.conn.recv()
+        except (OSError, EOFError):
+            status = self._discard(kill=True)
+            why = f"it exited while starting ({_describe(status)})"
+            self.pool._start_failed(why)
+            raise _WorkerStartError(why) from None
+        if kind != "ready":
+            self._discard(kill=True)
+            self.pool._start_failed(detail)
+            raise _WorkerStartError(detail)
+        self.ready = True
+        self.pool._started()
+        if self.killed_at is not None:
+            self.pool.replacement_seconds.append(time.monotonic() - self.killed_at)
+            self.killed_at = None
+
+    def _discard(self, *, kill: bool) -> int | None:
+        """Forget the current worker (SIGKILLed first when ``kill``); its exit status."""
+        with self._lock:
+            proc, conn = self.proc, self.conn
+            self.proc = self.conn = None
+            self.ready = False
+        if conn is not None:
+            conn.close()
+        if proc is None:
+            return None
+        if kill and proc.poll() is None:
+            proc.kill()
+        return proc.wait()
+
+    def _stop(self) -> None:
+        """At close: ask an idle worker to exit, kill it if it does not."""
+        proc, conn = self.proc, self.conn
+        if proc is not None and conn is not None and proc.poll() is None:
+            try:
+                conn.send(None)
+                proc.wait(timeout=2)
+            except (OSError, subprocess.TimeoutExpired):
+                pass
+        self._discard(kill=True)
+
+    def interrupt(self) -> None:
+        """From :meth:`RewardWorkerPool.close`: kill the worker when it is busy or still
+        starting, so that its thread sees end-of-file now instead of at a deadline."""
+        with self._lock:
+            proc = self.proc if self.busy or not self.ready else None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+
+
+def _failed(why: str) -> Outcome:
+    return None, {}, why
+
+
+def _describe(status: int | None) -> str:
+    if status is None:
+        return "exit status unknown"
+    if status < 0:
+        try:
+            return f"killed by {signal.Signals(-status).name}"
+        except ValueError:
+            return f"killed by signal {-status}"
+    return f"exit status {status}"
+
+
+# ---------------------------------------------------------------------- outcomes
+
+
+def outcome_of(raw: Any) -> Outcome:
+    """What a reward returned, checked: a finite float or a :class:`RewardResult` that
+    did not fail; anything else is a failure saying what came back."""
+    from forgerl.types import RewardResult
+
+    if isinstance(raw, RewardResult):
+        if raw.failed:
+            return None, {}, raw.error or "the reward reported a failure"
+        value, subs = raw.value, dict(raw.components)
+    elif isinstance(raw, numbers.Real):  # bool, int, float, numpy scalars
+        value, subs = raw, {}
+    else:
+        return None, {}, f"returned {type(raw).__name__} {raw!r:.60}, expected a float or RewardResult"
+    value = float(value)
+    if not math.isfinite(value):
+        return None, {}, f"returned {value}, expected a finite number"
+    return value, {k: float(v) for k, v in subs.items()}, None
+
+
+def score_one(reward: Any, sample: Any) -> Outcome:
+    """Run ``reward.score`` on one sample; whatever it does, an :data:`Outcome`."""
+    try:
+        return outcome_of(reward.score(sample))
+    except Exception as exc:  # noqa: BLE001 - any reward failure is scored, not raised
+        return None, {}, f"{type(exc).__name__}: {exc}"
+    except BaseException as exc:  # noqa: BLE001 - SystemExit in a reward must not end the worker
+        return None, {}, f"raised {type(exc).__name__}: {exc}"
+
+
+# ---------------------------------------------------------------------- the worker process
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies: a worker stuck in a
+    reward never reads the end-of-file that tells it so."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # pragma: no cover - no libc prctl
+            pass
+    if os.getppid() != parent:  # the parent died before the line above took effect
+        os._exit(0)
+
+
+def _build_rewards(init: dict[str, Any]) -> list[Any]:
+    from forgerl.plugins import build_registry
+
+    registry = build_registry(plugins=init["plugins"])
+    return [registry.require("reward", name).build(options) for name, options in init["recipes"]]
+
+
+def main(argv: Sequence[str]) -> int:
+    fd, parent = int(argv[0]), int(argv[1])
+    # Ctrl-C in a terminal reaches the whole process group, and Slurm's SIGTERM (preemption,
+    # requeue) every process of the step: the trainer decides when the run stops (it finishes
+    # the step, checkpoints) and closes the pool; a worker must not die mid-sample on its own,
+    # which would score the step's samples as failed. The pool ends workers with SIGKILL.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _die_with_parent(parent)
+    conn = Connection(fd)
+    try:
+        init = conn.recv()
+    except EOFError:
+        return 0
+    sys.path[:] = init["sys_path"]
+    try:
+        rewards = _build_rewards(init)
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent, which decides
+        conn.send(("error", f"building the rewards failed: {type(exc).__name__}: {exc}"))
+        return 1
+    conn.send(("ready", os.getpid()))
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return 0
+        if job is None:
+            return 0
+        index, sample = job
+        conn.send(score_one(rewards[index], sample))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

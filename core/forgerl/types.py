@@ -1,0 +1,264 @@
+"""Typed records that flow between the interfaces.
+
+They are plain dataclasses so that plugins can build them without importing anything
+heavy; tensors appear only in :class:`TrainBatch` and :class:`WeightSet`, typed as
+``torch.Tensor`` for readers but never imported here (core must import without torch).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+# ---------------------------------------------------------------------------- tasks
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One prompt with the reference a reward may check against.
+
+    ``prompt`` is either plain text or a chat (a list of ``{"role", "content"}`` dicts);
+    the loop applies the model's chat template to chats. ``answer`` is the reference
+    answer (may be empty for rewards that need none); ``metadata`` is free-form and
+    reaches every reward unchanged.
+    """
+
+    id: str
+    prompt: str | list[dict[str, str]]
+    answer: str = ""
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+
+
+# ------------------------------------------------------------------------ generation
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """``n`` completions of one tokenised prompt.
+
+    Token ids (not text) cross the interface so that the trainer scores exactly the
+    tokens the generator saw.
+    """
+
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    n: int
+    sampling: SamplingParams
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class Completion:
+    """One sampled continuation.
+
+    ``logprobs[i]`` is the log-probability (natural log) that the *sampling* policy gave
+    ``token_ids[i]``; the loss uses it as the behaviour policy. ``policy_version`` is the
+    weight version that produced it (all tokens: a generator must not mix versions within
+    one completion).
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"a Completion needs one logprob per token: got {len(self.token_ids)} token ids "
+                f"but {len(self.logprobs)} logprobs"
+            )
+
+
+@dataclass
+class GeneratorHealth:
+    """A generator's state for people and tools (the ``health()`` of the vllm and hf
+    generators). Not part of the Generator interface: the loop does not call it."""
+
+    healthy: bool
+    policy_version: int
+    replicas: int = 1
+    healthy_replicas: int = 1
+    detail: str = ""
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+@dataclass(frozen=True)
+class RewardInput:
+    """What a reward sees of one finished sample."""
+
+    problem: Problem
+    completion_text: str
+    finish_reason: FinishReason = "stop"
+
+
+@dataclass(frozen=True)
+class RewardResult:
+    """A score, plus named components for the metrics.
+
+    ``failed`` marks a sample whose reward could not be computed (raised, timed out);
+    its ``value`` is the configured failure score and ``error`` says why.
+    """
+
+    value: float
+    components: Mapping[str, float] = field(default_factory=dict)
+    failed: bool = False
+    error: str | None = None
+
+
+# -------------------------------------------------------------------------- training
+
+
+@dataclass
+class Episode:
+    """A scored completion, ready for advantage estimation.
+
+    ``group_id`` ties together the completions of one prompt (GRPO's group).
+    """
+
+    problem: Problem
+    group_id: int
+    prompt_token_ids: list[int]
+    completion: Completion
+    reward: float
+    reward_components: dict[str, float] = field(default_factory=dict)
+    reward_failed: bool = False
+    advantage: float = 0.0
+
+
+@dataclass
+class TrainBatch:
+    """A padded batch for :meth:`Trainer.train_step`.
+
+    Shapes: ``input_ids``/``attention_mask``/``loss_mask``/``behaviour_logprobs`` are
+    ``[B, T]`` (prompt followed by completion, right-padded); ``loss_mask`` is 1 on
+    completion tokens that count in the loss; ``behaviour_logprobs`` holds the sampler's
+    logprob of token ``t`` at position ``t`` (0 elsewhere); ``advantages`` is ``[B]``.
+    ``policy_versions`` is ``[B]``, the version that sampled each row.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    behaviour_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    policy_versions: torch.Tensor
+    num_groups: int = 0
+
+    @property
+    def size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+
+@dataclass
+class WeightSet:
+    """A versioned, ordered set of named tensors (Hugging Face parameter names).
+
+    ``tensors`` may be a lazy iterator factory: transports must iterate it once.
+    """
+
+    version: int
+    tensors: Mapping[str, torch.Tensor]
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.tensors.items())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+# ------------------------------------------------------------------------ scheduling
+
+
+@dataclass(frozen=True)
+class Resources:
+    """Per-replica resources. ``memory`` is a Slurm/Kubernetes-style string ("16G")."""
+
+    cpus: int = 1
+    gpus: int = 0
+    memory: str | None = None
+    nodes: int = 1
+
+
+@dataclass(frozen=True)
+class RoleSpec:
+    """One role of a job: ``replicas`` copies of ``command``.
+
+    ``ranks_per_replica > 1`` makes each replica an SPMD group: the scheduler sets
+    ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` for a
+    torch.distributed rendezvous. Every process also gets ``FORGE_ROLE`` and
+    ``FORGE_REPLICA``.
+    """
+
+    name: str
+    command: tuple[str, ...]
+    replicas: int = 1
+    ranks_per_replica: int = 1
+    resources: Resources = field(default_factory=Resources)
+    env: Mapping[str, str] = field(default_factory=dict)
+    # A role whose exit ends the job (the trainer); others (servers) are stopped then.
+    primary: bool = False
+    # Restart a replica that dies, up to this many times (generator servers).
+    max_restarts: int = 0
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What a scheduler runs: named roles, sharing one run directory."""
+
+    name: str
+    run_dir: str
+    roles: tuple[RoleSpec, ...]
+    env: Mapping[str, str] = field(default_factory=dict)
+
+
+class JobState(str, enum.Enum):
+    PENDING = "pending"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+    UNKNOWN = "unknown"
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED)
+
+
+@dataclass(frozen=True)
+class JobHandle:
+    """Identifies a submitted job to the scheduler that runs it."""
+
+    scheduler: str
+    job_id: str
+    run_dir: str
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    state: JobState
+    exit_code: int | None = None
+    detail: str = ""

@@ -1,0 +1,224 @@
+"""What every trainer rank runs: ``python -m forgerl.worker --run-dir DIR``.
+
+The scheduler starts it with the torch.distributed environment (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT). Every rank builds the trainer; rank 0 also builds the task,
+rewards, transport and generator and drives the loop; other ranks follow rank 0.
+Exit status: 0 completed, 2 a user-fixable error (one line on stderr), 143 stopped by
+SIGTERM/SIGINT after checkpointing, 1 anything else (with a traceback in the log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import faulthandler
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import yaml
+
+from forgerl.errors import ForgeError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.interfaces import Trainer
+    from forgerl.plugins import Registry
+    from forgerl.spmd import TrainerDriver
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="forgerl.worker")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    args = parser.parse_args(argv)
+    # A crash in native code (an abort in a collective library) prints every thread's
+    # Python stack into the rank's log, so the log says where it happened.
+    faulthandler.enable()
+    try:
+        return run_worker(args.run_dir.resolve())
+    except ForgeError as exc:
+        if not exc.user_fixable or os.environ.get("FORGE_DEBUG"):
+            raise
+        print(f"forge: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a worker whose parts are all closed without running interpreter finalization.
+
+    Finalization tears down torch's C++ objects (process-group threads, pending work
+    holding tensors) and Python's in no fixed order. Once in CI a gloo trainer rank that
+    had done all its work aborted on the way out (SIGABRT, 'terminate called without an
+    active exception'; not reproduced in 60 runs here), failing a finished run. Nothing
+    is lost by skipping it: checkpoints, metrics and logs are written and closed by now.
+    If it recurs elsewhere, faulthandler prints the stack into the rank's log."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_worker(run_dir: Path) -> int:
+    from forgerl import runs
+    from forgerl.config import validate_config
+
+    config = validate_config(yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text()), source=str(run_dir))
+    rank = int(os.environ.get("RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    logging.basicConfig(
+        level=config.logging.level.upper(),
+        format=f"%(asctime)s rank{rank} %(name)s %(levelname)s: %(message)s",
+        stream=sys.stderr,
+    )
+    log = logging.getLogger("forgerl.worker")
+
+    import torch
+
+    # Ranks share the machine's cores; without this each rank starts one thread per core.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    torch.manual_seed(config.loop.seed)
+
+    from forgerl.interfaces import RunContext
+    from forgerl.models import resolve_model
+    from forgerl.plugins import build_registry
+    from forgerl.spmd import TrainerDriver
+
+    registry = build_registry()
+    # On rank 0, a run that fails before its loop starts (a backend whose module does not
+    # import, a model that cannot be built) still ends like any run: summary.json says
+    # failed and forge_run_end hears of it.
+    starting = _ends_run_if_start_fails(registry, run_dir, log) if rank == 0 else contextlib.nullcontext()
+    with starting:
+        model_path = resolve_model(config.model, registry)
+        ctx = RunContext(config=config, run_dir=run_dir, model_path=model_path, rank=rank, world_size=world)
+        log.info("model %s; trainer %s on %d rank(s)", model_path, config.trainer.name, world)
+        trainer = registry.require("trainer", config.trainer.name).build(config.trainer.options, context=ctx)
+
+    if rank != 0:
+        # Rank 0 decides when to stop (after checkpointing): ignore the scheduler's
+        # SIGTERM here so that the checkpoint's collectives can finish.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            _follow_rank0(trainer, log)
+        finally:
+            trainer.close()
+        return 0
+
+    from transformers import AutoTokenizer
+
+    from forgerl.loop import Loop, install_stop_handlers
+    from forgerl.rewarding import RewardSet
+
+    driver = TrainerDriver(trainer, world)
+    generator = sender = transport = rewards = None
+    try:
+        with _ends_run_if_start_fails(registry, run_dir, log):
+            task = registry.require("task", config.task.name).build(
+                config.task.options, seed=config.loop.seed
+            )
+            rewards = RewardSet.from_config(config, registry)
+            transport = registry.require("transport", config.transport.name).build(
+                config.transport.options, context=ctx
+            )
+            sender = transport.sender()
+            generator = registry.require("generator", config.generator.name).build(
+                config.generator.options, context=ctx, transport=transport
+            )
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer)
+            install_stop_handlers(loop)
+        summary = loop.run()  # writes summary.json and calls forge_run_end itself
+    finally:
+        # If shutting down hangs (a stuck collective or thread), say where in the log.
+        faulthandler.dump_traceback_later(60, exit=False)
+        _stop_other_ranks(driver, log)
+        for part in (rewards, generator, sender, transport, trainer):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:
+                    log.exception("closing %s failed", type(part).__name__)
+        faulthandler.cancel_dump_traceback_later()
+    return 143 if summary["status"] == "interrupted" else 0
+
+
+@contextlib.contextmanager
+def _ends_run_if_start_fails(registry: Registry, run_dir: Path, log: logging.Logger) -> Iterator[None]:
+    """Write summary.json (status ``failed``, or ``interrupted`` for Ctrl-C) and call
+    ``forge_run_end`` when the body raises, then let the error go on: a tracker plugin
+    closes its run and the user finds why in the run directory, as for a run that failed
+    later. A summary the run had before (one being resumed) keeps its step counts."""
+    try:
+        yield
+    except BaseException as exc:
+        status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
+        summary = _start_failure_summary(run_dir, status, exc)
+        from forgerl import runs
+
+        try:
+            runs.atomic_write_text(run_dir / runs.SUMMARY_FILE, json.dumps(summary, indent=2))
+        except OSError as write_error:  # a full disk must not hide the error that ended the run
+            log.warning("could not write %s: %s", runs.SUMMARY_FILE, write_error)
+        try:
+            registry.hooks.run_end(summary=summary, run_dir=run_dir)
+        except Exception:
+            log.exception("a forge_run_end hook failed")
+        raise
+
+
+def _start_failure_summary(run_dir: Path, status: str, exc: BaseException) -> dict[str, Any]:
+    """The keys of :meth:`forgerl.loop.Loop.summary`, plus ``error`` (one line)."""
+    from forgerl import runs
+
+    try:
+        before = json.loads((run_dir / runs.SUMMARY_FILE).read_text())
+        before = before if isinstance(before, dict) else {}
+    except (OSError, ValueError):
+        before = {}
+    error = str(exc) if isinstance(exc, ForgeError) and exc.user_fixable else f"{type(exc).__name__}: {exc}"
+    return {
+        "status": status,
+        "steps": before.get("steps", 0),
+        "policy_version": before.get("policy_version", 0),
+        "eval_accuracy_start": before.get("eval_accuracy_start"),
+        "eval_accuracy_end": before.get("eval_accuracy_end"),
+        "time": {},
+        "run_dir": str(run_dir),
+        "error": " ".join(error.split()),
+    }
+
+
+def _follow_rank0(trainer: Trainer, log: logging.Logger) -> None:
+    """Ranks > 0 run rank 0's calls until it says stop. A checkpoint that failed on every
+    rank at once (full disk; a checkpoint the trainer refuses while resuming) is rank 0's
+    to report and act on: it writes the step's metrics and stops the run, or tries an
+    earlier checkpoint. So keep following instead of dying with a second error."""
+    from forgerl.errors import CheckpointError
+    from forgerl.spmd import follow
+
+    while True:
+        try:
+            follow(trainer)
+            return
+        except CheckpointError as exc:
+            log.warning("%s (rank 0 decides what happens next)", exc)
+
+
+def _stop_other_ranks(driver: TrainerDriver, log: logging.Logger) -> None:
+    """Tell ranks > 0 to stop. When one of them is dead (killed, crashed) this fails at
+    once (gloo: connection reset); say so instead of hiding the error that ended the run
+    behind a second traceback. The scheduler reports which rank died."""
+    try:
+        driver.stop()
+    except Exception as exc:  # noqa: BLE001 - the run is ending; this must not mask why
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        log.error("could not reach the other trainer ranks to stop them (one is gone?): %s", first[:300])
+
+
+if __name__ == "__main__":
+    exit_now(main())

@@ -1,0 +1,127 @@
+"""Finding the vllm generator's replicas and watching them: health checks, failover, restarts.
+
+A replica that fails (killed, hung: no answer to ``/health``) takes no traffic until it
+answers again; a restarted one (a new endpoint file) is brought to the current weights
+before it takes traffic. The launcher beside each server kills a hung one
+(:mod:`.liveness`) and the scheduler restarts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from forgerl.errors import GeneratorUnreachable
+
+from .client import ReplicaClient
+from .replica import HEALTH_FAILURES, Replica, last_line, process_start_time, read_endpoint
+from .server import endpoint_file
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .options import VLLMGeneratorOptions
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaWatch:
+    """First contact and the watcher, mixed into :class:`~.generator.VLLMGenerator`
+    (whose state below they read and change, on its event loop)."""
+
+    options: VLLMGeneratorOptions
+    run_dir: Path
+    _closed: bool
+    _version: int
+    _replicas: list[Replica]
+    _client: ReplicaClient
+    _update_lock: asyncio.Lock
+    _notify: Callable[[], Coroutine[Any, Any, None]]
+    _resync: Callable[[Replica], Coroutine[Any, Any, None]]
+
+    async def _first_contact(self, r: Replica, deadline: float) -> None:
+        import httpx
+
+        # Files an earlier job left in this run directory (a resumed run) describe servers
+        # that are gone: a report of failure counts only if written since this job began;
+        # an endpoint only once the server behind it answers with its key.
+        not_before = process_start_time() - 60.0
+        while True:
+            data = read_endpoint(endpoint_file(self.run_dir, r.index))
+            if data is not None and data.get("error"):
+                if float(data.get("time", 0)) >= not_before:
+                    raise GeneratorUnreachable(
+                        f"vLLM replica {r.index} failed to start: {data['error']}; log: {r.log}"
+                    )
+            elif data is not None:
+                r.attach(data)
+                try:
+                    if await self._client.healthy(r):
+                        await self._client.fetch_model_info(r)
+                        await self._client.probe_version(r)
+                        r.up = True
+                        return
+                except httpx.HTTPError as exc:  # e.g. 401: another server has that port now
+                    r.last_error = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                last = last_line(r.log)
+                said = f" (last log line: {last})" if last else ""
+                if r.last_error:  # it runs, but does not answer us as it should (e.g. 401)
+                    said = f" (it answered: {r.last_error}){said}"
+                raise GeneratorUnreachable(
+                    f"vLLM replica {r.index} did not become healthy within "
+                    f"{self.options.startup_timeout:g} s{said}; see its log {r.log}"
+                )
+            await asyncio.sleep(0.5)
+
+    async def _watch(self) -> None:
+        """Health checks, restarted replicas, and bringing stale replicas up to date."""
+        while not self._closed:
+            try:
+                await asyncio.gather(*(self._check(r) for r in self._replicas))
+                await self._notify()
+                for r in self._replicas:
+                    if (
+                        r.up
+                        and not r.updating
+                        and r.version != self._version
+                        and not self._update_lock.locked()
+                        and time.monotonic() >= r.next_resync
+                    ):
+                        await self._resync(r)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("vllm: replica watcher failed; continuing")
+            await asyncio.sleep(self.options.health_interval)
+
+    async def _check(self, r: Replica) -> None:
+        import httpx
+
+        data = read_endpoint(endpoint_file(self.run_dir, r.index))
+        if data is not None and not data.get("error") and data.get("instance") != r.instance:
+            log.info("vllm: replica %d (re)started at %s:%s", r.index, data.get("host"), data.get("port"))
+            r.attach(data)
+        elif data is None and r.up and r.updating is False:
+            # The launcher removes its file when its server exits.
+            r.take_out("its endpoint file is gone (server exited)")
+            return
+        if r.instance is None or r.updating:
+            return
+        if await self._client.healthy(r):
+            if not r.up:
+                try:
+                    if r.max_model_len is None:
+                        await self._client.fetch_model_info(r)
+                    if not r.probed:
+                        await self._client.probe_version(r)
+                except httpx.HTTPError as exc:
+                    r.last_error = f"{type(exc).__name__}: {exc}"
+                    return
+                log.info("vllm: replica %d answers at %s (weights version %s)", r.index, r.url, r.version)
+                r.last_error = ""
+            r.up = True
+        elif r.failures >= HEALTH_FAILURES and r.up:
+            r.take_out(r.last_error)

@@ -1,0 +1,276 @@
+"""The ``file`` task: prompts and reference answers from a JSONL or Parquet file.
+
+Every row becomes a :class:`Problem`: the prompt field (a string or a list of chat
+messages), the answer field, an id (the id field when present, else ``file:row``) and the
+remaining fields as metadata, which reaches the rewards unchanged. The training rows are
+visited in a fresh order every epoch, shuffled from ``(seed, epoch)``, so the position in
+the data is two integers and a resumed run sees exactly the rows it would have seen.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from forgerl.errors import BackendUnavailable, ConfigError
+from forgerl.interfaces import Task
+from forgerl.types import Problem
+from forgerl_plugins.tasks import FileTaskOptions
+
+#: Seeds the choice of held-out rows (eval_fraction); fixed so every run seed holds out the same rows.
+EVAL_SEED = 20250101
+
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+#: The pre-flight check reads files up to this size whole, exactly as the run will; of
+#: larger ones it reads the first rows only (the rest is checked when the run loads them).
+PREFLIGHT_READ_WHOLE_BYTES = 64 * 2**20
+
+
+class FileTask(Task):
+    def __init__(self, options: FileTaskOptions, *, seed: int = 0):
+        self.options = options
+        self.seed = int(seed)
+        rows = read_rows(Path(options.path))
+        problems = [self._problem(row, options.path, i) for i, row in enumerate(rows)]
+        if options.eval_path:
+            eval_rows = read_rows(Path(options.eval_path))
+            self._eval = [self._problem(row, options.eval_path, i) for i, row in enumerate(eval_rows)]
+            self._train = problems
+        else:
+            self._train, self._eval = _split(problems, options.eval_fraction, options.path)
+        if not self._train:
+            raise ConfigError(f"task file: {options.path} has no problems to train on")
+        self.epoch = 0
+        self.position = 0
+        self._order = self._epoch_order(0)
+
+    # ------------------------------------------------------------------ Task
+
+    def next_problems(self, n: int) -> list[Problem]:
+        out = []
+        for _ in range(n):
+            if self.position >= len(self._order):
+                self.epoch += 1
+                self.position = 0
+                self._order = self._epoch_order(self.epoch)
+            out.append(self._train[self._order[self.position]])
+            self.position += 1
+        return out
+
+    def eval_problems(self) -> list[Problem]:
+        return list(self._eval)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self._train)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if "seed" in state and int(state["seed"]) != self.seed:
+            raise ConfigError(
+                f"task file: the saved state is for seed {state['seed']}, this run uses seed {self.seed}"
+            )
+        if "size" in state and int(state["size"]) != len(self._train):
+            # A different file (or split) makes the saved position meaningless.
+            raise ConfigError(
+                f"task file: the saved state is for {state['size']} training problems, "
+                f"{self.options.path} now gives {len(self._train)}; the file changed since the checkpoint"
+            )
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order = self._epoch_order(self.epoch)
+
+    @property
+    def train_size(self) -> int:
+        return len(self._train)
+
+    # ------------------------------------------------------------- helpers
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(len(self._train)))
+        random.Random(f"file:{self.seed}:{epoch}").shuffle(order)
+        return order
+
+    def _problem(self, row: Mapping[str, Any], source: str, index: int) -> Problem:
+        return problem_from_row(self.options, row, source, index)
+
+
+def problem_from_row(o: FileTaskOptions, row: Mapping[str, Any], source: str, index: int) -> Problem:
+    """Row ``index`` of ``source`` as a Problem; ConfigError when a configured field is missing."""
+    where = f"{source} row {index + 1}"
+    if o.prompt_field not in row:
+        raise ConfigError(
+            f"{where}: no field {o.prompt_field!r} (fields: {', '.join(map(str, row)) or 'none'}); "
+            "set task.options.prompt_field"
+        )
+    prompt = _chat(row[o.prompt_field], o.system_prompt, where, o.prompt_field)
+    answer = ""
+    if o.answer_field is not None:
+        if o.answer_field not in row or row[o.answer_field] is None:
+            raise ConfigError(
+                f"{where}: no field {o.answer_field!r} (fields: {', '.join(map(str, row))}); "
+                "set task.options.answer_field, or answer_field: null for rewards that need no answer"
+            )
+        answer = str(row[o.answer_field])
+    problem_id = (
+        str(row[o.id_field]) if row.get(o.id_field) is not None else f"{Path(source).name}:{index}"
+    )
+    used = {o.prompt_field, o.answer_field, o.id_field}
+    metadata = {k: v for k, v in row.items() if k not in used}
+    return Problem(id=problem_id, prompt=prompt, answer=answer, metadata=metadata)
+
+
+def _chat(value: Any, system_prompt: str | None, where: str, field: str) -> list[dict[str, str]]:
+    if isinstance(value, str):
+        messages = [{"role": "user", "content": value}]
+    elif isinstance(value, list) and value:
+        messages = []
+        for m in value:
+            if not (
+                isinstance(m, Mapping)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+            ):
+                raise ConfigError(
+                    f'{where}: {field!r} must be a string or a list of {{"role", "content"}} messages; '
+                    f"got the item {m!r}"
+                )
+            messages.append({"role": m["role"], "content": m["content"]})
+    else:
+        raise ConfigError(
+            f"{where}: {field!r} must be a string or a non-empty list of chat messages, not {value!r:.80}"
+        )
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def _split(problems: list[Problem], fraction: float, source: str) -> tuple[list[Problem], list[Problem]]:
+    if fraction <= 0:
+        return problems, []
+    n = len(problems)
+    k = max(1, math.floor(n * fraction))
+    if n - k < 1:
+        raise ConfigError(
+            f"task file: {source} has {n} problem(s), too few to hold out eval_fraction={fraction}; "
+            "add rows, give eval_path, or set eval_fraction: 0"
+        )
+    indices = list(range(n))
+    random.Random(f"file:eval:{EVAL_SEED}").shuffle(indices)
+    held = set(indices[:k])
+    train = [p for i, p in enumerate(problems) if i not in held]
+    evaluation = [p for i, p in enumerate(problems) if i in held]
+    return train, evaluation
+
+
+# ------------------------------------------------------------------ pre-flight
+
+
+def preflight(options: FileTaskOptions) -> None:
+    """What ``forge run`` checks before it creates the run directory: the files exist, are
+    readable, non-empty regular files, and their rows have the configured fields. Small
+    files are loaded whole (every row, the eval split), large ones by their first rows."""
+    paths = [Path(options.path)] + ([Path(options.eval_path)] if options.eval_path else [])
+    sizes = [_checked_file(p) for p in paths]
+    if sum(sizes) <= PREFLIGHT_READ_WHOLE_BYTES:
+        FileTask(options)
+        return
+    for path in paths:
+        for i, row in enumerate(_first_rows(path, 16)):
+            problem_from_row(options, row, str(path), i)
+
+
+def _checked_file(path: Path) -> int:
+    """The size of ``path``; ConfigError when it is missing, not a regular file or empty."""
+    try:
+        if not path.exists():
+            raise ConfigError(f"task file {str(path)!r} does not exist (cwd: {Path.cwd()})")
+        if not path.is_file():
+            raise ConfigError(f"task file {str(path)!r} is not a regular file")
+        size = path.stat().st_size
+        with path.open("rb"):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot read task file {str(path)!r}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a NUL byte in the path
+        raise ConfigError(f"task file {str(path)!r}: {exc}") from None
+    if size == 0:
+        raise ConfigError(f"task file {str(path)!r} is empty; it needs one problem per line (JSONL) or .parquet")
+    return size
+
+
+def _first_rows(path: Path, n: int) -> list[dict[str, Any]]:
+    if path.suffix.lower() in PARQUET_SUFFIXES:
+        return _read_parquet(path)[:n]  # pyarrow has no cheap partial read of a row group
+    rows: list[dict[str, Any]] = []
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    rows.append(_jsonl_row(path, lineno, line))
+                if len(rows) >= n:
+                    break
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason}); JSONL or .parquet expected") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read task file {str(path)!r}: {exc.strerror or exc}") from None
+    if not rows:
+        raise ConfigError(f"task file {str(path)!r} has no rows (only blank lines)")
+    return rows
+
+
+# ------------------------------------------------------------------ reading files
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a JSONL or Parquet file, as dicts; ConfigError on anything unreadable."""
+    if not path.exists():
+        raise ConfigError(f"task file {str(path)!r} does not exist (cwd: {Path.cwd()})")
+    if not path.is_file():
+        raise ConfigError(f"task file {str(path)!r} is not a file")
+    rows = _read_parquet(path) if path.suffix.lower() in PARQUET_SUFFIXES else _read_jsonl(path)
+    if not rows:
+        raise ConfigError(f"task file {str(path)!r} has no rows (it is empty or only blank lines)")
+    return rows
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, start=1):
+                if line.strip():
+                    rows.append(_jsonl_row(path, lineno, line))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text ({exc.reason}); JSONL or .parquet expected") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read task file {str(path)!r}: {exc.strerror or exc}") from None
+    return rows
+
+
+def _jsonl_row(path: Path, lineno: int, line: str) -> dict[str, Any]:
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        hint = " (expected JSON Lines: one object per line)" if path.suffix.lower() == ".json" else ""
+        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        raise ConfigError(f"{path}:{lineno}: not valid JSON: {msg}{hint}") from None
+    if not isinstance(row, dict):
+        raise ConfigError(f"{path}:{lineno}: expected a JSON object, got {type(row).__name__}")
+    return row
+
+
+def _read_parquet(path: Path) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise BackendUnavailable(
+            f"task file: reading {path.name} needs pyarrow: pip install 'forgerl[parquet]'"
+        ) from None
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as exc:  # noqa: BLE001 - pyarrow raises several types for a bad file
+        raise ConfigError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from None

@@ -1,0 +1,59 @@
+"""Apply the LM head only where the loss reads a logprob.
+
+A causal LM computes ``[b, L, V]`` logits, but a GRPO loss reads one logprob per
+*completion* token: prompt and padding positions are thrown away after the most
+expensive matrix product of the step (for SmolLM2-135M the head is a fifth of the
+weights, and its vocabulary-wide softmax comes on top). Here a forward pre-hook on the
+model's output embedding hands it only the hidden states at the wanted positions, as one
+``[1, N, H]`` row, so ``model(...).logits`` comes back as ``[1, N, V]``. Whatever the model
+does after its head (logit scaling, soft-capping) still runs, on those rows only; the
+decoder's attention is untouched (every position still attends to its whole prefix).
+
+Whether a model's head works this way is checked once, on a tiny input, by
+:func:`head_selection_works`; models that call their head differently keep full logits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+@contextlib.contextmanager
+def head_at(model: Any, positions: torch.Tensor) -> Iterator[None]:
+    """While active, ``model``'s LM head sees only the hidden states where ``positions``
+    (``[b, P]`` bool, ``P <= L``: position t's logits predict token t+1) is true."""
+    head = model.get_output_embeddings()
+
+    def pick(_module: Any, args: tuple) -> tuple:
+        hidden = args[0]
+        return (hidden[:, : positions.shape[1]][positions].unsqueeze(0), *args[1:])
+
+    handle = head.register_forward_pre_hook(pick)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def head_selection_works(model: Any, device: torch.device) -> bool:
+    """Whether :func:`head_at` gives ``model`` the same logits as a full forward, tried on
+    a 4-token input (every rank calls this: with FSDP the forwards are collectives)."""
+    import torch
+
+    if model.get_output_embeddings() is None:
+        return False
+    ids = torch.tensor([[1, 2, 3, 4]], device=device) % model.config.vocab_size
+    attention = torch.ones_like(ids)
+    positions = torch.tensor([[False, True, False, True]], device=device)
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+        with head_at(model, positions):
+            picked = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+    if tuple(picked.shape) != (1, 2, full.shape[-1]):
+        return False
+    return bool(torch.allclose(picked[0], full[0, [1, 3]], rtol=1e-4, atol=1e-5))

@@ -1,0 +1,55 @@
+"""Combine per-micro-batch loss metrics into one set for the whole batch, over all ranks.
+
+``policy_loss`` reports, per micro-batch, means over that micro-batch's loss tokens. The
+batch value of such a mean is the token-weighted mean over every micro-batch of every
+rank. Loss terms are already scaled by the global normaliser, so they add up; maxima
+take the maximum. Padding micro-batches carry zero tokens and so weigh nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+#: Parts of the loss: each micro-batch's value is its share of the batch loss.
+SUM_KEYS = frozenset({"loss/policy", "loss/kl"})
+#: Maxima over tokens.
+MAX_KEYS = frozenset({"ratio/max", "logprob_gap/max"})
+
+
+class MetricAccumulator:
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.maxes: dict[str, float] = {}
+        self.tokens = 0.0
+
+    def add(self, metrics: dict[str, float], tokens: int) -> None:
+        self.tokens += tokens
+        for key, value in metrics.items():
+            if key in MAX_KEYS:
+                self.maxes[key] = max(self.maxes.get(key, float("-inf")), value)
+            elif key in SUM_KEYS:
+                self.sums[key] = self.sums.get(key, 0.0) + value
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + value * tokens
+
+    def reduce(self, device: torch.device) -> dict[str, float]:
+        """All-reduce over the default process group (every rank must call, with the
+        same keys: they depend only on the config). The same result on every rank."""
+        import torch
+        import torch.distributed as dist
+
+        sum_keys, max_keys = sorted(self.sums), sorted(self.maxes)
+        sums = torch.tensor([self.sums[k] for k in sum_keys] + [self.tokens], dtype=torch.float64, device=device)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        out: dict[str, float] = {}
+        *values, tokens = sums.tolist()
+        for key, value in zip(sum_keys, values):
+            out[key] = value if key in SUM_KEYS else value / max(tokens, 1.0)
+        if max_keys:
+            maxes = torch.tensor([self.maxes[k] for k in max_keys], dtype=torch.float64, device=device)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+            out.update(zip(max_keys, maxes.tolist()))
+        return out

@@ -1,0 +1,388 @@
+"""The ``shm`` transport: versioned safetensors files in one directory (shared memory).
+
+The sender (trainer rank 0) writes each version to ``v<version:08d>.safetensors`` under a
+temporary name, fsyncs it and renames it into place, then points ``LATEST`` at it: a
+receiver sees a version complete or not at all. Receivers (generator workers on the same
+machine) poll for the file of the version they are asked for and copy its tensors out.
+
+Pull-based: ``send`` returns once the version is published; it does not wait for readers.
+The directory is in ``/dev/shm`` (RAM-backed tmpfs) when it has room, so a version costs
+one memcpy to write and one to read, no disk.
+
+The weights are the run's: the directory is created 0700 and every file in it 0600 from
+the moment it exists (``/dev/shm`` is world-writable and shared by every user of the
+machine). Receivers run as the same user.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from forgerl.errors import TransportError, TransportTimeout
+from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
+from forgerl.types import WeightSet
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from forgerl_plugins.transports.shm import ShmTransportOptions
+
+log = logging.getLogger(__name__)
+
+SHM_ROOT = Path("/dev/shm")
+LATEST = "LATEST"
+_VERSION_FILE = re.compile(r"^v(\d{8,})\.safetensors$")
+# Used when neither the caller nor the run config gives a timeout: never wait forever.
+DEFAULT_TIMEOUT = 120.0
+# Free space wanted in /dev/shm when the model size is unknown.
+MIN_SHM_FREE = 256 * 2**20
+
+
+def version_file(directory: Path, version: int) -> Path:
+    return directory / f"v{version:08d}.safetensors"
+
+
+def _write_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """Write one safetensors file (module-level so that tests can make it fail mid-way)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _private_file(path: Path) -> None:
+    """Create ``path`` empty with mode 0600 (whatever the umask), so that a writer opening
+    it afterwards never exposes what it writes, not even for a moment."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+
+
+def _private_directory(path: Path) -> None:
+    """Create ``path`` (and missing parents) with mode 0700; an existing directory keeps its
+    mode, with a warning when others may read or enter it."""
+    try:
+        path.mkdir(mode=0o700, parents=True)
+        os.chmod(path, 0o700)  # mkdir's mode is filtered by the umask
+    except FileExistsError:
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            log.warning(
+                "shm: %s (mode %o) lets other users list it; the weight files in it are 0600, but "
+                "`chmod 700 %s` keeps even their names private",
+                path,
+                mode,
+                path,
+            )
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        _private_file(tmp)
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _read_latest(directory: Path) -> int | None:
+    try:
+        text = (directory / LATEST).read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        text = ""
+    if text.isdigit():
+        return int(text)
+    # LATEST not written yet (or unreadable): the newest complete file tells the same.
+    versions = _versions_on_disk(directory)
+    return versions[-1] if versions else None
+
+
+def _versions_on_disk(directory: Path) -> list[int]:
+    try:
+        names = os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(int(m.group(1)) for n in names if (m := _VERSION_FILE.match(n)))
+
+
+def _estimated_version_bytes(ctx: RunContext | None) -> int | None:
+    """Size of one version: the model's weight files (None when unknown)."""
+    if ctx is None or ctx.model_path is None:
+        return None
+    folder = Path(ctx.model_path)
+    if not folder.is_dir():
+        return None
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors")) or sum(
+        p.stat().st_size for p in folder.glob("*.bin")
+    )
+    return size or None
+
+
+class ShmSender(TransportSender):
+    """Publishes versions into ``directory``. Owns it: :meth:`close` removes what it wrote."""
+
+    def __init__(self, directory: Path, keep_versions: int, *, owns_directory: bool) -> None:
+        self.directory = directory
+        self.keep_versions = keep_versions
+        self.owns_directory = owns_directory
+        self.last_version: int | None = None
+        #: Seconds and bytes of the last :meth:`send` (write + fsync + publish).
+        self.last_send_seconds: float | None = None
+        self.last_send_bytes: int = 0
+        self._closed = False
+        _private_directory(directory)
+        # Versions left by an earlier process (a crashed run being resumed) would be served
+        # as if this trainer had sent them: a resumed trainer re-sends from its checkpoint.
+        self._remove_files()
+
+    @property
+    def last_send_bytes_per_s(self) -> float | None:
+        if not self.last_send_seconds:
+            return None
+        return self.last_send_bytes / self.last_send_seconds
+
+    def send(self, weights: WeightSet, timeout: float | None = None) -> None:
+        """Write ``weights`` atomically and publish it. ``timeout`` is not used: publishing
+        is local and returns when written; receivers apply their own timeouts."""
+        if self._closed:
+            raise TransportError(f"shm sender for {self.directory} is closed")
+        version = int(weights.version)
+        if self.last_version is not None and version <= self.last_version:
+            raise ValueError(
+                f"weight versions must strictly increase: got {version} after {self.last_version}"
+            )
+        start = time.perf_counter()
+        tensors, order = self._prepare(weights)
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        final = version_file(self.directory, version)
+        tmp = self.directory / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        metadata = {"format": "pt", "forgerl_version": str(version), "forgerl_names": json.dumps(order)}
+        try:
+            _private_file(tmp)
+            _write_file(tensors, tmp, metadata)
+            _fsync_path(tmp)
+            os.replace(tmp, final)
+        except OSError as exc:
+            free = shutil.disk_usage(self.directory).free if self.directory.exists() else 0
+            raise TransportError(
+                f"could not write weights version {version} ({nbytes / 2**20:.1f} MiB) to "
+                f"{self.directory}: {exc.strerror or exc} ({free / 2**20:.0f} MiB free); "
+                "set transport.options.directory to a larger filesystem"
+            ) from exc
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_path(self.directory)
+        _atomic_write_text(self.directory / LATEST, f"{version}\n")
+        self.last_version = version
+        self._remove_old_versions()
+        self.last_send_seconds = time.perf_counter() - start
+        self.last_send_bytes = nbytes
+        log.debug(
+            "shm: published version %d (%.1f MiB in %.3f s) in %s",
+            version,
+            nbytes / 2**20,
+            self.last_send_seconds,
+            self.directory,
+        )
+
+    @staticmethod
+    def _prepare(weights: WeightSet) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """CPU, contiguous, unshared tensors (safetensors refuses tensors that share memory,
+        e.g. tied embeddings under two names): iterate the set once, as its contract says."""
+        tensors: dict[str, torch.Tensor] = {}
+        order: list[str] = []
+        seen: set[tuple[int, int]] = set()
+        for name, tensor in weights.items():
+            if name in tensors:
+                raise ValueError(f"weight name {name!r} appears twice in version {weights.version}")
+            t = tensor.detach().to("cpu").contiguous()
+            if t.numel():
+                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                if key in seen or t.storage_offset() or t.untyped_storage().nbytes() != t.nbytes:
+                    t = t.clone()  # an alias or a view of a bigger buffer
+                else:
+                    seen.add(key)
+            tensors[name] = t
+            order.append(name)
+        return tensors, order
+
+    def _remove_old_versions(self) -> None:
+        for v in _versions_on_disk(self.directory)[: -self.keep_versions]:
+            version_file(self.directory, v).unlink(missing_ok=True)
+
+    def _remove_files(self) -> None:
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return
+        for n in names:
+            if _VERSION_FILE.match(n) or n == LATEST or (n.startswith(".v") and ".tmp-" in n):
+                (self.directory / n).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.owns_directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        else:
+            # A directory the user named may hold other things: remove only our files.
+            self._remove_files()
+            try:
+                self.directory.rmdir()
+            except OSError:
+                pass
+
+
+class ShmReceiver(TransportReceiver):
+    """Reads versions from ``directory``; never modifies it."""
+
+    def __init__(
+        self, directory: Path, worker_id: str, poll_interval: float, default_timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
+        self.directory = directory
+        self.worker_id = worker_id
+        self.poll_interval = poll_interval
+        self.default_timeout = default_timeout
+        self._closed = False
+
+    def latest_version(self) -> int | None:
+        """The newest published version (for a generator that joins late), or None."""
+        return _read_latest(self.directory)
+
+    def receive(self, version: int, timeout: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Wait for ``version``, then yield its tensors, each copied out of the file.
+
+        The wait (and its TransportTimeout) happens here, not on the first ``next``.
+        """
+        from safetensors import safe_open
+
+        if self._closed:
+            raise TransportError(f"shm receiver {self.worker_id} is closed")
+        timeout = self.default_timeout if timeout is None else timeout
+        path = version_file(self.directory, version)
+        start = time.monotonic()
+        while True:
+            try:
+                handle = safe_open(str(path), framework="pt")
+                break
+            except FileNotFoundError:
+                pass
+            latest = _read_latest(self.directory)
+            if latest is not None and latest > version and not path.exists():
+                raise TransportError(
+                    f"weights version {version} is no longer in {self.directory}: version {latest} "
+                    "replaced it (only the newest versions are kept); ask for latest_version()"
+                )
+            waited = time.monotonic() - start
+            if waited >= timeout:
+                raise TransportTimeout(
+                    f"weights version {version} did not appear in {self.directory} within "
+                    f"{timeout:g} s (newest there: {latest if latest is not None else 'none'}); "
+                    "is the trainer running?"
+                )
+            time.sleep(min(self.poll_interval, max(timeout - waited, 0.0)))
+        # Opened: the file may now be removed by the sender without harm (Linux keeps it
+        # alive for us), so reading is not racing a newer version.
+        return self._read(handle, version, path)
+
+    def _read(self, handle: Any, version: int, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+        with handle as f:
+            meta = f.metadata() or {}
+            got = meta.get("forgerl_version")
+            if got != str(version):
+                raise TransportError(f"{path} holds version {got!r}, expected {version}")
+            names = json.loads(meta["forgerl_names"]) if "forgerl_names" in meta else list(f.keys())
+            for name in names:
+                # get_tensor maps the file lazily; the copy makes the tensor independent of
+                # the file, whose pages are freed once the sender removes it.
+                yield name, f.get_tensor(name).clone()
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class ShmTransport(Transport):
+    """Factory ``ShmTransport(options, *, context)``; ``context`` is None in a receiver process
+    (then :meth:`receiver` needs the sender's :meth:`receiver_spec` or ``options.directory``)."""
+
+    def __init__(self, options: ShmTransportOptions, *, context: RunContext | None = None) -> None:
+        self.options = options
+        self.ctx = context
+        self._directory: Path | None = Path(options.directory) if options.directory else None
+        self._owns_directory = False
+
+    @property
+    def directory(self) -> Path:
+        """Where versions live, chosen (and created) on first use."""
+        if self._directory is None:
+            self._directory = self._make_directory()
+            self._owns_directory = True
+        return self._directory
+
+    def _make_directory(self) -> Path:
+        per_version = _estimated_version_bytes(self.ctx)
+        wanted = MIN_SHM_FREE if per_version is None else per_version * max(3, self.options.keep_versions + 1)
+        if SHM_ROOT.is_dir() and os.access(SHM_ROOT, os.W_OK):
+            free = shutil.disk_usage(SHM_ROOT).free
+            if free >= wanted:
+                return Path(tempfile.mkdtemp(prefix="forgerl-", dir=SHM_ROOT))
+            log.warning(
+                "shm: %s has %.0f MiB free, %.0f MiB wanted; using a directory on disk",
+                SHM_ROOT,
+                free / 2**20,
+                wanted / 2**20,
+            )
+        if self.ctx is not None:
+            path = Path(self.ctx.run_dir) / "weights"
+            _private_directory(path)
+            return path
+        return Path(tempfile.mkdtemp(prefix="forgerl-weights-"))
+
+    def _timeout(self) -> float:
+        if self.ctx is not None:
+            return float(self.ctx.config.transport.timeout)
+        return DEFAULT_TIMEOUT
+
+    def sender(self) -> ShmSender:
+        directory = self.directory
+        return ShmSender(directory, self.options.keep_versions, owns_directory=self._owns_directory)
+
+    def receiver(self, worker_id: str, spec: Mapping[str, Any] | None = None) -> ShmReceiver:
+        if spec and spec.get("directory"):
+            directory = Path(spec["directory"])
+        elif self._directory is not None or self.ctx is not None:
+            directory = self.directory
+        else:
+            raise TransportError(
+                "shm receiver does not know where the weights are: pass the sender's "
+                "receiver_spec() or set transport.options.directory"
+            )
+        return ShmReceiver(directory, worker_id, self.options.poll_interval, self._timeout())
+
+    def receiver_spec(self) -> dict[str, Any]:
+        return {"directory": str(self.directory)}
+
+    def close(self) -> None:
+        """Remove a directory this instance created (the sender's close does the same)."""
+        if self._owns_directory and self._directory is not None:
+            shutil.rmtree(self._directory, ignore_errors=True)
