@@ -29,7 +29,7 @@ WORKER = Path(worker.__file__)
 
 
 def test_rows_are_split_contiguously_and_completely() -> None:
-    from forgerl_plugins.trainers.fsdp.batching import rank_rows
+    from forgerl_plugins.trainers.shared.batching import rank_rows
 
     for size in range(0, 9):
         for world in range(1, 5):
@@ -39,7 +39,7 @@ def test_rows_are_split_contiguously_and_completely() -> None:
 
 
 def test_every_rank_runs_the_same_number_of_micro_batches() -> None:
-    from forgerl_plugins.trainers.fsdp.batching import micro_batches
+    from forgerl_plugins.trainers.shared.batching import micro_batches
 
     # 5 rows, 2 ranks, micro-batches of 2: rank 0 has 3 rows (2 + 1), rank 1 has 2 (2 + padding).
     assert [mb.rows for mb in micro_batches(5, 2, 0, 2)] == [[0, 1], [2]]
@@ -52,7 +52,7 @@ def test_every_rank_runs_the_same_number_of_micro_batches() -> None:
 
 
 def test_global_count_matches_the_loss_aggregation() -> None:
-    from forgerl_plugins.trainers.fsdp.batching import global_count
+    from forgerl_plugins.trainers.shared.batching import global_count
 
     mask = torch.tensor([[0, 1, 1, 1], [0, 0, 0, 0], [0, 0, 1, 0]])
     assert global_count(mask, "token_mean") == 4.0
@@ -281,10 +281,10 @@ def test_auto_bf16_autocast_follows_the_hardware(
     """bf16 autocast pays off only where the device computes bf16 natively (1.9x faster
     with AMX, 3x slower without): "auto" decides from the hardware. The default is off."""
     from forgerl_plugins.trainers.fsdp import FSDPTrainerOptions
-    from forgerl_plugins.trainers.fsdp import trainer as fsdp_trainer
+    from forgerl_plugins.trainers.shared import base as trainer_base
 
     assert FSDPTrainerOptions().autocast_bf16 is False
-    monkeypatch.setattr(fsdp_trainer, "native_bf16", lambda device: native)
+    monkeypatch.setattr(trainer_base, "native_bf16", lambda device: native)
     trainer = worker.make_trainer(tiny_model_dir, tmp_path, micro_batch_size=2, autocast_bf16="auto")
     try:
         with trainer._autocast():

@@ -268,7 +268,8 @@ def algorithm_metric_keys() -> set[str]:
 
 
 def fsdp_metric_keys() -> set[str]:
-    trainer = REPO / "plugins" / "forgerl_plugins" / "trainers" / "fsdp" / "trainer.py"
+    # The trainers' shared step (fsdp and torchtitan alike).
+    trainer = REPO / "plugins" / "forgerl_plugins" / "trainers" / "shared" / "base.py"
     return subscript_keys(function(trainer, "train_step"), "metrics")
 
 

@@ -12,8 +12,8 @@ import torch
 from forgerl.algorithms import AlgorithmConfig
 from forgerl.algorithms.loss import aggregate_loss, clipped_surrogate, kl_from_log_ratio, policy_loss
 from forgerl.types import Completion, TrainBatch
-from forgerl_plugins.trainers.fsdp.batching import micro_batches, rank_rows
-from forgerl_plugins.trainers.fsdp.trainer import _check_batch
+from forgerl_plugins.trainers.shared.base import check_batch as _check_batch
+from forgerl_plugins.trainers.shared.batching import micro_batches, rank_rows
 from tests.helpers.timing import scaled
 
 
@@ -92,7 +92,7 @@ def test_refusals_survive_python_optimise_mode():
         "import torch\n"
         "from forgerl.algorithms.loss import clipped_surrogate\n"
         "from forgerl.types import Completion\n"
-        "from forgerl_plugins.trainers.fsdp.batching import rank_rows\n"
+        "from forgerl_plugins.trainers.shared.batching import rank_rows\n"
         "calls = [lambda: Completion([1], [], 'stop', 0),\n"
         "         lambda: clipped_surrogate(torch.zeros(1), torch.zeros(1), 2.0, 0.2),\n"
         "         lambda: rank_rows(4, 2, 5)]\n"

@@ -123,7 +123,7 @@ def test_train_step_matches_a_plain_grpo_step(tiny_model_dir: Path, tmp_path: Pa
 
 
 def test_rows_of_like_length_share_a_micro_batch() -> None:
-    from forgerl_plugins.trainers.fsdp.batching import micro_batches
+    from forgerl_plugins.trainers.shared.batching import micro_batches
 
     lengths = [5, 20, 6, 19, 7, 18]
     assert [mb.rows for mb in micro_batches(6, 1, 0, 2, lengths)] == [[1, 3], [5, 4], [2, 0]]
@@ -134,7 +134,7 @@ def test_rows_of_like_length_share_a_micro_batch() -> None:
 
 
 def test_native_bf16_reads_the_cpu_flags() -> None:
-    from forgerl_plugins.trainers.fsdp.distributed import native_bf16
+    from forgerl_plugins.trainers.shared.distributed import native_bf16
 
     cpu = torch.device("cpu")
     assert native_bf16(cpu, "flags\t\t: fpu avx512f avx512_bf16 avx512vl")

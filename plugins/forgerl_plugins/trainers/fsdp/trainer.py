@@ -1,110 +1,54 @@
 """The ``fsdp`` trainer: a Hugging Face causal LM sharded with FSDP2 ``fully_shard``.
 
-Every trainer rank builds one :class:`FSDPTrainer` and calls every method in the same
-order (SPMD). Each rank receives the full batch and trains on its contiguous share of
-rows (see :mod:`.batching`).
-
-Gradient scaling, the one subtle part. The GRPO loss of a batch is normalised over the
-*whole* batch (token-mean divides by all loss tokens of all rows), so each micro-batch's
-loss is divided by that global count (``policy_loss(..., global_count=)``): the
-micro-batch losses of all ranks then *sum* to the batch loss. FSDP2 would average
-gradients over ranks; we make it sum them instead (divide factor 1, plain SUM
-reduce-scatter, which gloo also supports), so 2 ranks make the same update as 1.
+The step, logprobs, metrics and checkpoints are the shared ones
+(:class:`forgerl_plugins.trainers.shared.base.ShardedTrainer`, which explains the
+gradient scaling); here is how the model is loaded, sharded and exported.
 
 Where the time goes (benchmarks/trainer_floor.py measures it against a bare step):
 one rank trains a plain module (FSDP2 on a world of one only copies parameters and
-gradients around), the LM head runs only at the positions the loss reads (.head), rows
-of like length share a micro-batch, the "old" policy's logprobs are the update forward's
-own (detached), and a single rank steps a fused AdamW. Each phase carries a
-``forge.*`` profiler label.
+gradients around), the LM head runs only at the positions the loss reads (shared/head.py),
+rows of like length share a micro-batch, the "old" policy's logprobs are the update
+forward's own (detached), and a single rank steps a fused AdamW.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forgerl.errors import CheckpointUnusable, ConfigError
-from forgerl.interfaces import RunContext, Trainer
-from forgerl.types import TrainBatch, WeightSet
+from forgerl.types import WeightSet
+from forgerl_plugins.trainers.shared.base import ShardedTrainer, sum_gradients
+from forgerl_plugins.trainers.shared.head import head_selection_works
 
 from . import FSDPTrainerOptions
-from .batching import MicroBatch, global_count, micro_batches, rank_rows
-from .distributed import init_distributed, native_bf16, pick_device
-from .head import head_at, head_selection_works
-from .metrics import MetricAccumulator
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-log = logging.getLogger(__name__)
 
-
-class FSDPTrainer(Trainer):
+class FSDPTrainer(ShardedTrainer):
     Options = FSDPTrainerOptions
+    name = "fsdp"
 
-    def __init__(self, options: FSDPTrainerOptions, *, context: RunContext) -> None:
-        import torch
-        import torch.distributed as dist
+    def _build(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        if context.model_path is None:
-            raise ConfigError("the fsdp trainer needs a model folder (model.name in the config)")
-        self.options = options
-        self.ctx = context
-        self.algorithm = context.config.algorithm
-        temperature = context.config.loop.sampling.temperature
-        # Logprobs are those of the distribution the generator samples from: logits / T.
-        # Greedy (T = 0) samples no distribution; score plain logits then.
-        self.temperature = temperature if temperature > 0 else 1.0
-        self.dtype = getattr(torch, context.config.model.dtype)  # "float32" | "bfloat16"
-
-        self.device = pick_device()
-        native = native_bf16(self.device)
-        # bf16 autocast made a SmolLM2 step 1.9x faster on a CPU with AMX and 3x slower on
-        # one without native bf16 (docs/performance.md): "auto" asks for it where it pays.
-        self.autocast_bf16 = native if options.autocast_bf16 == "auto" else options.autocast_bf16
-        if self.autocast_bf16 and not native:
-            log.warning(
-                "autocast_bf16 is on but %s has no native bfloat16 (CPU: avx512_bf16 or AMX; CUDA: "
-                "compute capability 8.0+): expect it slower than float32, not faster",
-                self.device,
-            )
-        log.info("trainer computes in %s on %s", "bf16 autocast" if self.autocast_bf16 else "float32", self.device)
-        self._owns_process_group = init_distributed(options.backend, context, self.device)
-        self._closed = False
-        self.model = self.reference_model = self.optimizer = None
-        try:
-            self.rank = dist.get_rank()
-            self.world_size = dist.get_world_size()
-            self.mesh = init_device_mesh(self.device.type, (self.world_size,))
-            torch.manual_seed(context.config.loop.seed)
-            self.model = self._load_model(trainable=True)
-            # The reference model costs a full copy of the weights: only with a KL term.
-            self.reference_model = self._load_model(trainable=False) if self.algorithm.kl_coef > 0 else None
-            self.optimizer = torch.optim.AdamW(
-                self.model.parameters(),
-                lr=options.lr,
-                betas=tuple(options.betas),
-                weight_decay=options.weight_decay,
-                # The fused kernel is 4-5x faster than the per-tensor loop on CPU (0.12 vs
-                # 0.54 s for 135M parameters); it takes plain tensors, not FSDP's DTensors.
-                fused=True if self.world_size == 1 else None,
-            )
-            # After the optimizer: a forward through an FSDP2 model before its optimizer
-            # exists made 2 ranks update the final norm differently from 1 (seen with the
-            # tied tiny Qwen2; the 2-rank test catches it).
-            self._select_head = head_selection_works(self.model, self.device)
-        except BaseException:
-            self.close()  # do not leave a process group behind for the next attempt
-            raise
-
-    # ----------------------------------------------------------------- model set-up
+        self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.model = self._load_model(trainable=True)
+        # The reference model costs a full copy of the weights: only with a KL term.
+        self.reference_model = self._load_model(trainable=False) if self.algorithm.kl_coef > 0 else None
+        self.optimizer = self._adamw()
+        # After the optimizer: a forward through an FSDP2 model before its optimizer
+        # exists made 2 ranks update the final norm differently from 1 (seen with the
+        # tied tiny Qwen2; the 2-rank test catches it).
+        self._select_head = head_selection_works(
+            lambda ids: self._logits(self.model, ids, ids.new_ones(ids.shape)),
+            self.model.get_output_embeddings(),
+            self.model.config.vocab_size,
+            self.device,
+        )
 
     def _load_model(self, trainable: bool) -> Any:
-        from torch.distributed.fsdp import FSDPModule, fully_shard
+        from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(self.ctx.model_path, dtype=self.dtype)
@@ -127,189 +71,11 @@ class FSDPTrainer(Trainer):
             if type(module).__name__ in block_names:
                 fully_shard(module, mesh=self.mesh)
         fully_shard(model, mesh=self.mesh)
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
+        sum_gradients(model)
         return model
 
-    # ---------------------------------------------------------------------- forward
-
-    def _autocast(self) -> Any:
-        import torch
-
-        if self.autocast_bf16:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def _forward_logprobs(
-        self,
-        model: Any,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        entropy: bool = False,
-        positions: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs ``[b, L-1]`` of tokens 1..L-1 (position t-1's logits predict token t).
-
-        With ``positions`` (``[b, L-1]`` bool), only those are computed (the LM head runs
-        on those hidden states alone, see :mod:`.head`); the others are 0.
-        """
-        import torch
-
-        from forgerl.algorithms.logprobs import selective_logprobs, token_entropy
-
-        targets = input_ids[:, 1:]
-        select = positions is not None and self._select_head
-        with self._autocast(), head_at(model, positions) if select else contextlib.nullcontext():
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        if select:
-            targets = targets[positions].unsqueeze(0)  # [1, N], the order of the hook's rows
-        else:
-            logits = logits[:, :-1]
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        chunk = self.options.logprob_chunk_size
-        logprobs = selective_logprobs(logits, targets, chunk)
-        ent = None
-        if entropy:
-            with torch.no_grad():
-                ent = token_entropy(logits.detach(), chunk)
-        if select:
-            # Back to [b, L-1]: the loss masks the zeros, and their gradient goes nowhere.
-            logprobs = logprobs.new_zeros(positions.shape).masked_scatter(positions, logprobs)
-            if ent is not None:
-                ent = ent.new_zeros(positions.shape).masked_scatter(positions, ent)
-        return logprobs, ent
-
-    def _micro_tensors(self, batch: TrainBatch, mb: MicroBatch) -> dict[str, torch.Tensor]:
-        """The rows of one micro-batch on the device, trailing all-padding columns cut."""
-        import torch
-
-        idx = torch.tensor(mb.rows, dtype=torch.long, device=batch.input_ids.device)
-        attention = batch.attention_mask[idx]
-        loss_mask = batch.loss_mask[idx]
-        used = ((attention != 0) | (loss_mask != 0)).any(0).nonzero()
-        length = int(used.max()) + 1 if used.numel() else attention.shape[1]
-        length = max(length, min(2, attention.shape[1]))
-        attention = attention[:, :length]
-        # Padding ids may be anything (-100 included); position t's id only matters where
-        # attention is on, and the embedding lookup needs a valid id everywhere.
-        ids = torch.where(attention != 0, batch.input_ids[idx, :length], 0)
-        loss_mask = loss_mask[:, 1:length]
-        if mb.padding:
-            loss_mask = torch.zeros_like(loss_mask)
-        advantages = batch.advantages[idx]
-        if advantages.dim() == 2:
-            advantages = advantages[:, 1:length]
-        out = {
-            "input_ids": ids,
-            "attention_mask": attention,
-            "loss_mask": loss_mask,
-            "behaviour_logprobs": batch.behaviour_logprobs[idx, 1:length],
-            "advantages": advantages,
-        }
-        return {k: v.to(self.device, non_blocking=True) for k, v in out.items()}
-
-    # ------------------------------------------------------------------- Trainer API
-
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        import torch
-        from torch.profiler import record_function
-
-        from forgerl.algorithms.loss import policy_loss
-
-        _check_batch(batch)
-        alg = self.algorithm
-        shifted_mask = batch.loss_mask[:, 1:]
-        count = global_count(shifted_mask, alg.loss_agg)
-        acc = MetricAccumulator()
-        for mb in micro_batches(
-            batch.size, self.world_size, self.rank, self.options.micro_batch_size, _row_lengths(batch)
-        ):
-            t = self._micro_tensors(batch, mb)
-            positions = t["loss_mask"] != 0
-            ref = None
-            if self.reference_model is not None:
-                with torch.no_grad(), record_function("forge.reference_forward"):
-                    ref, _ = self._forward_logprobs(
-                        self.reference_model, t["input_ids"], t["attention_mask"], positions=positions
-                    )
-            with record_function("forge.forward"):
-                logprobs, entropy = self._forward_logprobs(
-                    self.model, t["input_ids"], t["attention_mask"], self.options.log_entropy, positions
-                )
-            # Parameters change only at optimizer.step(), after the last micro-batch: the
-            # "old" policy is the current one, and its logprobs are this forward's own.
-            old = logprobs.detach() if alg.ratio == "old" else None
-            with record_function("forge.loss"):
-                loss, metrics = policy_loss(
-                    logprobs,
-                    old,
-                    t["behaviour_logprobs"],
-                    t["advantages"],
-                    t["loss_mask"],
-                    alg,
-                    ref_logprobs=ref,
-                    entropy=entropy,
-                    global_count=count,
-                )
-            with record_function("forge.backward"):
-                loss.backward()
-            acc.add(metrics, tokens=int(positions.sum()))
-
-        with record_function("forge.clip_gradients"):
-            grad_norm = self._clip_gradients()
-        with record_function("forge.optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-
-        with record_function("forge.metrics"):
-            metrics = acc.reduce(self.device)
-        metrics["loss"] = metrics.get("loss/policy", 0.0) + metrics.get("loss/kl", 0.0)
-        metrics["grad_norm"] = grad_norm
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
-        metrics["train/tokens"] = float((shifted_mask != 0).sum())
-        metrics["train/sequences"] = float((shifted_mask != 0).any(-1).sum())
-        return metrics
-
-    def _clip_gradients(self) -> float:
-        import torch
-
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        # max_norm = inf measures the norm and scales by exactly 1.
-        max_norm = self.options.max_grad_norm if self.options.max_grad_norm is not None else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        if hasattr(norm, "full_tensor"):  # FSDP2 parameters are DTensors: reduce over shards
-            norm = norm.full_tensor()
-        return float(norm)
-
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """``[B, T]`` fp32 logprobs of every attended token but the first (0 at position 0
-        and at padding), the same on every rank, on the batch's device."""
-        import torch
-        import torch.distributed as dist
-
-        _check_batch(batch)
-        size, length = batch.input_ids.shape
-        mine = rank_rows(size, self.world_size, self.rank)
-        share = -(-size // self.world_size)
-        local = torch.zeros(share, length, dtype=torch.float32, device=self.device)
-        with torch.no_grad():
-            lengths = _row_lengths(batch)
-            for mb in micro_batches(size, self.world_size, self.rank, self.options.micro_batch_size, lengths):
-                t = self._micro_tensors(batch, mb)
-                lp, _ = self._forward_logprobs(self.model, t["input_ids"], t["attention_mask"])
-                if mb.padding:
-                    continue
-                lp = torch.where(t["attention_mask"][:, 1:] != 0, lp.float(), 0.0)
-                rows = torch.tensor([r - mine.start for r in mb.rows], device=self.device)
-                local[rows, 1:1 + lp.shape[1]] = lp
-        # all_gather needs equal shapes: every rank sends `share` rows, the extra ones dropped.
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local)
-        parts = [g[: len(rank_rows(size, self.world_size, r))] for r, g in enumerate(gathered)]
-        return torch.cat(parts).to(batch.input_ids.device)
+    def _logits(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     def export_weights(self, version: int) -> WeightSet | None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -317,80 +83,3 @@ class FSDPTrainer(Trainer):
         # A collective: every rank takes part, rank 0 receives the full CPU tensors.
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return WeightSet(version=version, tensors=state) if self.rank == 0 else None
-
-    def save(self, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        from .checkpointing import failure
-
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        try:
-            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
-        except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            # Collective: every rank gets every rank's errors, so all raise the same line.
-            err = failure(Path(path), exc, saving=True)
-            if err is None:
-                raise
-            raise err from err.__cause__
-
-    def load(self, path: Path) -> None:
-        """Load a checkpoint written by :meth:`save` without unpickling anything but plain
-        data (see :mod:`.checkpointing`); CheckpointUnusable when it is missing or refused."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        from .checkpointing import SafePlanner, SafeReader, failure, read_metadata_safely
-
-        if not (Path(path) / ".metadata").is_file():
-            raise CheckpointUnusable(f"{path} is not a trainer checkpoint (no .metadata written by save())")
-        metadata = read_metadata_safely(Path(path))
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
-        try:
-            dcp.load(state, storage_reader=SafeReader(Path(path), metadata), planner=SafePlanner())
-        except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            err = failure(Path(path), exc, saving=False)
-            if err is None:
-                raise
-            raise err from err.__cause__
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-        )
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        import torch.distributed as dist
-
-        self.model = self.reference_model = self.optimizer = None
-        if self._owns_process_group and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _row_lengths(batch: TrainBatch) -> list[int]:
-    """Positions each row uses (up to its last attended or loss token), for grouping rows
-    of like length into micro-batches."""
-    import torch
-
-    used = (batch.attention_mask != 0) | (batch.loss_mask != 0)
-    columns = torch.arange(1, used.shape[1] + 1, device=used.device)
-    return torch.where(used, columns, 0).amax(-1).tolist()
-
-
-def _check_batch(batch: TrainBatch) -> None:
-    shape = tuple(batch.input_ids.shape)
-    if len(shape) != 2 or shape[0] < 1:
-        raise ValueError(f"input_ids must be [B, T] with B >= 1, got {shape}")
-    for name in ("attention_mask", "loss_mask", "behaviour_logprobs"):
-        got = tuple(getattr(batch, name).shape)
-        if got != shape:
-            raise ValueError(f"{name} has shape {got}, expected input_ids' {shape}")
-    adv = tuple(batch.advantages.shape)
-    if adv not in (shape[:1], shape):
-        raise ValueError(f"advantages must be [B] or [B, T] for input_ids {shape}, got {adv}")

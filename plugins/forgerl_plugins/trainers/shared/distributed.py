@@ -1,4 +1,4 @@
-"""Process-group set-up for the FSDP trainer: join the launcher's rendezvous or make one."""
+"""Process-group set-up for the trainers: join the launcher's rendezvous or make one."""
 
 from __future__ import annotations
 

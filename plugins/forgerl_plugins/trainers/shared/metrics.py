@@ -8,7 +8,7 @@ take the maximum. Padding micro-batches carry zero tokens and so weigh nothing.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -35,21 +35,22 @@ class MetricAccumulator:
             else:
                 self.sums[key] = self.sums.get(key, 0.0) + value * tokens
 
-    def reduce(self, device: torch.device) -> dict[str, float]:
-        """All-reduce over the default process group (every rank must call, with the
-        same keys: they depend only on the config). The same result on every rank."""
+    def reduce(self, device: torch.device, group: Any = None) -> dict[str, float]:
+        """All-reduce over ``group`` (default: the default process group; with tensor
+        parallelism, the ranks that train on different rows). Every rank must call, with
+        the same keys (they depend only on the config). The same result on every rank."""
         import torch
         import torch.distributed as dist
 
         sum_keys, max_keys = sorted(self.sums), sorted(self.maxes)
         sums = torch.tensor([self.sums[k] for k in sum_keys] + [self.tokens], dtype=torch.float64, device=device)
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
         out: dict[str, float] = {}
         *values, tokens = sums.tolist()
         for key, value in zip(sum_keys, values):
             out[key] = value if key in SUM_KEYS else value / max(tokens, 1.0)
         if max_keys:
             maxes = torch.tensor([self.maxes[k] for k in max_keys], dtype=torch.float64, device=device)
-            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=group)
             out.update(zip(max_keys, maxes.tolist()))
         return out

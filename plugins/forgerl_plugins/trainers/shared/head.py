@@ -4,8 +4,8 @@ A causal LM computes ``[b, L, V]`` logits, but a GRPO loss reads one logprob per
 *completion* token: prompt and padding positions are thrown away after the most
 expensive matrix product of the step (for SmolLM2-135M the head is a fifth of the
 weights, and its vocabulary-wide softmax comes on top). Here a forward pre-hook on the
-model's output embedding hands it only the hidden states at the wanted positions, as one
-``[1, N, H]`` row, so ``model(...).logits`` comes back as ``[1, N, V]``. Whatever the model
+model's output projection hands it only the hidden states at the wanted positions, as one
+``[1, N, H]`` row, so the model's logits come back as ``[1, N, V]``. Whatever the model
 does after its head (logit scaling, soft-capping) still runs, on those rows only; the
 decoder's attention is untouched (every position still attends to its whole prefix).
 
@@ -16,7 +16,7 @@ Whether a model's head works this way is checked once, on a tiny input, by
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -24,10 +24,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 @contextlib.contextmanager
-def head_at(model: Any, positions: torch.Tensor) -> Iterator[None]:
-    """While active, ``model``'s LM head sees only the hidden states where ``positions``
-    (``[b, P]`` bool, ``P <= L``: position t's logits predict token t+1) is true."""
-    head = model.get_output_embeddings()
+def head_at(head: Any, positions: torch.Tensor) -> Iterator[None]:
+    """While active, the output projection ``head`` sees only the hidden states where
+    ``positions`` (``[b, P]`` bool, ``P <= L``: position t's logits predict token t+1) is true."""
 
     def pick(_module: Any, args: tuple) -> tuple:
         hidden = args[0]
@@ -40,20 +39,22 @@ def head_at(model: Any, positions: torch.Tensor) -> Iterator[None]:
         handle.remove()
 
 
-def head_selection_works(model: Any, device: torch.device) -> bool:
-    """Whether :func:`head_at` gives ``model`` the same logits as a full forward, tried on
-    a 4-token input (every rank calls this: with FSDP the forwards are collectives)."""
+def head_selection_works(
+    logits_of: Callable[[torch.Tensor], torch.Tensor], head: Any, vocab_size: int, device: torch.device
+) -> bool:
+    """Whether :func:`head_at` on ``head`` gives the same logits as a full forward
+    (``logits_of(ids)``, ``[1, L, V]``), tried on a 4-token input (every rank calls this:
+    with FSDP the forwards are collectives)."""
     import torch
 
-    if model.get_output_embeddings() is None:
+    if head is None:
         return False
-    ids = torch.tensor([[1, 2, 3, 4]], device=device) % model.config.vocab_size
-    attention = torch.ones_like(ids)
+    ids = torch.tensor([[1, 2, 3, 4]], device=device) % vocab_size
     positions = torch.tensor([[False, True, False, True]], device=device)
     with torch.no_grad():
-        full = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
-        with head_at(model, positions):
-            picked = model(input_ids=ids, attention_mask=attention, use_cache=False).logits
+        full = logits_of(ids)
+        with head_at(head, positions):
+            picked = logits_of(ids)
     if tuple(picked.shape) != (1, 2, full.shape[-1]):
         return False
     return bool(torch.allclose(picked[0], full[0, [1, 3]], rtol=1e-4, atol=1e-5))
