@@ -30,6 +30,8 @@ def head_at(head: Any, positions: torch.Tensor) -> Iterator[None]:
 
     def pick(_module: Any, args: tuple) -> tuple:
         hidden = args[0]
+        if hasattr(hidden, "to_local"):
+            return (_pick_replicated(hidden, positions), *args[1:])
         return (hidden[:, : positions.shape[1]][positions].unsqueeze(0), *args[1:])
 
     handle = head.register_forward_pre_hook(pick)
@@ -37,6 +39,17 @@ def head_at(head: Any, positions: torch.Tensor) -> Iterator[None]:
         yield
     finally:
         handle.remove()
+
+
+def _pick_replicated(hidden: Any, positions: torch.Tensor) -> Any:
+    """The selection on a DTensor (a tensor-parallel head's input): every rank holds the
+    whole tensor (Replicate), so each selects from its own copy."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not all(isinstance(p, Replicate) for p in hidden.placements):
+        raise RuntimeError(f"head_at needs the head's input replicated, got placements {hidden.placements}")
+    local = hidden.to_local()[:, : positions.shape[1]][positions].unsqueeze(0)
+    return DTensor.from_local(local, hidden.device_mesh, hidden.placements, run_check=False)
 
 
 def head_selection_works(

@@ -1,4 +1,5 @@
-"""``torchtitan``: TorchTitan models and parallelism."""
+"""``torchtitan``: TorchTitan's model definitions and parallelism (FSDP2, tensor parallel),
+with forgerl's loss, micro-batching and checkpoints (the same update as ``fsdp``)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ def forge_trainers():
     return [
         TrainerBackend(
             name="torchtitan",
-            factory=None,
+            factory="forgerl_plugins.trainers.torchtitan.trainer:TorchTitanTrainer",
             options="forgerl_plugins.trainers.torchtitan.options:TorchTitanTrainerOptions",
-            description="TorchTitan trainer",
-            requires=("torchtitan",),
+            description="TorchTitan Llama 3 / Qwen models, FSDP2 + tensor parallel, DCP checkpoints",
+            requires=("torch", "torchtitan", "safetensors"),
             extra="torchtitan",
-            implemented=False,
         )
     ]
 

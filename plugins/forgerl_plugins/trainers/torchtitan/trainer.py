@@ -1,0 +1,207 @@
+"""The ``torchtitan`` trainer: the run's Hugging Face model rebuilt with TorchTitan's model
+definitions (:mod:`.models`), sharded by TorchTitan's ``parallelize_fn`` (FSDP2 over the
+data-parallel ranks, tensor parallelism over ``tp`` ranks, optional activation
+checkpointing and ``torch.compile``), trained with forgerl's loss.
+
+The step, logprobs, metrics and DCP checkpoints are the shared ones
+(:class:`forgerl_plugins.trainers.shared.base.ShardedTrainer`), so on the same batch this
+trainer and ``fsdp`` make the same update (tests/integration/test_trainer_parity.py).
+
+Set-up follows TorchTitan's RL ``PolicyTrainer``: build the model on the meta device,
+parallelize, ``to_empty`` on the real device, initialise the buffers (RoPE), then load
+the Hugging Face weights through the model's state-dict adapter. Like ``fsdp``, a single
+rank with nothing to compile or checkpoint trains the plain module: FSDP2 on a world of
+one only copies parameters around.
+
+TorchTitan 0.3.0 on CPU (/work/shared/MACHINE-NOTES.md): its device meshes would be CUDA
+meshes when no accelerator exists (``tools/utils.py`` falls back to "cuda"), and its
+default SPMD backend types every tensor; here meshes use the trainer's device and the
+``partial_dtensor`` backend (DTensor for the model-parallel axes only), and FSDP sums
+gradients with plain SUM collectives (gloo has no PREMUL_SUM).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from forgerl.errors import ConfigError
+from forgerl.types import TrainBatch, WeightSet
+from forgerl_plugins.trainers.shared.base import ShardedTrainer, check_batch, sum_gradients
+
+from . import TorchTitanTrainerOptions
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+log = logging.getLogger(__name__)
+
+#: TorchTitan's backend for DTensor on model-parallel axes only; the one that runs on gloo.
+SPMD_BACKEND = "partial_dtensor"
+
+
+class TorchTitanTrainer(ShardedTrainer):
+    Options = TorchTitanTrainerOptions
+    name = "torchtitan"
+
+    def _build(self) -> None:
+        from .models import model_spec
+
+        options = self.options
+        self.spec = model_spec(Path(self.ctx.model_path))
+        self.adapter = self.spec.state_dict_adapter(self.spec.model, None)
+        tp = options.tp
+        dp_shard = options.dp_shard or self.world_size // tp
+        if dp_shard * tp != self.world_size:
+            raise ConfigError(
+                f"torchtitan trainer: dp_shard ({dp_shard}) * tp ({tp}) must equal the trainer's "
+                f"{self.world_size} ranks (trainer.ranks); set trainer.options.tp and dp_shard to fit"
+            )
+        attention = self.spec.model.layers[0].attention
+        kv_heads = attention.n_kv_heads or attention.n_heads
+        if kv_heads % tp:
+            raise ConfigError(
+                f"torchtitan trainer: tp {tp} does not divide the model's {kv_heads} key/value heads; "
+                "choose a tp that does"
+            )
+        self.parallel_dims = self.parallelism = None
+        if self.world_size > 1 or options.activation_checkpointing != "none" or options.compile:
+            self._set_up_parallelism(dp_shard, tp)
+        if tp > 1:
+            self._set_up_data_parallel_groups(tp)
+        hf_weights = self._read_hf_weights()
+        self.model = self._build_model(hf_weights, trainable=True)
+        self.reference_model = self._build_model(hf_weights, trainable=False) if self.algorithm.kl_coef > 0 else None
+        del hf_weights
+        self.optimizer = self._adamw()
+        # The decoder's forward ends in ``self.lm_head(h)`` on [b, L, dim] hidden states:
+        # the head hook of shared/head.py always applies.
+        self._select_head = True
+
+    # ----------------------------------------------------------------- set-up
+
+    def _set_up_parallelism(self, dp_shard: int, tp: int) -> None:
+        from torchtitan.config import ParallelismConfig
+        from torchtitan.distributed import ParallelDims
+        from torchtitan.distributed import parallel_dims as parallel_dims_module
+        from torchtitan.distributed import utils as titan_dist
+
+        from .models import fill_sharding_plan
+
+        # TorchTitan picks "cuda" when no accelerator is present; its meshes must live
+        # on the device this trainer computes on.
+        parallel_dims_module.device_type = self.device.type
+        titan_dist.set_spmd_backend(SPMD_BACKEND)
+        self.parallelism = ParallelismConfig(
+            data_parallel_shard_degree=dp_shard,
+            tensor_parallel_degree=tp,
+            # Micro-batches are cut to their longest row: any length, no sequence sharding.
+            enable_sequence_parallel=False,
+            spmd_backend=SPMD_BACKEND,
+        )
+        self.parallel_dims = ParallelDims.from_config(self.parallelism, self.world_size)
+        fill_sharding_plan(self.spec)
+
+    def _set_up_data_parallel_groups(self, tp: int) -> None:
+        """With tensor parallelism, the ``tp`` consecutive ranks of a group (TorchTitan's
+        mesh puts ``tp`` innermost) share one data-parallel rank and so the same rows; the
+        metrics and logprobs are gathered over the ranks holding different rows."""
+        import torch.distributed as dist
+
+        self.dp_rank, self.dp_size = self.rank // tp, self.world_size // tp
+        # new_group is collective: every rank creates every group, in the same order.
+        for offset in range(tp):
+            group = dist.new_group([offset + tp * i for i in range(self.dp_size)])
+            if offset == self.rank % tp:
+                self.dp_group = group
+
+    def _read_hf_weights(self) -> dict[str, torch.Tensor]:
+        """The folder's safetensors as TorchTitan state-dict entries (each rank reads them:
+        a trainer's ranks share the model folder, as they do for ``fsdp``)."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(self.ctx.model_path).glob("*.safetensors"))
+        if not files:
+            raise ConfigError(f"{self.ctx.model_path}: no *.safetensors weights for the torchtitan trainer")
+        weights: dict[str, Any] = {}
+        for f in files:
+            weights.update(load_file(f))
+        return self.adapter.from_hf(weights)
+
+    def _build_model(self, weights: dict[str, torch.Tensor], trainable: bool) -> Any:
+        import torch
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torchtitan.tools.utils import set_default_dtype
+
+        with torch.device("meta"), set_default_dtype(self.dtype):
+            model = self.spec.model.build()
+        if not trainable:
+            model.requires_grad_(False)
+        if self.parallel_dims is not None:
+            model = self._parallelize(model, trainable)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)  # RoPE caches; the weights come next
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=True))
+        return model
+
+    def _parallelize(self, model: Any, trainable: bool) -> Any:
+        from torchtitan.config import CompileConfig, TrainingConfig
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+        options = self.options
+        dtype = str(self.dtype).removeprefix("torch.")
+        ac = {"full": FullAC.Config, "selective": SelectiveAC.Config}.get(options.activation_checkpointing)
+        model = self.spec.parallelize_fn(
+            model,
+            parallel_dims=self.parallel_dims,
+            # Parameters stay in the model's dtype (bf16 compute is the shared autocast
+            # option, as for fsdp); gradients are reduced in fp32.
+            training=TrainingConfig(dtype=dtype, mixed_precision_param=dtype, mixed_precision_reduce="float32"),
+            parallelism=self.parallelism,
+            compile_config=CompileConfig(enable=options.compile and trainable),
+            # The frozen reference model runs no backward: nothing to recompute.
+            ac_config=ac() if ac is not None and trainable else None,
+            dump_folder=str(self.ctx.run_dir),
+        )
+        sum_gradients(model)
+        return model
+
+    # ---------------------------------------------------------------- forward
+
+    def _head(self, model: Any) -> Any:
+        return model.lm_head
+
+    def _logits(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        # Causal SDPA, no mask: exact for right-padded rows (checked in _check_batch).
+        logits = model(input_ids)
+        if hasattr(logits, "full_tensor"):
+            # Tensor parallel: the head's output is a DTensor (vocabulary-sharded); the
+            # loss reads whole rows. full_tensor's backward hands each rank its shard.
+            logits = logits.full_tensor()
+        return logits
+
+    def _check_batch(self, batch: TrainBatch) -> None:
+        check_batch(batch)
+        attended = batch.attention_mask != 0
+        if (attended[:, 1:] & ~attended[:, :-1]).any():
+            raise ValueError(
+                "the torchtitan trainer needs right-padded rows (attention_mask 1...1 0...0), "
+                "as TrainBatch promises: a row has attended tokens after padding"
+            )
+
+    # ---------------------------------------------------------------- weights
+
+    def export_weights(self, version: int) -> WeightSet | None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # A collective: every rank takes part, rank 0 receives the full CPU tensors.
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return None
+        tensors = self.adapter.to_hf(state)
+        if self.spec.model.enable_weight_tying:
+            # Hugging Face's state dict names the tied matrix twice; the adapter once.
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
+        return WeightSet(version=version, tensors=tensors)
