@@ -310,7 +310,7 @@ def file_and_flag_cases() -> list[Case]:
         Case("unknown-reward", [*RUN, "--reward", "vibes"], needles=("vibes",)),
         Case("unknown-model-options", [*RUN, "--model", "/no/such/model", "--set", "model.options.x=1"],
              needles=("model.options",)),
-        Case("unimplemented-trainer", [*RUN, "--trainer", "torchtitan"], needles=("not implemented",)),
+        Case("unimplemented-generator", [*RUN, "--generator", "sglang"], needles=("not implemented",)),
         Case("unknown-flag", [*RUN, "--stepz", "3"], needles=("--stepz",)),
         Case("steps-negative", [*RUN, "--steps", "-1"], needles=("--steps",)),
         Case("steps-not-a-number", ["run", "--steps", "many"], needles=("--steps",)),

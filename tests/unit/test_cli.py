@@ -82,7 +82,7 @@ def test_unknown_backend_lists_installed():
 
 
 def test_unimplemented_backend_says_so():
-    assert_one_line_error(forge("run", "--trainer", "torchtitan", "--dry-run"), "torchtitan", "not implemented yet")
+    assert_one_line_error(forge("run", "--generator", "sglang", "--dry-run"), "sglang", "not implemented yet")
 
 
 def test_debug_shows_the_traceback():
@@ -129,8 +129,8 @@ def test_plugins_list_json_reports_availability():
     rows = json.loads(forge("plugins", "list", "--json").stdout)
     by_name = {r["name"]: r for r in rows}
     assert by_name["hf"]["distribution"] == "forgerl"
-    tt = by_name["torchtitan"]["backends"][0]
-    assert tt["available"] is False and tt["reason"] == "not implemented yet"
+    sglang = by_name["sglang"]["backends"][0]
+    assert sglang["available"] is False and sglang["reason"] == "not implemented yet"
     assert by_name["local"]["backends"][0]["available"] is True
 
 

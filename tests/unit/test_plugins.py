@@ -238,9 +238,9 @@ def test_unknown_backend_lists_installed_ones():
 
 def test_unavailable_backend_says_why():
     reg = build_registry()
-    assert reg.get("trainer", "torchtitan").unavailable_reason() == "not implemented yet"
-    with pytest.raises(BackendUnavailable, match="torchtitan.*not implemented yet"):
-        reg.require("trainer", "torchtitan")
+    assert reg.get("generator", "sglang").unavailable_reason() == "not implemented yet"
+    with pytest.raises(BackendUnavailable, match="sglang.*not implemented yet"):
+        reg.require("generator", "sglang")
 
 
 def test_missing_extra_names_the_extra(site):
