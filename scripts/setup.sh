@@ -41,6 +41,17 @@ if [ "${FORGE_SKIP_VLLM:-0}" != "1" ]; then
     fi
 fi
 
+# TorchTitan for the `torchtitan` trainer (the `torchtitan` extra), without its declared
+# dependencies: torchdata would bring its own torch, and datasets, wandb and tensorboard
+# serve TorchTitan's pretraining Trainer, which forgerl does not use. What its models,
+# parallelism and state-dict adapters import is installed beside it, pinned: spmd_types,
+# tyro and tyro's typeguard (docstring_parser comes with the project). Its overrides that
+# import triton are not on forgerl's path. FORGE_SKIP_TORCHTITAN=1 leaves it out.
+if [ "${FORGE_SKIP_TORCHTITAN:-0}" != "1" ]; then
+    $PIP install --quiet --disable-pip-version-check --no-deps -c "$CONSTRAINTS" \
+        torchtitan spmd_types tyro typeguard
+fi
+
 # Mooncake's TransferEngine for the `rdma` transport (it falls back to TCP where no RDMA
 # card exists, so the same call runs here). Its library links against libibverbs, which
 # comes from the system's packages: installed here when run as root, otherwise the rdma

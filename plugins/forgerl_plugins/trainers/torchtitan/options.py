@@ -27,4 +27,6 @@ class TorchTitanTrainerOptions(ShardedTrainerOptions):
         description="Recompute activations in the backward pass: 'full' whole decoder layers, 'selective' "
         "per op (less memory, more compute).",
     )
-    compile: bool = Field(False, description="torch.compile each decoder layer (slow to start; off on CPU by default).")
+    compile: bool = Field(
+        False, description="torch.compile each decoder layer (off by default: minutes to compile, and on CPU a C++ compiler)."
+    )
