@@ -25,7 +25,7 @@ def require_torchtitan() -> None:
     """Skip (or, under FORGE_REQUIRE_TORCHTITAN=1, fail) a test that needs TorchTitan."""
     if importlib.util.find_spec("torchtitan") is not None:
         return
-    reason = "the torchtitan trainer needs TorchTitan: pip install 'forgerl[torchtitan]' (scripts/setup.sh does)"
+    reason = "the torchtitan trainer needs TorchTitan: scripts/setup.sh installs it (see docs/trainers.md)"
     if os.environ.get("FORGE_REQUIRE_TORCHTITAN") == "1":
         pytest.fail(f"FORGE_REQUIRE_TORCHTITAN=1 but {reason}")
     pytest.skip(reason)

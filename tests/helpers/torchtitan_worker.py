@@ -28,8 +28,9 @@ SCENARIOS: dict[str, tuple[str, int, int, int, dict[str, Any], dict[str, Any]]] 
     # FSDP over 2 ranks: 3 + 2 rows in micro-batches of 2, so rank 1 runs a padding
     # micro-batch; a (sharded) reference model for the KL term, recomputed old logprobs.
     "fsdp2": ("biased", 5, 2, 2, {"loss_agg": "seq_mean_token_mean", "kl_coef": 0.1, "ratio": "old"}, {}),
-    # Tensor parallel over 2 ranks (both train the same rows): heads and feed-forward split.
-    "tp2": ("wide", 3, 2, 1, {"loss_agg": "token_mean"}, {"tp": 2}),
+    # Tensor parallel over 2 ranks (both train the same rows): heads, their biases and the
+    # feed-forward split; decoder layers recomputed in the backward pass.
+    "tp2": ("wide", 3, 2, 1, {"loss_agg": "token_mean"}, {"tp": 2, "activation_checkpointing": "full"}),
 }
 
 

@@ -34,15 +34,14 @@ def _needs_torchtitan() -> None:
     require_torchtitan()
 
 
-@pytest.fixture(scope="module")
-def biased_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Qwen2 with random q/k/v biases (its own are zero): the q/k bias permutation
-    between Hugging Face's and TorchTitan's RoPE layouts shows only with biases that are not."""
+def _with_random_biases(source: Path, folder: Path) -> Path:
+    """``source``'s model with random q/k/v biases (the tiny Qwen2's own are zero): the
+    q/k bias permutation between Hugging Face's and TorchTitan's RoPE layouts, and the
+    biases' tensor-parallel sharding, show only with biases that are not."""
     from transformers import AutoModelForCausalLM
 
-    folder = tmp_path_factory.mktemp("biased")
-    shutil.copytree(tiny_model_dir, folder, dirs_exist_ok=True)
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    shutil.copytree(source, folder, dirs_exist_ok=True)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -60,14 +59,19 @@ def _tiny(tmp_path_factory: pytest.TempPathFactory, **options) -> Path:
 
 
 @pytest.fixture(scope="module")
+def biased_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _with_random_biases(tiny_model_dir, tmp_path_factory.mktemp("biased"))
+
+
+@pytest.fixture(scope="module")
 def llama_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _tiny(tmp_path_factory, architecture="llama")
 
 
 @pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """4 heads over 2 key/value heads: what tensor parallelism over 2 ranks splits."""
-    return _tiny(tmp_path_factory, hidden_size=128)
+    """4 heads over 2 key/value heads, with biases: what tensor parallelism over 2 ranks splits."""
+    return _with_random_biases(_tiny(tmp_path_factory, hidden_size=128), tmp_path_factory.mktemp("wide"))
 
 
 def _max_diff(a: dict, b: dict) -> tuple[float, str]:
@@ -89,6 +93,12 @@ def _hf_model(path: Path):
 def _batch(model_dir: Path, rows: int, seed: int):
     config = json.loads((model_dir / "config.json").read_text())
     return fsdp_worker.make_batch(rows, config["vocab_size"], config["pad_token_id"], seed=seed)
+
+
+def test_forge_plugins_list_shows_it_available() -> None:
+    from forgerl.plugins import build_registry
+
+    assert build_registry().get("trainer", "torchtitan").unavailable_reason() is None
 
 
 # ----------------------------------------------------------------- cross-backend parity

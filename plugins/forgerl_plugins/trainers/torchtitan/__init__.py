@@ -15,8 +15,11 @@ def forge_trainers():
             factory="forgerl_plugins.trainers.torchtitan.trainer:TorchTitanTrainer",
             options="forgerl_plugins.trainers.torchtitan.options:TorchTitanTrainerOptions",
             description="TorchTitan Llama 3 / Qwen models, FSDP2 + tensor parallel, DCP checkpoints",
-            requires=("torch", "torchtitan", "safetensors"),
+            requires=("torch", "torchtitan", "spmd_types", "tyro", "safetensors"),
             extra="torchtitan",
+            # Not the plain extra: TorchTitan's declared dependencies would replace torch.
+            install_hint="pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro typeguard "
+            "(scripts/setup.sh does)",
         )
     ]
 
