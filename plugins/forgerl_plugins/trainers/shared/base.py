@@ -16,7 +16,7 @@ same update as 1.
 A subclass builds the model (``_build_model``), runs it (``_logits``) and exports its
 weights under Hugging Face names (``export_weights``); the step, the logprobs, the
 metrics and the DCP checkpoints are here, so two trainers given the same model make the
-same update (tests/integration/test_trainer_parity.py). Each phase carries a
+same update (tests/integration/test_torchtitan_trainer.py). Each phase carries a
 ``forge.*`` profiler label.
 """
 

@@ -5,7 +5,7 @@ checkpointing and ``torch.compile``), trained with forgerl's loss.
 
 The step, logprobs, metrics and DCP checkpoints are the shared ones
 (:class:`forgerl_plugins.trainers.shared.base.ShardedTrainer`), so on the same batch this
-trainer and ``fsdp`` make the same update (tests/integration/test_trainer_parity.py).
+trainer and ``fsdp`` make the same update (tests/integration/test_torchtitan_trainer.py).
 
 Set-up follows TorchTitan's RL ``PolicyTrainer``: build the model on the meta device,
 parallelize, ``to_empty`` on the real device, initialise the buffers (RoPE), then load
