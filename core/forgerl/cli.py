@@ -19,6 +19,7 @@ import click
 
 from forgerl import __version__
 from forgerl.errors import ForgeError, JobNotFound, NotSupported
+from forgerl.kinds import FLAGS, REGISTRATION_HOOKS
 
 EXIT_USER_ERROR = 2
 
@@ -77,9 +78,6 @@ def cli(debug: bool) -> None:
 
 # ------------------------------------------------------------------------------ run
 
-_BACKEND_FLAGS = ("generator", "trainer", "transport", "scheduler", "task")
-
-
 def _config_options(f):
     """Options shared by `forge run` and `forge config show`."""
     opts = [
@@ -101,7 +99,7 @@ def _config_options(f):
 
 
 def _flags(kwargs: dict[str, Any]) -> dict[str, Any]:
-    flags = {k: kwargs.get(k) for k in (*_BACKEND_FLAGS, "model", "steps", "output")}
+    flags = {key: kwargs.get(key) for key in FLAGS}
     flags["rewards"] = list(kwargs.get("rewards") or ())
     return flags
 
@@ -202,7 +200,7 @@ def plugins_list(as_json: bool) -> None:
             mark = "ok " if b["available"] else "-- "
             why = "" if b["available"] else f"  (unavailable: {b['reason']})"
             click.echo(f"  {mark}{b['kind']:<10} {b['name']:<22} {b['description']}{why}")
-        other = [h for h in row["hooks"] if not h.startswith("forge_") or h[6:] not in _REGISTRATION]
+        other = [h for h in row["hooks"] if h not in REGISTRATION_HOOKS.values()]
         if other:
             click.echo(f"     hooks: {', '.join(other)}")
 
@@ -219,9 +217,6 @@ def _backend_row(registry, info, backend) -> dict[str, Any]:
         "reason": reason,
         "clash": clash.message() if clash is not None else None,
     }
-
-
-_REGISTRATION = {"generators", "trainers", "rewards", "transports", "schedulers", "tasks", "models"}
 
 
 # --------------------------------------------------------------------------- config

@@ -59,6 +59,7 @@ from forgerl.config_sources import (
     writable_section,
 )
 from forgerl.errors import BackendUnavailable, ConfigError
+from forgerl.kinds import SINGLE_BACKEND_FIELDS
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.plugins import Registry
@@ -99,15 +100,6 @@ __all__ = [
     "resolve",
     "validate_config",
 ]
-
-SINGLE_BACKEND_FIELDS = {
-    "generator": "generator",
-    "trainer": "trainer",
-    "transport": "transport",
-    "scheduler": "scheduler",
-    "task": "task",
-}
-
 
 def build_config(
     file: str | Path | None = None,

@@ -39,6 +39,7 @@ from forgerl.backends import (
     TransportBackend,
 )
 from forgerl.errors import BackendUnavailable, DuplicateBackend, PluginLoadError, UnknownBackend
+from forgerl.kinds import KINDS, REGISTRATION_HOOKS
 from forgerl.plugin_problems import (
     BackendClash,
     broken,
@@ -53,18 +54,6 @@ FIRST_PARTY_DIST = "forgerl"
 #: The "distribution" of plugins given by import path (FORGE_PLUGINS) or as objects.
 EXPLICIT_REF = "<FORGE_PLUGINS>"
 EXPLICIT_OBJECT = "<embedded>"
-
-# kind -> name of the hook that registers backends of that kind
-_KIND_HOOKS = {
-    "generator": "forge_generators",
-    "trainer": "forge_trainers",
-    "reward": "forge_rewards",
-    "transport": "forge_transports",
-    "scheduler": "forge_schedulers",
-    "task": "forge_tasks",
-    "model": "forge_models",
-}
-
 
 @dataclass
 class PluginInfo:
@@ -123,7 +112,7 @@ class Registry:
         self.plugins = plugins
         #: Plugins given by import path: a run's processes load them too (FORGE_PLUGINS).
         self.plugin_refs = list(refs or [])
-        self._backends: dict[str, dict[str, Backend]] = {kind: {} for kind in _KIND_HOOKS}
+        self._backends: dict[str, dict[str, Backend]] = {kind: {} for kind in KINDS}
         self._owner: dict[tuple[str, str], PluginInfo] = {}
         self._clashes: dict[tuple[str, str], BackendClash] = {}
         self._collect(strict)
@@ -136,7 +125,7 @@ class Registry:
         that fails to import; a name two plugins claim is recorded as a clash."""
         offered: dict[str, list[tuple[str, Any]]] = {}
         failed: dict[str, tuple[str, BaseException]] = {}
-        for kind, hook_name in _KIND_HOOKS.items():
+        for kind, hook_name in REGISTRATION_HOOKS.items():
             for plugin_name, call in self._registration_calls(hook_name):
                 if plugin_name in failed:
                     continue
@@ -187,7 +176,7 @@ class Registry:
 
     @property
     def kinds(self) -> list[str]:
-        return list(_KIND_HOOKS)
+        return list(KINDS)
 
     def backends(self, kind: str) -> dict[str, Backend]:
         return dict(self._backends[kind])
