@@ -59,7 +59,7 @@ from forgerl.config_sources import (
     writable_section,
 )
 from forgerl.errors import BackendUnavailable, ConfigError
-from forgerl.kinds import SINGLE_BACKEND_FIELDS
+from forgerl.kinds import FLAGS, SINGLE_BACKEND_FIELDS
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.plugins import Registry
@@ -110,8 +110,9 @@ def build_config(
 ) -> RunConfig:
     """Merge defaults < ``base`` < file < ``flags`` < ``sets`` and validate the structure.
 
-    ``flags`` uses the CLI's names: generator, trainer, transport, scheduler, task (backend
-    names), rewards (list of names), model, steps, output.
+    ``flags`` uses the CLI's names (:data:`forgerl.kinds.FLAGS`): generator, trainer,
+    transport, scheduler, task (backend names), rewards (list of names), model, steps,
+    output; any other key is a ConfigError that lists them.
     """
     data: dict[str, Any] = dict(base or {})
     source = "config"
@@ -122,7 +123,9 @@ def build_config(
     # The CLI default rewards apply only when neither file nor flags name any.
     if data.get("rewards") is None:
         data["rewards"] = [r.model_dump() for r in default_rewards()]
-    for key, value in (flags or {}).items():
+    flags = dict(flags or {})
+    _refuse_unknown_flags(flags)
+    for key, value in flags.items():
         if value is None or (isinstance(value, (list, tuple)) and not value):
             continue
         if key in SINGLE_BACKEND_FIELDS:
@@ -139,13 +142,22 @@ def build_config(
             writable_section(data, "loop", source)["steps"] = value
         elif key == "output":
             data["output"] = value
-        else:
-            raise ConfigError(f"unknown flag {key!r}")
     # --set comes last so it can refine what a flag selected, e.g.
     # `--reward format --set rewards.0.options.pattern=...`.
     for path, value in parse_set(sets):
         apply_set(data, path, value)
     return validate_config(data, source=source)
+
+
+def _refuse_unknown_flags(flags: Mapping[Any, Any]) -> None:
+    """A key that is not a flag would otherwise be dropped silently (an embedding program's
+    ``"reward"`` for ``"rewards"``): name it and every key that is accepted, on one line."""
+    unknown = [key for key in flags if key not in FLAGS]
+    if unknown:
+        raise ConfigError(
+            f"unknown flag {unknown[0]!r}: flags accepts {', '.join(FLAGS)} "
+            "(any other key goes through sets, e.g. 'loop.group_size=8')"
+        )
 
 
 def validate_config(data: Mapping[str, Any], *, source: str = "config") -> RunConfig:
