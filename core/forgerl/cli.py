@@ -8,7 +8,6 @@ until a command needs it: ``forge --help`` and ``forge plugins list`` never impo
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import threading
@@ -18,6 +17,7 @@ from typing import Any
 import click
 
 from forgerl import __version__
+from forgerl.env import debug_enabled
 from forgerl.errors import ForgeError, JobNotFound, NotSupported
 from forgerl.kinds import FLAGS, REGISTRATION_HOOKS
 
@@ -373,7 +373,7 @@ def _stop_on_termination() -> dict[int, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    _State.debug = "--debug" in args or os.environ.get("FORGE_DEBUG", "") not in ("", "0")
+    _State.debug = "--debug" in args or debug_enabled()
     previous_handlers = _stop_on_termination()
     try:
         _add_plugin_commands()

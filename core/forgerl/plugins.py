@@ -38,6 +38,7 @@ from forgerl.backends import (
     TrainerBackend,
     TransportBackend,
 )
+from forgerl.env import env_flag
 from forgerl.errors import BackendUnavailable, DuplicateBackend, PluginLoadError, UnknownBackend
 from forgerl.kinds import KINDS, REGISTRATION_HOOKS
 from forgerl.plugin_problems import (
@@ -80,10 +81,6 @@ class PluginInfo:
     def label(self) -> str:
         """How messages name it: ``plugin 'echo' (fake-plugin 1.2.3)``."""
         return f"plugin {self.name!r} ({' '.join(p for p in (self.distribution, self.version) if p)})"
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
 
 
 def _env_list_ordered(name: str) -> list[str]:
@@ -284,8 +281,8 @@ def build_registry(
     """
     disabled_from = "FORGE_DISABLE_PLUGINS" if disabled is None else "disabled"
     disabled = set(disabled) if disabled is not None else _env_list("FORGE_DISABLE_PLUGINS")
-    strict = _env_flag("FORGE_STRICT_PLUGINS") if strict is None else strict
-    trace = _env_flag("FORGE_TRACE_HOOKS") if trace is None else trace
+    strict = env_flag("FORGE_STRICT_PLUGINS") if strict is None else strict
+    trace = env_flag("FORGE_TRACE_HOOKS") if trace is None else trace
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)

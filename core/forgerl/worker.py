@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import yaml
 
+from forgerl.env import debug_enabled
 from forgerl.errors import ForgeError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_worker(args.run_dir.resolve())
     except ForgeError as exc:
-        if not exc.user_fixable or os.environ.get("FORGE_DEBUG"):
+        if not exc.user_fixable or debug_enabled():
             raise
         print(f"forge: error: {exc}", file=sys.stderr)
         return 2
