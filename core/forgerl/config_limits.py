@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from forgerl.errors import ConfigError
 
@@ -28,7 +28,7 @@ MAX_SEED = 2**32 - 1
 INT64_MAX = 2**63 - 1
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """An integer that is not a bool (YAML's ``true`` is no count of anything)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
