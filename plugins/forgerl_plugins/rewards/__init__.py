@@ -1,4 +1,4 @@
-"""Built-in rewards: ``math_answer``, ``format``."""
+"""Built-in rewards: ``math_answer``, ``format``, ``code``, ``remote``."""
 
 from __future__ import annotations
 
@@ -22,8 +22,14 @@ def forge_rewards():
             options="forgerl_plugins.rewards.options:FormatOptions",
             description="the completion matches a regular expression",
         ),
+        RewardBackend(
+            name="code",
+            factory="forgerl_plugins.rewards.code:CodeReward",
+            options="forgerl_plugins.rewards.options:CodeOptions",
+            description="the completion's program passes the problem's tests (sandboxed)",
+        ),
     ]
 
 
 # Options models live in .options, imported on first use (listing backends never imports pydantic).
-__getattr__ = lazy_options(__name__, ("MathAnswerOptions", "FormatOptions"))
+__getattr__ = lazy_options(__name__, ("MathAnswerOptions", "FormatOptions", "CodeOptions"))
