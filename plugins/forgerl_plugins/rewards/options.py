@@ -24,7 +24,6 @@ class MathAnswerOptions(OptionsModel):
 
 
 class FormatOptions(OptionsModel):
-
     # Non-empty content: "<answer></answer>" alone must not earn the format reward.
     pattern: str = Field(
         r"<answer>\s*[^<\s][^<]*</answer>", description="Regular expression the completion should match."
@@ -43,7 +42,9 @@ class FormatOptions(OptionsModel):
 
 class CodeOptions(OptionsModel):
     value: str = Field(
-        "pass_rate", pattern="^(pass_rate|all_passed)$", description="The reward: share of tests passed, or 1 if all."
+        "pass_rate",
+        pattern="^(pass_rate|all_passed)$",
+        description="The reward: share of tests passed, or 1 if all.",
     )
     code_from: str = Field(
         "fenced_or_raw",

@@ -34,6 +34,9 @@ from forgerl.errors import ConfigError
 log = logging.getLogger("forgerl.rewards")
 
 LAUNCHER = str(Path(__file__).with_name("sandbox_launcher.py"))
+#: Where a program sees its directory and the interpreter in the ``namespace`` level (the
+#: launcher's constants, which is run as a script and imports nothing of ours).
+VIEW_BOX, VIEW_PYTHON = "/tmp/sandbox", "/tmp/python"
 LEVELS = ("namespace", "bwrap", "process")
 
 #: As root, slot ``i`` runs its programs as uid/gid ``SANDBOX_UID_BASE + i``: an id of its
@@ -119,7 +122,9 @@ class Sandbox:
         outcome = self.run({"main.py": "print(6 * 7)\n"}, level=level)
         if outcome.ok and outcome.stdout.strip() == "42":
             return None
-        return outcome.setup_error or (outcome.stderr.strip().splitlines() or [f"exit {outcome.exit_code}"])[-1]
+        return (
+            outcome.setup_error or (outcome.stderr.strip().splitlines() or [f"exit {outcome.exit_code}"])[-1]
+        )
 
     def describe(self) -> str:
         what = {
@@ -153,22 +158,27 @@ class Sandbox:
                 _remove(control)
 
     def _run_in(
-        self, control: Path, files: Mapping[str, str], stdin: str, stdin_pipe: bool, level: str, uid: int | None
+        self,
+        control: Path,
+        files: Mapping[str, str],
+        stdin: str,
+        stdin_pipe: bool,
+        level: str,
+        uid: int | None,
     ) -> RunOutcome:
         control.chmod(0o711)  # the program's uid may traverse it, not list it
         box = control / "box"
         box.mkdir()
         for name, text in files.items():
             (box / name).write_text(text, encoding="utf-8", errors="replace")
-        interpreter = self.python
+        interpreter, home = self.python, str(box)
         spec_extra = {}
-        bind = self._python_bind() if uid is not None else None
-        if bind is not None and level == "namespace":
-            prefix, relative = bind
-            mount_point = control / "python"
-            mount_point.mkdir(mode=0o755)
-            spec_extra["python_bind"] = [prefix, str(mount_point)]
-            interpreter = str(mount_point / relative)
+        if level == "namespace":
+            home = VIEW_BOX
+            bind = self._python_bind() if uid is not None else None
+            if bind is not None:
+                spec_extra["python_bind"], relative = bind
+                interpreter = os.path.join(VIEW_PYTHON, relative)
         if uid is not None:
             for path in (box, *box.rglob("*")):
                 os.chown(path, uid, uid)
@@ -177,7 +187,12 @@ class Sandbox:
             argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
                     "--ro-bind", "/", "/", "--bind", str(box), str(box), "--proc", "/proc", "--dev", "/dev",
                     "--chdir", str(box), "--", *argv]  # fmt: skip
-        env = {"HOME": str(box), "TMPDIR": str(box), "PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+        env = {
+            "HOME": home,
+            "TMPDIR": home,
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "LANG": "C.UTF-8",
+        }
         lim = self.limits
         limits = {
             "cpu": lim.cpu_seconds,
@@ -194,7 +209,11 @@ class Sandbox:
         }  # fmt: skip
         out_path, err_path = control / "stdout", control / "stderr"
         try:
-            with open(out_path, "wb") as out, open(err_path, "wb") as err, _stdin(control, stdin, stdin_pipe) as src:
+            with (
+                open(out_path, "wb") as out,
+                open(err_path, "wb") as err,
+                _stdin(control, stdin, stdin_pipe) as src,
+            ):
                 proc = subprocess.Popen(
                     [os.path.realpath(sys.executable), "-I", "-S", LAUNCHER, json.dumps(spec)],
                     stdin=src, stdout=out, stderr=err, pass_fds=(report_w,), start_new_session=True, cwd=control,
@@ -227,7 +246,9 @@ class Sandbox:
         except ValueError:
             report = {}
         if "setup_error" in report or "exit_code" not in report:
-            why = report.get("setup_error") or f"the launcher ended without a report (status {proc.returncode})"
+            why = (
+                report.get("setup_error") or f"the launcher ended without a report (status {proc.returncode})"
+            )
             return RunOutcome(None, None, False, stdout, stderr, 0.0, setup_error=why)
         return RunOutcome(
             report["exit_code"], report["signal"], report["timed_out"], stdout, stderr, report["seconds"]

@@ -34,6 +34,9 @@ PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 SYS_MOUNT_SETATTR = 442  # the same number on every architecture that has it
 AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = -100, 0x8000, 1, 2
 
+#: Where a program in namespaces sees its directory and, when needed, the interpreter.
+VIEW_BOX, VIEW_PYTHON = "/tmp/sandbox", "/tmp/python"
+
 libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -47,9 +50,9 @@ def prctl(option, value):
     check(libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0), f"prctl({option})")
 
 
-def mount(source, target, fstype, flags):
-    enc = [None if s is None else s.encode() for s in (source, target, fstype)]
-    check(libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), None), f"mount {target}")
+def mount(source, target, fstype, flags, data=None):
+    enc = [None if s is None else s.encode() for s in (source, target, fstype, data)]
+    check(libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]), f"mount {target}")
 
 
 def read_only_root():
@@ -59,7 +62,9 @@ def read_only_root():
         _fields_ = [(n, ctypes.c_uint64) for n in ("attr_set", "attr_clr", "propagation", "userns_fd")]
 
     attr = MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
-    done = libc.syscall(SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr))
+    done = libc.syscall(
+        SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr)
+    )
     if done == 0:
         return
     # Kernels before 5.12: remount each mount point read-only, deepest last is fine.
@@ -82,19 +87,28 @@ def enter_namespaces(spec):
     if not root:
         # Map our own ids to themselves: the exec'd program is then no namespace root and
         # loses the capabilities unshare gave us (which could undo the read-only mounts).
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+        for name, text in (
+            ("setgroups", "deny"),
+            ("uid_map", f"{uid} {uid} 1"),
+            ("gid_map", f"{gid} {gid} 1"),
+        ):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
+    # Hold the directories to show before /tmp is covered (they may live under it).
+    box = os.open(spec["box"], os.O_PATH | os.O_DIRECTORY)
+    python = os.open(spec["python_bind"], os.O_PATH | os.O_DIRECTORY) if spec.get("python_bind") else None
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    if spec.get("python_bind"):
-        # The interpreter lives where the program's uid cannot reach (root's home): show
-        # its prefix at a mount point the program can traverse.
-        source, target = spec["python_bind"]
-        mount(source, target, None, MS_BIND | MS_REC)
+    # A private, empty /tmp: the host's (and every path under it) disappears. The program
+    # sees its directory at VIEW_BOX and, when root's home hides the interpreter from its
+    # uid, the interpreter's prefix at VIEW_PYTHON.
+    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    os.mkdir(VIEW_BOX)
+    mount(f"/proc/self/fd/{box}", VIEW_BOX, None, MS_BIND)
+    if python is not None:
+        os.mkdir(VIEW_PYTHON)
+        mount(f"/proc/self/fd/{python}", VIEW_PYTHON, None, MS_BIND | MS_REC)
     read_only_root()
-    box = spec["box"]
-    mount(box, box, None, MS_BIND)
-    mount(None, box, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+    mount(None, VIEW_BOX, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
 
 
 def set_limits(limits):
@@ -122,7 +136,7 @@ def run_program(spec, supervisor, in_pid_namespace):
                 mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             except OSError:
                 pass  # a container that masks parts of /proc forbids a fresh one; the host's stays
-        os.chdir(spec["box"])
+        os.chdir(VIEW_BOX if in_pid_namespace else spec["box"])
         if spec.get("uid") is not None:
             os.setgroups([])
             os.setgid(spec["uid"])
