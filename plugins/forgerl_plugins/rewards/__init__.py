@@ -27,6 +27,7 @@ def forge_rewards():
             factory="forgerl_plugins.rewards.code:CodeReward",
             options="forgerl_plugins.rewards.options:CodeOptions",
             description="the completion's program passes the problem's tests (sandboxed)",
+            preflight="forgerl_plugins.rewards.code:preflight",
         ),
     ]
 

@@ -79,24 +79,33 @@ def extract_code(text: str, mode: str) -> str:
     return text
 
 
+def preflight(options: CodeOptions) -> None:
+    """Before ``forge run`` creates the run directory: the isolation asked for exists here."""
+    sandbox_for(options)
+
+
+def sandbox_for(options: CodeOptions) -> Sandbox:
+    return Sandbox(
+        isolation=options.isolation,
+        limits=Limits(
+            wall_seconds=options.timeout,
+            cpu_seconds=options.cpu_seconds or max(1, int(options.timeout + 0.999)),
+            memory_mb=options.memory_mb,
+            processes=options.processes,
+            file_size_mb=options.file_size_mb,
+            open_files=options.open_files,
+            max_output_bytes=options.max_output_kb * 1024,
+        ),
+        concurrency=options.concurrency,
+        python=options.python,
+        workdir=options.workdir,
+    )
+
+
 class CodeReward(Reward):
     def __init__(self, options: CodeOptions):
         self.options = options
-        self.sandbox = Sandbox(
-            isolation=options.isolation,
-            limits=Limits(
-                wall_seconds=options.timeout,
-                cpu_seconds=options.cpu_seconds or max(1, int(options.timeout + 0.999)),
-                memory_mb=options.memory_mb,
-                processes=options.processes,
-                file_size_mb=options.file_size_mb,
-                open_files=options.open_files,
-                max_output_bytes=options.max_output_kb * 1024,
-            ),
-            concurrency=options.concurrency,
-            python=options.python,
-            workdir=options.workdir,
-        )
+        self.sandbox = sandbox_for(options)
         log.info("code reward: %s", self.sandbox.describe())
 
     def score(self, sample: RewardInput) -> RewardResult:
