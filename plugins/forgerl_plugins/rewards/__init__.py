@@ -29,8 +29,14 @@ def forge_rewards():
             description="the completion's program passes the problem's tests (sandboxed)",
             preflight="forgerl_plugins.rewards.code:preflight",
         ),
+        RewardBackend(
+            name="remote",
+            factory="forgerl_plugins.rewards.remote:RemoteReward",
+            options="forgerl_plugins.rewards.options:RemoteOptions",
+            description="an HTTP scoring service scores each sample",
+        ),
     ]
 
 
 # Options models live in .options, imported on first use (listing backends never imports pydantic).
-__getattr__ = lazy_options(__name__, ("MathAnswerOptions", "FormatOptions", "CodeOptions"))
+__getattr__ = lazy_options(__name__, ("MathAnswerOptions", "FormatOptions", "CodeOptions", "RemoteOptions"))

@@ -68,3 +68,23 @@ class CodeOptions(OptionsModel):
     )
     python: str | None = Field(None, description="Interpreter for the programs (default: this one).")
     workdir: str | None = Field(None, description="Where the per-run directories go (default: the temp dir).")
+
+
+class RemoteOptions(OptionsModel):
+    url: str = Field(pattern=r"^https?://", description="Where to POST each sample (http:// or https://).")
+    timeout: float = Field(10.0, gt=0, le=3600, description="Seconds per request.")
+    retries: int = Field(2, ge=0, le=20, description="Retries after a connection error, timeout, 429 or 5xx.")
+    backoff: float = Field(
+        0.5, ge=0, le=60, description="Seconds before the first retry, doubled for each next."
+    )
+    concurrency: int = Field(16, ge=1, le=4096, description="Requests in flight at once (per process).")
+    auth_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Name of the environment variable holding the auth token (the token is never in the config).",
+    )
+    auth_header: str = Field("Authorization", min_length=1, description="Header the token goes in.")
+    auth_scheme: str = Field("Bearer", description="Put before the token ('' for none).")
+    score_field: str = Field("score", description="Field of the answer holding the score.")
+    components_field: str = Field("components", description="Field of the answer holding named components.")
+    max_response_bytes: int = Field(1 << 20, ge=64, description="Largest answer read.")
