@@ -245,6 +245,10 @@ class Sandbox:
             report = json.loads(raw or b"{}")
         except ValueError:
             report = {}
+        if "exit_code" not in report and "setup_error" not in report and proc.returncode < 0:
+            # The supervisor was killed mid-run: at the process level the program (same
+            # uid) can do that. The program's failure, not the sandbox's.
+            return RunOutcome(None, -proc.returncode, False, stdout, stderr, 0.0)
         if "setup_error" in report or "exit_code" not in report:
             why = (
                 report.get("setup_error") or f"the launcher ended without a report (status {proc.returncode})"
