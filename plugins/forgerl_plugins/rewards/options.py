@@ -88,3 +88,26 @@ class RemoteOptions(OptionsModel):
     score_field: str = Field("score", description="Field of the answer holding the score.")
     components_field: str = Field("components", description="Field of the answer holding named components.")
     max_response_bytes: int = Field(1 << 20, ge=64, description="Largest answer read.")
+
+
+class RewardModelOptions(OptionsModel):
+    model: str = Field(min_length=1, description="Folder (or hub id) of a sequence-classification model.")
+    label: int | None = Field(
+        None,
+        ge=0,
+        description="Which label's probability is the score (default: the last; 1-label models: the logit).",
+    )
+    activation: str = Field(
+        "auto",
+        pattern="^(auto|none|sigmoid|softmax)$",
+        description="auto: the raw logit for 1 label, softmax otherwise; sigmoid squashes a 1-label logit.",
+    )
+    chat_template: bool = Field(
+        True, description="Render prompt and completion with the tokenizer's chat template."
+    )
+    batch_size: int = Field(16, ge=1, le=4096, description="Samples per forward pass.")
+    max_length: int = Field(4096, ge=8, description="Tokens per sample; longer ones keep their end.")
+    device: str | None = Field(None, description="torch device (default: cuda when available, else cpu).")
+    dtype: str | None = Field(
+        None, pattern="^(float32|bfloat16|float16)$", description="Weights' dtype (default: as saved)."
+    )
