@@ -260,13 +260,13 @@ class Sandbox:
 
     def _python_bind(self) -> tuple[str, str] | None:
         """(prefix, interpreter relative to it) when an unprivileged uid cannot run the
-        interpreter where it is (root's home), else None."""
+        interpreter where it is (root's home), else None. The prefix is the folder above
+        the interpreter's ``bin/``, where its standard library lives too."""
         if _reachable_by_anyone(self.python):
             return None
-        prefix = os.path.realpath(sys.base_prefix)
-        if not self.python.startswith(prefix + os.sep):
-            return prefix, ""  # cannot help: the probe reports the failure
-        return prefix, os.path.relpath(self.python, prefix)
+        real = os.path.realpath(self.python)
+        prefix = os.path.dirname(os.path.dirname(real))
+        return prefix, os.path.relpath(real, prefix)
 
 
 # ---------------------------------------------------------------------- helpers
@@ -316,6 +316,9 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+_SLOT_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
 class _Slots:
     """At most ``n`` programs at once for every process of this user: ``n`` lock files,
     each held (flock) by the process running a program in that slot. A process that dies
@@ -330,12 +333,16 @@ class _Slots:
     @contextlib.contextmanager
     def take(self) -> Iterator[int]:
         self.directory.mkdir(mode=0o700, exist_ok=True)
+        info = os.lstat(self.directory)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            # Someone else made it (the temp dir is shared): its lock files are not ours to trust.
+            raise RuntimeError(f"{self.directory} is not a private directory of this user; remove it")
         with self._lock:
             start, self._next = self._next, (self._next + 1) % self.n
         fd, slot = None, None
         for i in range(self.n):
             candidate = (start + i) % self.n
-            fd = os.open(self.directory / f"slot-{candidate}", os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.directory / f"slot-{candidate}", _SLOT_FLAGS, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 slot = candidate
@@ -344,7 +351,7 @@ class _Slots:
                 os.close(fd)
         if slot is None:  # all busy: queue on one of them
             slot = start
-            fd = os.open(self.directory / f"slot-{slot}", os.O_RDWR | os.O_CREAT, 0o600)
+            fd = os.open(self.directory / f"slot-{slot}", _SLOT_FLAGS, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield slot
