@@ -1,7 +1,8 @@
 """The examples of docs/plugins*.md, run as written: the tutorial's reward plugin (its
-registration module must stay light), the experiment-tracker plugin, and the backend
+registration module must stay light), the experiment-tracker plugin, the backend
 tutorials' `files` transport, `mini` generator and `mini` trainer (with the sketches of a
-server-based generator), each checked against the contract its tutorial states."""
+server-based generator), and the scheduler tutorial's `procs` scheduler, each checked
+against the contract its tutorial states (and its kit, where forgerl.testing has one)."""
 
 from __future__ import annotations
 
@@ -513,6 +514,22 @@ def test_trainer_tutorial_takes_the_same_step_on_two_ranks_as_on_one(
     assert double["weights"] == pytest.approx(single["weights"], rel=1e-5, abs=1e-6)
 
 
+@pytest.mark.integration
+@pytest.mark.slow  # two trainer ranks in their own processes: 20-60 s on two busy cores
+def test_trainer_tutorial_passes_the_trainer_kit_as_its_conformance_test_says(mini_src: Path, tmp_path: Path):
+    """The "Run the kit" test of plugins-trainer.md, written out as it stands, runs the whole
+    trainer kit (two ranks included) on the tutorial's `mini` trainer with pytest, the
+    plugin loaded as an installed one would be, and passes."""
+    test = code_blocks("plugins-trainer.md")["tests/test_trainer_conformance.py"]
+    (tmp_path / "test_trainer_conformance.py").write_text(test)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_trainer_conformance.py"],
+        capture_output=True, text=True, timeout=scaled(400), env=child_env(mini_src), cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "9 passed" in done.stdout, done.stdout[-3000:]
+
+
 def test_a_run_on_the_three_tutorial_backends(mini_src: Path, tmp_path: Path):
     """The command the tutorials give, `forge run --model tiny --transport files --generator
     mini --trainer mini`, completes, the weights reach the generator every step, and the
@@ -532,3 +549,53 @@ def test_a_run_on_the_three_tutorial_backends(mini_src: Path, tmp_path: Path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [1, 2]
     assert all(r["logprob_gap/max"] < 1e-4 for r in rows), rows
+
+
+# ------------------------------------------------- the scheduler tutorial's `forgerl-procs`
+
+PROCS_FILES = ("src/forgerl_procs/options.py", "src/forgerl_procs/plugin.py", "src/forgerl_procs/supervisor.py",
+               "src/forgerl_procs/scheduler.py", "tests/test_conformance.py")
+
+
+def write_procs_package(root: Path) -> dict[str, str]:
+    """The files of docs/plugins-scheduler.md written out under ``root`` as they stand; the
+    environment of a process that imports them (the tutorial's package not installed)."""
+    blocks = code_blocks("plugins-scheduler.md")
+    for path in PROCS_FILES:
+        assert path in blocks, f"docs/plugins-scheduler.md has no block starting '# {path}'"
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(blocks[path])
+    (root / "src/forgerl_procs/__init__.py").write_text("")
+    shim = REPO / ".pyshim"
+    path = [str(root / "src"), *([str(shim)] if shim.is_dir() else []), *sys.path]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def test_scheduler_tutorial_registration_module_stays_light(tmp_path: Path):
+    env = write_procs_package(tmp_path)
+    script = (
+        "import sys\n"
+        "from forgerl_procs.plugin import forge_schedulers\n"
+        "[backend] = forge_schedulers()\n"
+        "heavy = [m for m in ('pydantic', 'forgerl_procs.options', 'forgerl_procs.scheduler') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "scheduler = backend.build({'stop_timeout': 3})\n"
+        "print(type(scheduler).__name__, scheduler.detached, scheduler.supports_logs)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=scaled(60), env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ProcsScheduler", "True", "True"]
+
+
+@pytest.mark.integration
+def test_scheduler_tutorial_passes_the_scheduler_kit_as_its_conformance_test_says(tmp_path: Path):
+    """docs/plugins-scheduler.md's conformance test, written out as it stands, runs the
+    whole scheduler kit (real jobs of real processes) on the tutorial's `procs` scheduler
+    with pytest, and passes."""
+    env = write_procs_package(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py"],
+        capture_output=True, text=True, timeout=scaled(300), env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "7 passed" in done.stdout, done.stdout[-3000:]

@@ -3,8 +3,8 @@ every test job runs, and what the kit reads back from it (which processes it sta
 which host) to tell whether anything is left running.
 
 A role runs ``python -c ROLE_PROGRAM MODE RUN_DIR NAME SECONDS``. It first writes
-``RUN_DIR/NAME.json`` (its host name and the pid and start time of itself and, in the modes
-that run long, of a child it started: a process tree for a cancel to end), prints
+``RUN_DIR/NAME.json`` (its host name and the pid and start time of itself and, in mode
+``forever``, of a child it started: a process tree for the scheduler to end), prints
 ``forge-kit: NAME started``, then by ``MODE``:
 
 - ``gate``: waits until ``RUN_DIR/go`` exists, prints ``forge-kit: NAME done``, exits 0;
@@ -47,8 +47,8 @@ def start_time(pid):
 
 
 pids = [os.getpid()]
-if mode != "fail":
-    # A child of the role, as a launcher or a data loader makes: stopping a role stops its tree.
+if mode == "forever":
+    # A child of the role, as a server's workers: stopping the role must stop its tree.
     child = subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
     pids.append(child.pid)
 record = {"host": socket.gethostname(), "processes": [[pid, start_time(pid)] for pid in pids]}

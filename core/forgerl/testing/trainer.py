@@ -63,6 +63,7 @@ from forgerl.testing.trainer_support import (
     rank_env,
     rank_scenario,
     reference_model,
+    relative_step_difference,
     run_config,
     run_context,
     snapshot,
@@ -98,8 +99,9 @@ class TrainerContract:
     two_ranks: ClassVar[bool] = False
     #: Most |trainer logprob - transformers logprob| allowed (fp32).
     logprob_tolerance: ClassVar[float] = 1e-4
-    #: Most difference allowed between the weights of one rank and of two after a step.
-    rank_tolerance: ClassVar[float] = 1e-5
+    #: Most difference allowed between the step of one rank and of two, relative to the
+    #: step (over all weights; see trainer_support.relative_step_difference).
+    rank_tolerance: ClassVar[float] = 1e-3
     #: Most difference allowed between a resumed step and the original (0: bit-exact).
     resume_tolerance: ClassVar[float] = 0.0
     #: Seconds (scaled) each test may run before it fails instead of hanging the suite.
@@ -388,16 +390,18 @@ class TrainerContract:
         assert compared_metrics(first_one).keys() == compared_metrics(first_two).keys(), (
             f"metric keys differ between 1 and 2 ranks: {sorted(first_one.keys() ^ first_two.keys())}"
         )
-        loss_one, loss_two = first_one["loss/policy"], first_two["loss/policy"]
-        assert math.isclose(loss_one, loss_two, rel_tol=1e-4, abs_tol=1e-5), (
-            f"loss/policy {loss_one} on 1 rank, {loss_two} on 2: normalise the loss over the whole batch"
-        )
+        for key, why in (("loss/policy", "normalise the loss over the whole batch, not each rank's rows"),
+                         ("grad_norm", "sum gradients over ranks (FSDP and DDP average them by default)")):
+            if key in first_one and key in first_two:
+                a, b = first_one[key], first_two[key]
+                assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6), f"{key} {a} on 1 rank, {b} on 2: {why}"
         gap = first_two.get("logprob_gap/max", 0.0)
         assert gap <= self.logprob_tolerance, f"on 2 ranks logprob_gap/max is {gap:.3g}"
-        diff, name = max_difference(one["weights"], load_file(str(out / "weights.safetensors")))
-        assert diff <= self.rank_tolerance, (
-            f"after one step on 2 ranks {name} is {diff:.3g} away from 1 rank's (tolerance {self.rank_tolerance}): "
-            "sum gradients over ranks, with the loss normalised over the whole batch"
+        two_weights = load_file(str(out / "weights.safetensors"))
+        rel, name = relative_step_difference(one["initial"], one["weights"], two_weights)
+        assert rel <= self.rank_tolerance, (
+            f"the step on 2 ranks differs from the step on 1 by {rel:.3g} of its size (most at {name}; tolerance "
+            f"{self.rank_tolerance}): sum gradients over ranks, with the loss normalised over the whole batch"
         )
         resumed, original = compared_metrics(two[0]["metrics"][2]), compared_metrics(two[0]["metrics"][1])
         tol = self.resume_tolerance

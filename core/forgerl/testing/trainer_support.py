@@ -156,6 +156,28 @@ def max_difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor])
     return worst, where
 
 
+def relative_step_difference(
+    initial: Mapping[str, torch.Tensor], a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]
+) -> tuple[float, str]:
+    """How far step ``b`` landed from step ``a`` (both taken from ``initial``), relative to
+    the size of step ``a``: ``|(b - initial) - (a - initial)| / |a - initial|`` over all
+    weights, and the tensor that differs most. Adam's first step moves every weight by
+    about the learning rate whatever its gradient, so a weight whose gradient is nearly 0
+    (large terms cancelling, summed in another order on another number of ranks) may move
+    differently; a norm over all weights weighs those few against the rest."""
+    num = den = 0.0
+    worst, where = 0.0, ""
+    for name, t0 in initial.items():
+        step_a = a[name].double() - t0.double()
+        diff = b[name].double() - a[name].double()
+        num += float((diff * diff).sum())
+        den += float((step_a * step_a).sum())
+        d = float(diff.abs().max()) if diff.numel() else 0.0
+        if d > worst or not where:
+            worst, where = d, name
+    return (num**0.5 / den**0.5 if den > 0 else float("inf")), where
+
+
 def compared_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     """The metrics a resumed or re-run step must reproduce (timing left out)."""
     return {k: float(v) for k, v in metrics.items() if not k.startswith(TIMING_PREFIXES)}
@@ -170,12 +192,13 @@ def rank_scenario(trainer: Trainer, model_dir: Path, checkpoint: Path, temperatu
     second step, then a load of the checkpoint and the second step again.
 
     Returns the metrics of the three steps, which exports returned weights, the weights
-    after the first step (rank 0), and how far the step after the load landed from the
-    step before it (rank 0)."""
+    before and after the first step (rank 0), and how far the step after the load landed
+    from the step before it (rank 0)."""
     reference = reference_model(model_dir)
     first = on_policy(make_batch(model_dir, rows=5, seed=11), reference, temperature)
     second = on_policy(make_batch(model_dir, rows=5, seed=12), reference, temperature)
     del reference
+    initial = snapshot(trainer, 0)
     metrics = [trainer.train_step(first)]
     after_first = snapshot(trainer, 1)
     trainer.save(checkpoint)
@@ -191,6 +214,7 @@ def rank_scenario(trainer: Trainer, model_dir: Path, checkpoint: Path, temperatu
     return {
         "metrics": [{k: float(v) for k, v in m.items()} for m in metrics],
         "exported": exported,
+        "initial": initial,
         "weights": after_first,
         "resume_diff": resume_diff,
     }
