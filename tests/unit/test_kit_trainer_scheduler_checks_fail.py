@@ -84,3 +84,42 @@ def test_logs_hidden_behind_supports_logs_false_fail():
     kit = scheduler_kit("kit_hides_its_logs")
     with pytest.raises(AssertionError, match="implements logs.. but supports_logs is False"):
         kit.test_supports_logs_is_honest()
+
+
+def two_rank_results(tmp_path: Path, *, rank1_exports=False, loss_two=1.0, step_two=None):
+    """What the two-rank check reads, made up: one rank's run, and each rank's report with
+    rank 0's weights in a file, as forgerl.testing.trainer_rank writes them."""
+    import torch
+    from safetensors.torch import save_file
+
+    initial = {"w": torch.zeros(64)}
+    one_step = {"w": torch.full((64,), 1e-3)}
+    two_step = {"w": torch.full((64,), 1e-3) if step_two is None else step_two}
+    save_file(two_step, str(tmp_path / "weights.safetensors"))
+    metrics = {"loss/policy": 1.0, "grad_norm": 2.0, "logprob_gap/max": 0.0}
+    one = {"metrics": [metrics] * 3, "initial": initial, "weights": one_step}
+    rank = {"metrics": [{**metrics, "loss/policy": loss_two}] * 3, "resume_diff": [0.0, "w"]}
+    return one, [{**rank, "exported": [True] * 3}, {**rank, "exported": [rank1_exports] * 3}]
+
+
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        ({}, None),
+        ({"rank1_exports": True}, "rank 1 of 2: export_weights must return None off rank 0"),
+        ({"loss_two": 2.0}, r"loss/policy 1.0 on 1 rank, 2.0 on 2: normalise the loss over the whole batch"),
+        ({"step_two": "half flipped"}, r"the step on 2 ranks differs from the step on 1 by 1.41 of its size"),
+    ],
+)
+def test_the_two_rank_check_fails_when_ranks_disagree(broken, message, tmp_path):
+    import torch
+
+    if broken.get("step_two") == "half flipped":  # each rank stepped on its own rows' gradients
+        broken["step_two"] = torch.cat([torch.full((32,), 1e-3), torch.full((32,), -1e-3)])
+    one, two = two_rank_results(tmp_path, **broken)
+    kit = trainer_kit("fsdp")
+    if message is None:
+        kit._compare_ranks(one, two, tmp_path)
+        return
+    with pytest.raises(AssertionError, match=message):
+        kit._compare_ranks(one, two, tmp_path)
