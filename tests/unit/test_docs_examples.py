@@ -451,69 +451,6 @@ def test_server_generator_parts_of_the_generator_tutorial(mini_src: Path, tmp_pa
         transport.close()
 
 
-# One rank of the `mini` trainer, as a scheduler starts it: RANK/WORLD_SIZE/MASTER_* set,
-# the trainer built from the registry on every rank. Rank 0 prints what the step did.
-TRAINER_RANK = """
-import json, os, sys
-from pathlib import Path
-import torch
-from forgerl.config import RunConfig
-from forgerl.interfaces import RunContext
-from forgerl.plugins import build_registry
-from forgerl.types import TrainBatch
-
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-ctx = RunContext(config=RunConfig(), run_dir=Path(sys.argv[2]), model_path=Path(sys.argv[1]),
-                 rank=rank, world_size=world)
-trainer = build_registry().require("trainer", "mini").build({"lr": 1e-3}, context=ctx)
-ids = torch.randint(0, 500, (4, 10), generator=torch.Generator().manual_seed(0))
-loss_mask = torch.zeros(4, 10)
-loss_mask[:, 5:] = 1
-batch = TrainBatch(ids, torch.ones(4, 10, dtype=torch.long), loss_mask, -3.0 * loss_mask,
-                   torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.zeros(4), num_groups=1)
-metrics = trainer.train_step(batch)
-weights = trainer.export_weights(1)
-if rank == 0:
-    sums = [float(t.double().sum()) for t in weights.tensors.values()]
-    print(json.dumps({"loss": metrics["loss"], "weights": sums}))
-else:
-    assert weights is None
-trainer.close()
-"""
-
-
-def test_trainer_tutorial_takes_the_same_step_on_two_ranks_as_on_one(
-    mini_src: Path, tiny_model_dir: Path, tmp_path: Path
-):
-    """docs/plugins-trainer.md says that summing gradients over ranks, with the loss
-    normalised over the whole batch, makes 2 ranks take the same step as 1."""
-    import json
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = {**child_env(mini_src), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-c", TRAINER_RANK, str(tiny_model_dir), str(tmp_path)]
-    ranks = [subprocess.Popen(args, env={**base, "WORLD_SIZE": "2", "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        one = subprocess.run(args, env={**base, "WORLD_SIZE": "1", "RANK": "0"}, capture_output=True,
-                             text=True, timeout=scaled(120))
-        outputs = [r.communicate(timeout=scaled(120))[0] for r in ranks]
-    finally:
-        for r in ranks:
-            if r.poll() is None:
-                r.kill()
-    assert one.returncode == 0, one.stderr
-    assert [r.returncode for r in ranks] == [0, 0], outputs
-    single = json.loads(one.stdout.strip().splitlines()[-1])
-    double = json.loads(outputs[0].strip().splitlines()[-1])
-    assert double["loss"] == pytest.approx(single["loss"], rel=1e-5)
-    assert double["weights"] == pytest.approx(single["weights"], rel=1e-5, abs=1e-6)
-
-
 @pytest.mark.integration
 @pytest.mark.slow  # two trainer ranks in their own processes: 20-60 s on two busy cores
 def test_trainer_tutorial_passes_the_trainer_kit_as_its_conformance_test_says(mini_src: Path, tmp_path: Path):

@@ -83,7 +83,7 @@ class TrainerContract:
     #: The trainer's backend name, as ``trainer.name`` in a config.
     backend: ClassVar[str] = ""
     #: Its options, as ``trainer.options`` holds them (plain data).
-    options: ClassVar[Mapping[str, Any]] = {"lr": 1e-3}
+    options: ClassVar[Mapping[str, Any]] = {}
     #: Plugin modules to load besides the installed ones (import paths).
     plugins: ClassVar[Sequence[str]] = ()
     #: Fail, rather than skip, when the backend cannot be used here.
