@@ -54,11 +54,13 @@ from forgerl.testing.registry import backend_under_test, registry_for
 from forgerl.testing.timing import hard_limit, scaled, wait_until
 from forgerl.testing.trainer_support import (
     compared_metrics,
+    finite_number,
     free_port,
     live_children,
     make_batch,
     max_difference,
     merged,
+    moved_beyond_decay,
     on_policy,
     rank_env,
     rank_scenario,
@@ -68,6 +70,7 @@ from forgerl.testing.trainer_support import (
     run_context,
     snapshot,
     temperature_of,
+    wait_process,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -203,7 +206,7 @@ class TrainerContract:
         optional = {"entropy", "kl/ref"}  # entropy: optional; kl/ref: only with a KL term
         missing = [k for k in METRIC_KEYS if k not in optional and k not in metrics]
         assert not missing, f"train_step's metrics lack the algorithm's {missing} (forgerl.algorithms.policy_loss)"
-        bad = {k: v for k, v in metrics.items() if not _finite_number(v)}
+        bad = {k: v for k, v in metrics.items() if not finite_number(v)}
         assert not bad, f"train_step returned metrics that are not finite numbers: {bad}"
         diff, _ = max_difference(before, after)
         assert diff > 0, "train_step on a batch with non-zero advantages left every weight unchanged"
@@ -230,7 +233,7 @@ class TrainerContract:
             after = snapshot(trainer, 1)
         finally:
             trainer.close()
-        moved = _moved_beyond_decay(before, after)
+        moved = moved_beyond_decay(before, after)
         assert not moved, (
             "a batch whose advantages are all 0 has a zero loss gradient, but the first step moved weights "
             f"beyond a weight-decay shrink: {moved[:5]}"
@@ -292,7 +295,7 @@ class TrainerContract:
             "with algorithm.kl_coef 0.1 train_step reports no kl/ref: give policy_loss the reference model's "
             "logprobs, or refuse kl_coef > 0 with a UserError when built"
         )
-        assert _finite_number(metrics["kl/ref"]), f"kl/ref is {metrics['kl/ref']}"
+        assert finite_number(metrics["kl/ref"]), f"kl/ref is {metrics['kl/ref']}"
 
     def test_close_releases_processes_threads_and_the_process_group(self, model_dir: Path, tmp_path: Path) -> None:
         import torch.distributed as dist
@@ -365,7 +368,7 @@ class TrainerContract:
                     trainer.close()
             finally:
                 torch.set_num_threads(threads)
-            codes = [_wait_process(p, scaled(300)) for p in ranks]
+            codes = [wait_process(p, scaled(300)) for p in ranks]
         finally:
             for p in ranks:
                 if p.poll() is None:
@@ -410,32 +413,3 @@ class TrainerContract:
         diff, name = two[0]["resume_diff"]
         assert diff <= tol, f"on 2 ranks, after load() and the same step, {name} is {diff:.3g} away"
 
-
-def _finite_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _moved_beyond_decay(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
-    """Tensors of ``after`` that are not ``c * before`` for one c in [0.9, 1] per tensor (what
-    a zero gradient leaves under decoupled weight decay), with how far they are."""
-    import torch
-
-    moved = []
-    for name, b in before.items():
-        a = after[name]
-        if torch.equal(a, b):
-            continue
-        b64, a64 = b.double(), a.double()
-        norm = float((b64 * b64).sum())
-        c = float((a64 * b64).sum()) / norm if norm > 0 else 1.0
-        residual = float((a64 - c * b64).abs().max())
-        if not (0.9 <= c <= 1.0 and residual <= 1e-6 * max(1.0, float(b64.abs().max()))):
-            moved.append(f"{name} (by {float((a64 - b64).abs().max()):.3g})")
-    return moved
-
-
-def _wait_process(proc: subprocess.Popen, timeout: float) -> int | None:
-    try:
-        return proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None

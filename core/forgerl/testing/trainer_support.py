@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import socket
+import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -266,3 +268,33 @@ def live_children(pid: int | None = None) -> set[tuple[int, str]]:
         if parent == pid and state not in ("Z", "X"):
             out.add((int(entry), start))
     return out
+
+
+def finite_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def moved_beyond_decay(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
+    """Tensors of ``after`` that are not ``c * before`` for one c in [0.9, 1] per tensor (what
+    a zero gradient leaves under decoupled weight decay), with how far they are."""
+    import torch
+
+    moved = []
+    for name, b in before.items():
+        a = after[name]
+        if torch.equal(a, b):
+            continue
+        b64, a64 = b.double(), a.double()
+        norm = float((b64 * b64).sum())
+        c = float((a64 * b64).sum()) / norm if norm > 0 else 1.0
+        residual = float((a64 - c * b64).abs().max())
+        if not (0.9 <= c <= 1.0 and residual <= 1e-6 * max(1.0, float(b64.abs().max()))):
+            moved.append(f"{name} (by {float((a64 - b64).abs().max()):.3g})")
+    return moved
+
+
+def wait_process(proc: subprocess.Popen, timeout: float) -> int | None:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
