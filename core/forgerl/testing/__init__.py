@@ -24,7 +24,7 @@ so the plugin must be installed, or named in the class's ``plugins`` (import pat
 plugin modules, like ``FORGE_PLUGINS``).
 
 Importing this package imports neither pytest nor torch: each kit is imported on first use
-(:class:`TransportContract` needs torch when its tests run, the others never do).
+(:class:`TransportContract` and :class:`TrainerContract` need torch when their tests run).
 Deadlines in the kits stretch with ``FORGE_TEST_TIMEOUT_SCALE`` (:mod:`forgerl.testing.timing`).
 """
 
@@ -39,6 +39,8 @@ _KITS = {
     "TaskContract": "forgerl.testing.task",
     "TransportContract": "forgerl.testing.transport",
     "TransportCase": "forgerl.testing.transport",
+    "TrainerContract": "forgerl.testing.trainer",
+    "SchedulerContract": "forgerl.testing.scheduler",
 }
 
 __all__ = list(_KITS)  # the kits' names, listed once in _KITS
@@ -48,7 +50,8 @@ if _pytest is not None:
     # Under pytest, a failed check of a kit shows its values like a test's own assert does
     # (the kits are imported after this line, so pytest can rewrite their asserts).
     _pytest.register_assert_rewrite(
-        "forgerl.testing.reward", "forgerl.testing.task", "forgerl.testing.transport"
+        "forgerl.testing.reward", "forgerl.testing.task", "forgerl.testing.transport",
+        "forgerl.testing.trainer", "forgerl.testing.scheduler",
     )
 
 

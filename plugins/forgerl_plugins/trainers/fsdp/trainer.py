@@ -316,7 +316,14 @@ class FSDPTrainer(Trainer):
 
         # A collective: every rank takes part, rank 0 receives the full CPU tensors.
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return WeightSet(version=version, tensors=state) if self.rank == 0 else None
+        if self.rank != 0:
+            return None
+        if self.world_size == 1 and self.device.type == "cpu":
+            # One CPU rank: the "offloaded" state dict is the live parameters themselves, which
+            # the next step changes in place while a transport may still hold this version
+            # (for a worker that joins late). Gathered or offloaded tensors are copies already.
+            state = {name: t.detach().clone() for name, t in state.items()}
+        return WeightSet(version=version, tensors=state)
 
     def save(self, path: Path) -> None:
         import torch.distributed.checkpoint as dcp

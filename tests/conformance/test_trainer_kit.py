@@ -1,0 +1,23 @@
+"""forgerl's own trainer, ``fsdp``, passes the trainer kit (forgerl.testing.TrainerContract)
+on the tiny model: on one rank (each check builds the trainer in this process, under a
+second), and two gloo ranks in their own processes against one."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from forgerl.testing import TrainerContract
+
+
+class TestFSDPTrainerKit(TrainerContract):
+    backend = "fsdp"
+    options = {"lr": 1e-3, "micro_batch_size": 2}
+    two_ranks = True
+
+    @pytest.mark.integration
+    @pytest.mark.slow  # two processes importing torch and transformers: 20-60 s on two busy cores
+    def test_two_ranks_take_the_same_step_as_one(self, model_dir, tmp_path):
+        super().test_two_ranks_take_the_same_step_as_one(model_dir, tmp_path)
