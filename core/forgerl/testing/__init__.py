@@ -53,7 +53,11 @@ if _pytest is not None:
     # Under pytest, a failed check of a kit shows its values like a test's own assert does
     # (the kits are imported after this line, so pytest can rewrite their asserts).
     _pytest.register_assert_rewrite(
-        "forgerl.testing.reward", "forgerl.testing.task", "forgerl.testing.transport", "forgerl.testing.generator"
+        "forgerl.testing.reward",
+        "forgerl.testing.task",
+        "forgerl.testing.transport",
+        "forgerl.testing.generator",
+        "forgerl.testing.generator_lifecycle",
     )
 
 
