@@ -218,6 +218,10 @@ def open_site(
     try:
         if roles:
             site._stop_roles = start_roles(site, roles)
+            # A first generator waits for the servers (its own start-up timeout), here in
+            # the class's set-up rather than within the first check's time limit.
+            with site.open():
+                pass
         yield site
     finally:
         site.close()
