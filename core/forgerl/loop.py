@@ -5,6 +5,10 @@ overlapping training), drop samples staler than ``loop.max_staleness``, compute
 group-relative advantages, train on all ranks, export the new weights (version ``k+1``)
 and push them through the transport into the generator, evaluate and checkpoint when due,
 write one row of metrics.
+
+A generator that declares ``receives_weights = False`` (it serves fixed weights) is never
+sent any: the trainer's version still moves on with every step, the generator's stays at
+0, and its samples are trained on whatever their version (off-policy, said once at start).
 """
 
 from __future__ import annotations
@@ -59,6 +63,8 @@ class Loop:
         self.run_dir = ctx.run_dir
         self.driver = driver
         self.generator = generator
+        #: False for a generator that serves fixed weights (Generator.receives_weights).
+        self.receives_weights = bool(getattr(type(generator), "receives_weights", True))
         self.task = task
         self.rewards = rewards
         self.sender = sender
@@ -134,13 +140,19 @@ class Loop:
             resume_step=self.step if resume_from is not None else None,
         )
         self.registry.hooks.run_start(config=cfg, run_dir=self.run_dir)
+        if not self.receives_weights:
+            log.warning(
+                "generator %r takes no weight updates: every rollout comes from the initial weights, "
+                "so training is off-policy",
+                cfg.generator.name,
+            )
         if resume_from is not None and self.policy_version > 0:
             # A fresh generator serves the base model (version 0): bring it to the
             # checkpoint's weights before it makes a single rollout.
             self.sync_weights(self.policy_version)
 
         next_index = self.step + len(pending)
-        buffer = RolloutBuffer(S, next_index=next_index, version=self.generator.policy_version)
+        buffer = RolloutBuffer(S, next_index=next_index, version=self.served_version())
         for b in pending:
             buffer.ready[b.index] = b
         if not resume_from:
@@ -223,7 +235,12 @@ class Loop:
         t_step = time.perf_counter()
         rollouts = buffer.get(k)
         wait_s = time.perf_counter() - t_step
-        fresh = [e for e in rollouts.episodes if self.policy_version - e.completion.policy_version <= S]
+        # Fixed weights (receives_weights False) are never stale: nothing newer exists to sample.
+        fresh = [
+            e
+            for e in rollouts.episodes
+            if not self.receives_weights or self.policy_version - e.completion.policy_version <= S
+        ]
         dropped = len(rollouts.episodes) - len(fresh)
         prepared = prepare_batch(
             fresh, cfg.algorithm, max_tokens=cfg.loop.sampling.max_tokens, pad_id=self.pad_id
@@ -238,7 +255,7 @@ class Loop:
         # Every batch meant for the current version must be made before it changes.
         buffer.wait_done_through(min(self.step - 1 + S, cfg.loop.steps - 1))
         self.sync_weights(self.step)
-        buffer.set_version(self.generator.policy_version)
+        buffer.set_version(self.served_version())
         sync_s = time.perf_counter() - t
         for name, secs in (("generate", rollouts.gen_seconds), ("reward", rollouts.reward_seconds),
                            ("train", train_s), ("sync", sync_s)):
@@ -277,8 +294,17 @@ class Loop:
 
     # -------------------------------------------------------------------- weights
 
+    def served_version(self) -> int:
+        """The version the rollout gate waits for: the generator's, or the trainer's when
+        the generator takes no weights (its own never moves)."""
+        return self.generator.policy_version if self.receives_weights else self.policy_version
+
     def sync_weights(self, version: int) -> None:
-        """Export the trainer's weights as ``version`` and load them into the generator."""
+        """Export the trainer's weights as ``version`` and load them into the generator
+        (only the version moves on when the generator takes no weights)."""
+        if not self.receives_weights:
+            self.policy_version = version
+            return
         weights = self.driver.call("export_weights", version)
         timeout = self.config.transport.timeout
         errors: list[BaseException] = []

@@ -322,6 +322,21 @@ def test_transport_tutorial_passes_the_transport_kit_as_its_conformance_test_say
     assert "3 passed" in done.stdout, done.stdout[-3000:]
 
 
+@pytest.mark.integration
+def test_generator_tutorial_passes_the_generator_kit_as_its_conformance_test_says(mini_src: Path, tmp_path: Path):
+    """The conformance test of plugins-generator.md, written out as it stands, runs the
+    whole Generator kit on the tutorial's `mini` generator with pytest, the plugin loaded
+    as an installed one would be, and passes every check."""
+    test = code_blocks("plugins-generator.md")["tests/test_conformance.py"]
+    (tmp_path / "test_conformance.py").write_text(test)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_conformance.py"],
+        capture_output=True, text=True, timeout=scaled(600), env=child_env(mini_src), cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "12 passed" in done.stdout, done.stdout[-3000:]
+
+
 def test_generator_and_trainer_tutorials_keep_the_logprob_and_weight_contracts(
     mini_src: Path, tiny_model_dir: Path, tmp_path: Path
 ):
