@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 import yaml
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -378,11 +378,11 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _index(node: list, part: str, path: list[str]) -> int:
+def _index(node: list[Any], part: str, path: list[str]) -> int:
     if not part.isdigit() or int(part) >= len(node):
         raise ConfigError(f"--set {'.'.join(path)}: {part!r} is not an index of a list of {len(node)}")
     return int(part)

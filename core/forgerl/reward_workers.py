@@ -117,7 +117,13 @@ class RewardWorkerPool:
         # forgot): close it at interpreter exit. A weak reference, so that registering does
         # not keep every pool alive.
         ref = weakref.ref(self)
-        self._at_exit = lambda: (pool := ref()) is not None and pool.close()
+
+        def close_at_exit() -> None:
+            pool = ref()
+            if pool is not None:
+                pool.close()
+
+        self._at_exit = close_at_exit
         atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------ public
@@ -220,7 +226,7 @@ class _Slot:
     def __init__(self, pool: RewardWorkerPool, number: int):
         self.pool = pool
         self.number = number
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Connection | None = None
         self.ready = False
         self.busy = False
@@ -254,7 +260,7 @@ class _Slot:
             if pool.broken:
                 return _failed(f"reward workers cannot start: {pool.broken}")
             try:
-                self._wait_ready()
+                conn = self._wait_ready()
             except _WorkerStartError as exc:
                 return _failed(f"reward worker could not start: {exc}")
             with self._lock:
@@ -263,7 +269,7 @@ class _Slot:
                 self.busy = True
             try:
                 try:
-                    self.conn.send((job.index, job.sample))
+                    conn.send((job.index, job.sample))
                 except (OSError, EOFError):
                     self._discard(kill=True)
                     if attempt == 2:
@@ -271,17 +277,17 @@ class _Slot:
                     continue
                 except Exception as exc:  # noqa: BLE001 - the sample itself cannot be pickled
                     return _failed(f"could not send the sample to a reward worker: {type(exc).__name__}: {exc}")
-                return self._answer()
+                return self._answer(conn)
             finally:
                 with self._lock:
                     self.busy = False
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _answer(self) -> Outcome:
+    def _answer(self, conn: Connection) -> Outcome:
         pool = self.pool
         try:
-            if self.conn.poll(pool.timeout):
-                outcome = self.conn.recv()
+            if conn.poll(pool.timeout):
+                outcome = conn.recv()
                 return outcome
         except (OSError, EOFError):
             status = self._discard(kill=True)
@@ -326,20 +332,23 @@ class _Slot:
         except OSError:
             pass  # it died at once; _wait_ready reports how
 
-    def _wait_ready(self) -> None:
-        if self.ready:
-            return
-        if self.proc is None:
+    def _wait_ready(self) -> Connection:
+        """The connection to this slot's worker once it reported ready, started first if
+        there is none. Only this slot's thread sets or clears ``proc`` and ``conn``, together."""
+        if self.proc is None or self.conn is None:
             self._spawn()
-            if self.proc is None:
-                raise _WorkerStartError(self.pool.broken or "the worker process could not be started")
+        conn = self.conn
+        if self.proc is None or conn is None:
+            raise _WorkerStartError(self.pool.broken or "the worker process could not be started")
+        if self.ready:
+            return conn
         try:
-            if not self.conn.poll(self.pool.start_timeout):
+            if not conn.poll(self.pool.start_timeout):
                 self._discard(kill=True)
                 why = f"not ready within {self.pool.start_timeout:g}s"
                 self.pool._start_failed(why)
                 raise _WorkerStartError(why)
-            kind, detail = self.conn.recv()
+            kind, detail = conn.recv()
         except (OSError, EOFError):
             status = self._discard(kill=True)
             why = f"it exited while starting ({_describe(status)})"
@@ -354,6 +363,7 @@ class _Slot:
         if self.killed_at is not None:
             self.pool.replacement_seconds.append(time.monotonic() - self.killed_at)
             self.killed_at = None
+        return conn
 
     def _discard(self, *, kill: bool) -> int | None:
         """Forget the current worker (SIGKILLed first when ``kill``); its exit status."""
@@ -417,7 +427,7 @@ def outcome_of(raw: Any) -> Outcome:
             return None, {}, raw.error or "the reward reported a failure"
         value, subs = raw.value, dict(raw.components)
     elif isinstance(raw, numbers.Real):  # bool, int, float, numpy scalars
-        value, subs = raw, {}
+        value, subs = float(raw), {}
     else:
         return None, {}, f"returned {type(raw).__name__} {raw!r:.60}, expected a float or RewardResult"
     value = float(value)
