@@ -21,9 +21,11 @@ test: setup
 test-stress: setup
 	bash scripts/stress.sh
 
-# Static checks, as CI runs them: ruff's lint rules (configured in pyproject.toml).
+# Static checks, as CI runs them: ruff's lint rules and mypy's type checks (both
+# configured in pyproject.toml).
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not integration" tests

@@ -11,8 +11,9 @@ import json
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
@@ -21,15 +22,22 @@ from forgerl.env import debug_enabled
 from forgerl.errors import ForgeError, JobNotFound, NotSupported
 from forgerl.kinds import FLAGS, REGISTRATION_HOOKS
 
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.backends import Backend
+    from forgerl.interfaces import Scheduler
+    from forgerl.plugins import PluginInfo, Registry
+
+_Command = TypeVar("_Command", bound=Callable[..., Any])
+
 EXIT_USER_ERROR = 2
 
 
 class _State:
     debug = False
-    registry = None
+    registry: Registry | None = None
 
 
-def _registry():
+def _registry() -> Registry:
     """The plugin registry, built once per command (plugins load once, hooks trace once)."""
     if _State.registry is None:
         from forgerl.plugins import build_registry
@@ -78,7 +86,7 @@ def cli(debug: bool) -> None:
 
 # ------------------------------------------------------------------------------ run
 
-def _config_options(f):
+def _config_options(f: _Command) -> _Command:
     """Options shared by `forge run` and `forge config show`."""
     opts = [
         click.argument("config_file", required=False, type=click.Path(dir_okay=False)),
@@ -109,7 +117,14 @@ def _flags(kwargs: dict[str, Any]) -> dict[str, Any]:
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), help="Continue the run in this directory.")
 @click.option("--dry-run", is_flag=True, help="Print what would be started or submitted; start nothing.")
 @click.option("--wait/--no-wait", default=None, help="Follow a submitted job to its end (default for local runs).")
-def run(config_file, sets, resume_dir, dry_run, wait, **kwargs) -> None:
+def run(
+    config_file: str | None,
+    sets: tuple[str, ...],
+    resume_dir: str | None,
+    dry_run: bool,
+    wait: bool | None,
+    **kwargs: Any,
+) -> None:
     """Run (or submit) a post-training run."""
     from forgerl import api, runs
     from forgerl.config import build_config, read_yaml
@@ -175,7 +190,7 @@ def plugins() -> None:
 def plugins_list(as_json: bool) -> None:
     """Every plugin: distribution, version, hooks, backends and whether each can run here."""
     registry = _registry()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for info in sorted(registry.plugins.values(), key=lambda i: (not i.first_party, i.name, i.distribution)):
         rows.append(
             {
@@ -205,7 +220,7 @@ def plugins_list(as_json: bool) -> None:
             click.echo(f"     hooks: {', '.join(other)}")
 
 
-def _backend_row(registry, info, backend) -> dict[str, Any]:
+def _backend_row(registry: Registry, info: PluginInfo, backend: Backend) -> dict[str, Any]:
     """One backend of one plugin; a name another plugin claims too cannot be used."""
     clash = registry.clash(backend.kind, backend.name)
     reason = clash.reason_for(info) if clash is not None else backend.unavailable_reason()
@@ -229,7 +244,7 @@ def config_group() -> None:
 
 @config_group.command("show")
 @_config_options
-def config_show(config_file, sets, **kwargs) -> None:
+def config_show(config_file: str | None, sets: tuple[str, ...], **kwargs: Any) -> None:
     """Print the resolved config (defaults < file < flags < --set), backend options filled in."""
     from forgerl import api
 
@@ -265,7 +280,7 @@ def config_validate(config_file: str) -> None:
 # ------------------------------------------------------------------- jobs: status/logs/cancel
 
 
-def _job_scheduler(job: str, scheduler_name: str | None):
+def _job_scheduler(job: str, scheduler_name: str | None) -> tuple[Scheduler, str, str]:
     """The scheduler of a job, its job id and the scheduler's name. A job is a run
     directory (any scheduler; read from submission.json) or a scheduler's own job id
     together with --scheduler."""

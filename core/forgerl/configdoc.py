@@ -112,7 +112,8 @@ def json_schema(registry: Registry | None = None, *, third_party: bool = True) -
     choice_kinds: dict[Any, str] = {
         RunConfig.model_fields[field].annotation: kind for field, kind in SINGLE_BACKEND_FIELDS.items()
     }
-    choice_kinds.update({RewardChoice: "reward", ModelConfig: "model"})
+    choice_kinds[RewardChoice] = "reward"
+    choice_kinds[ModelConfig] = "model"
     backends = [
         item for item in _backend_options(registry, first_party=True if not third_party else None)
         if registry.clash(item[1], item[2].name) is None or item[0].first_party

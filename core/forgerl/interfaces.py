@@ -36,6 +36,7 @@ from forgerl.types import (
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from typing_extensions import Self
 
     from forgerl.config import RunConfig
 
@@ -61,7 +62,7 @@ class Closeable:
     def close(self) -> None:
         """Release processes, ports, memory. Idempotent."""
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

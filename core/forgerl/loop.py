@@ -19,7 +19,9 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from forgerl import checkpoint as ckpt
@@ -33,7 +35,7 @@ from forgerl.metrics import MetricsWriter
 from forgerl.plugins import Registry
 from forgerl.rollout import RolloutBatch, RolloutBuffer, RolloutProducer, Tokenizing, sampling_seed
 from forgerl.spmd import TrainerDriver
-from forgerl.types import GenerationRequest, RewardInput, SamplingParams
+from forgerl.types import GenerationRequest, RewardInput, RewardResult, SamplingParams
 
 log = logging.getLogger("forgerl.loop")
 
@@ -351,7 +353,7 @@ class Loop:
             for i, p in enumerate(problems)
         ]
 
-        async def go():
+        async def go() -> list[RewardResult]:
             results = await self.generator.generate(requests)
             inputs = [RewardInput(p, r[0].text, r[0].finish_reason) for p, r in zip(problems, results)]
             return await self.rewards.score(inputs)
@@ -408,7 +410,7 @@ def _is_correct(score: Any, cfg: RunConfig) -> float:
     return float(comps.get(primary, 0.0) >= 1.0)
 
 
-def _mean(xs) -> float:
+def _mean(xs: Iterable[Any]) -> float:
     xs = [float(x) for x in xs]
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -422,7 +424,7 @@ def _replace(params: SamplingParams, **kw: Any) -> SamplingParams:
 def install_stop_handlers(loop: Loop | None) -> None:
     """SIGTERM/SIGINT ask for a checkpoint and a clean stop at the next step boundary."""
 
-    def handler(signum, frame):  # noqa: ARG001
+    def handler(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001
         if loop is not None:
             loop.stop_requested.set()
 

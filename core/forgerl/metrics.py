@@ -6,9 +6,12 @@ import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forgerl.runs import METRICS_FILE
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch.utils.tensorboard import SummaryWriter
 
 
 class MetricsWriter:
@@ -74,7 +77,7 @@ def _jsonable(v: Any) -> Any:
     return v
 
 
-def _tensorboard(path: Path):
+def _tensorboard(path: Path) -> SummaryWriter | None:
     try:
         import tensorboard  # noqa: F401 - present only when the extra is installed
         from torch.utils.tensorboard import SummaryWriter

@@ -136,14 +136,14 @@ class Registry:
                     failed[plugin_name] = (registration_failure(hook_name, exc), exc)
                     continue
                 offered.setdefault(plugin_name, []).extend((kind, r) for r in records)
-        for plugin_name, (why, exc) in failed.items():
+        for plugin_name, (why, error) in failed.items():
             info = self.plugins[plugin_name]
             self.pm.unregister(name=plugin_name)  # its event hooks must not run either
             info.hooks = []
-            broken(info, why, strict, exc)
-        for plugin_name, records in offered.items():
+            broken(info, why, strict, error)
+        for plugin_name, kinds_and_records in offered.items():
             if plugin_name not in failed:
-                for kind, record in records:
+                for kind, record in kinds_and_records:
                     self._add(kind, record, self.plugins[plugin_name])
         if strict and self._clashes:
             raise DuplicateBackend(next(iter(self._clashes.values())).message())

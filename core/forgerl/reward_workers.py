@@ -117,7 +117,13 @@ class RewardWorkerPool:
         # forgot): close it at interpreter exit. A weak reference, so that registering does
         # not keep every pool alive.
         ref = weakref.ref(self)
-        self._at_exit = lambda: (pool := ref()) is not None and pool.close()
+
+        def close_at_exit() -> None:
+            pool = ref()
+            if pool is not None:
+                pool.close()
+
+        self._at_exit = close_at_exit
         atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------ public
@@ -216,7 +222,7 @@ def outcome_of(raw: Any) -> Outcome:
             return None, {}, raw.error or "the reward reported a failure"
         value, subs = raw.value, dict(raw.components)
     elif isinstance(raw, numbers.Real):  # bool, int, float, numpy scalars
-        value, subs = raw, {}
+        value, subs = float(raw), {}
     else:
         return None, {}, f"returned {type(raw).__name__} {raw!r:.60}, expected a float or RewardResult"
     value = float(value)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from forgerl.errors import CheckpointUnusable, ConfigError
 from forgerl.interfaces import RunContext, Trainer
@@ -52,6 +52,7 @@ class FSDPTrainer(Trainer):
 
         if context.model_path is None:
             raise ConfigError("the fsdp trainer needs a model folder (model.name in the config)")
+        self._model_path: Path = context.model_path
         self.options = options
         self.ctx = context
         self.algorithm = context.config.algorithm
@@ -107,7 +108,7 @@ class FSDPTrainer(Trainer):
         from torch.distributed.fsdp import FSDPModule, fully_shard
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.ctx.model_path, dtype=self.dtype)
+        model = AutoModelForCausalLM.from_pretrained(self._model_path, dtype=self.dtype)
         # Dropout off: the trainer's logprobs must be those of the policy the generator
         # samples from (most causal LMs have none, but some configs set it).
         model.eval()
@@ -160,11 +161,11 @@ class FSDPTrainer(Trainer):
         from forgerl.algorithms.logprobs import selective_logprobs, token_entropy
 
         targets = input_ids[:, 1:]
-        select = positions is not None and self._select_head
-        with self._autocast(), head_at(model, positions) if select else contextlib.nullcontext():
+        select = positions if self._select_head else None
+        with self._autocast(), head_at(model, select) if select is not None else contextlib.nullcontext():
             logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-        if select:
-            targets = targets[positions].unsqueeze(0)  # [1, N], the order of the hook's rows
+        if select is not None:
+            targets = targets[select].unsqueeze(0)  # [1, N], the order of the hook's rows
         else:
             logits = logits[:, :-1]
         if self.temperature != 1.0:
@@ -175,11 +176,11 @@ class FSDPTrainer(Trainer):
         if entropy:
             with torch.no_grad():
                 ent = token_entropy(logits.detach(), chunk)
-        if select:
+        if select is not None:
             # Back to [b, L-1]: the loss masks the zeros, and their gradient goes nowhere.
-            logprobs = logprobs.new_zeros(positions.shape).masked_scatter(positions, logprobs)
+            logprobs = logprobs.new_zeros(select.shape).masked_scatter(select, logprobs)
             if ent is not None:
-                ent = ent.new_zeros(positions.shape).masked_scatter(positions, ent)
+                ent = ent.new_zeros(select.shape).masked_scatter(select, ent)
         return logprobs, ent
 
     def _micro_tensors(self, batch: TrainBatch, mb: MicroBatch) -> dict[str, torch.Tensor]:
@@ -258,17 +259,18 @@ class FSDPTrainer(Trainer):
                 loss.backward()
             acc.add(metrics, tokens=int(positions.sum()))
 
+        _, optimizer = self._live()
         with record_function("forge.clip_gradients"):
             grad_norm = self._clip_gradients()
         with record_function("forge.optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
         with record_function("forge.metrics"):
             metrics = acc.reduce(self.device)
         metrics["loss"] = metrics.get("loss/policy", 0.0) + metrics.get("loss/kl", 0.0)
         metrics["grad_norm"] = grad_norm
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["lr"] = float(optimizer.param_groups[0]["lr"])
         metrics["train/tokens"] = float((shifted_mask != 0).sum())
         metrics["train/sequences"] = float((shifted_mask != 0).any(-1).sum())
         return metrics
@@ -276,7 +278,8 @@ class FSDPTrainer(Trainer):
     def _clip_gradients(self) -> float:
         import torch
 
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        model, _ = self._live()
+        params = [p for p in model.parameters() if p.grad is not None]
         # max_norm = inf measures the norm and scales by exactly 1.
         max_norm = self.options.max_grad_norm if self.options.max_grad_norm is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -315,7 +318,8 @@ class FSDPTrainer(Trainer):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         # A collective: every rank takes part, rank 0 receives the full CPU tensors.
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        model, _ = self._live()
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
         if self.world_size == 1 and self.device.type == "cpu":
@@ -323,7 +327,8 @@ class FSDPTrainer(Trainer):
             # the next step changes in place while a transport may still hold this version
             # (for a worker that joins late). Gathered or offloaded tensors are copies already.
             state = {name: t.detach().clone() for name, t in state.items()}
-        return WeightSet(version=version, tensors=state)
+        # A full state dict holds plain tensors (no sharded ones).
+        return WeightSet(version=version, tensors=cast("dict[str, torch.Tensor]", state))
 
     def save(self, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -331,7 +336,7 @@ class FSDPTrainer(Trainer):
 
         from .checkpointing import failure
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(*self._live())
         try:
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
         except BaseException as exc:  # DCP's CheckpointException derives from BaseException
@@ -354,8 +359,9 @@ class FSDPTrainer(Trainer):
         if not (Path(path) / ".metadata").is_file():
             raise CheckpointUnusable(f"{path} is not a trainer checkpoint (no .metadata written by save())")
         metadata = read_metadata_safely(Path(path))
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
+        model, optimizer = self._live()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
         try:
             dcp.load(state, storage_reader=SafeReader(Path(path), metadata), planner=SafePlanner())
         except BaseException as exc:
@@ -365,9 +371,12 @@ class FSDPTrainer(Trainer):
             if err is None:
                 raise
             raise err from err.__cause__
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-        )
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def _live(self) -> tuple[Any, torch.optim.Optimizer]:
+        """The model and its optimizer, set from construction until :meth:`close`."""
+        assert self.model is not None and self.optimizer is not None, "the fsdp trainer is closed"
+        return self.model, self.optimizer
 
     def close(self) -> None:
         if self._closed:
