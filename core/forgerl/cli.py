@@ -71,6 +71,7 @@ def cli(debug: bool) -> None:
     forge run --model tiny --steps 3
     forge run run.yaml --generator vllm --scheduler slurm
     forge plugins list              backends and whether they can run here
+    forge report runs/A runs/B      plots of runs, overlaid, as one HTML page
     """
     _State.debug = _State.debug or debug
 
@@ -341,6 +342,27 @@ def cancel(job: str, scheduler_name: str | None) -> None:
     scheduler, job_id, _ = _job_scheduler(job, scheduler_name)
     scheduler.cancel(job_id)
     click.echo(f"cancelled {job_id}")
+
+
+# --------------------------------------------------------------------------- report
+
+
+@cli.command()
+@click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
+@click.option("--output", "-o", type=click.Path(), help="File to write (default RUN_DIR/report.html for one run, "
+              "./report.html for several); with --format png, a folder.")
+@click.option("--format", "fmt", type=click.Choice(["html", "png"]), default="html", show_default=True,
+              help="One self-contained HTML page, or one PNG per plot.")
+@click.option("--label", "labels", multiple=True, help="Name of each run in the plots, in order (default: "
+              "the directory's name).")
+def report(run_dirs: tuple[str, ...], output: str | None, fmt: str, labels: tuple[str, ...]) -> None:
+    """Plot runs (finished, failed or still going): reward, accuracy, lengths, staleness,
+    logprob gap, entropy, grad norm and time per step, against step and wall time; several
+    runs are overlaid, with a table of their config differences."""
+    from forgerl.report import build_report
+
+    for path in build_report(list(run_dirs), output, fmt, list(labels)):
+        click.echo(str(path))
 
 
 # ------------------------------------------------------------------------------ main

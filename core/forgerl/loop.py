@@ -246,6 +246,9 @@ class Loop:
         eps = rollouts.episodes
         row: dict[str, Any] = {
             "step": self.step,
+            # Wall-clock time (Unix seconds) of the step's end: `forge report` plots
+            # against it, and a resumed run's gap shows as one.
+            "time/wall": time.time(),
             "policy_version": self.policy_version,
             "reward/mean": _mean(e.reward for e in eps),
             "reward/failed": rollouts.rewards_failed,
