@@ -112,7 +112,8 @@ def _flags(kwargs: dict[str, Any]) -> dict[str, Any]:
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), help="Continue the run in this directory.")
 @click.option("--dry-run", is_flag=True, help="Print what would be started or submitted; start nothing.")
 @click.option("--wait/--no-wait", default=None, help="Follow a submitted job to its end (default for local runs).")
-def run(config_file, sets, resume_dir, dry_run, wait, **kwargs) -> None:
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines or bar (the summary is still printed).")
+def run(config_file, sets, resume_dir, dry_run, wait, quiet, **kwargs) -> None:
     """Run (or submit) a post-training run."""
     from forgerl import api, runs
     from forgerl.config import build_config, read_yaml
@@ -133,8 +134,11 @@ def run(config_file, sets, resume_dir, dry_run, wait, **kwargs) -> None:
         click.echo(f"# scheduler: {plan.config.scheduler.name}")
         click.echo(plan.render())
         return
-    from forgerl.progress import follow_run
+    from forgerl.events import events_size
+    from forgerl.progress import follow_run, job_text
 
+    progress = plan.config.logging.progress and not quiet
+    events_from = events_size(plan.run_dir)
     handle = plan.scheduler.submit(plan.job)
     runs.write_submission(plan.run_dir, handle)
     if plan.scheduler.detached and not wait:
@@ -142,7 +146,11 @@ def run(config_file, sets, resume_dir, dry_run, wait, **kwargs) -> None:
         click.echo(f"follow it with `forge status {plan.run_dir}` and `forge logs {plan.run_dir}`")
         return
     click.echo(f"run directory: {plan.run_dir}", err=True)
-    status = follow_run(plan.scheduler, handle, plan.run_dir, plan.config, progress=plan.config.logging.progress)
+    if progress:
+        click.echo(f"forge: started {job_text(plan.job)} with the {plan.config.scheduler.name} scheduler; "
+                   f"logs in {plan.run_dir / 'logs'}", err=True)
+    status = follow_run(plan.scheduler, handle, plan.run_dir, plan.config, progress=progress,
+                        events_from=events_from)
     sys.exit(0 if status.exit_code in (0, None) and status.state.value == "completed" else (status.exit_code or 1))
 
 

@@ -166,7 +166,11 @@ class CheckpointConfig(_Strict):
 
 class LoggingConfig(_Strict):
     level: Literal["debug", "info", "warning", "error"] = "info"
-    progress: bool = Field(True, description="Live progress bar on the terminal.")
+    progress: bool = Field(
+        True,
+        description="Progress on stderr from the start: a step bar in a terminal, one line per event and "
+        "step otherwise (`forge run --quiet` turns it off).",
+    )
     tensorboard: bool = Field(True, description="Write TensorBoard events when tensorboard is installed.")
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from forgerl import checkpoint as ckpt
-from forgerl import runs
+from forgerl import events, runs
 from forgerl.batching import prepare_batch
 from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.config import RunConfig
@@ -170,10 +170,14 @@ class Loop:
         try:
             if self.step < steps:
                 if cfg.loop.eval_at_start and self.step == 0 and self.eval_start is None:
-                    row = self.evaluate()
+                    with events.phase("evaluating the base model on the held-out problems", stage="eval",
+                                      key=f"eval:{cfg.generator.name}:{cfg.model.name}", run_dir=self.run_dir):
+                        row = self.evaluate()
                     self.eval_start = row["eval/accuracy"]
                     self.eval_last = self.eval_start
                 producer.start()
+                events.announce(f"training: steps {self.step + 1} to {steps}", stage="loop", state="start",
+                                run_dir=self.run_dir, step=self.step, steps=steps)
             while self.step < steps:
                 if self.stop_requested.is_set():
                     raise Interrupted()
