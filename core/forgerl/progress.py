@@ -194,9 +194,10 @@ class RunFollower(threading.Thread):
             return
         from tqdm import tqdm
 
-        self.bar = tqdm(total=self.total, initial=step, unit="step", file=self.out, dynamic_ncols=True,
-                        desc="forge", bar_format="{desc} {percentage:3.0f}%|{bar}| {postfix}")
-        self.bar.set_postfix_str(f"step {step}/{self.total}")
+        # The text is tqdm's desc, not its postfix (which tqdm prefixes with ", ").
+        self.bar = tqdm(total=self.total, initial=step, unit="step", file=self.out,
+                        bar_format="forge {percentage:3.0f}%|{bar:20}| {desc}")
+        self.bar.set_description_str(f"step {step}/{self.total}")
 
     def _row(self, row: dict[str, Any]) -> None:
         self.recent = [*self.recent[-10:], row]
@@ -206,7 +207,7 @@ class RunFollower(threading.Thread):
         if self.mode == "bar":
             self._open_bar(row["step"] - 1)
             self.bar.n = min(int(row["step"]), self.total)
-            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.set_description_str(text, refresh=False)
             self.bar.refresh()
         else:
             self.say(text)
