@@ -130,7 +130,6 @@ class Loop:
         metrics = MetricsWriter(
             self.run_dir,
             hooks=self.registry.hooks,
-            tensorboard=cfg.logging.tensorboard,
             resume_step=self.step if resume_from is not None else None,
         )
         self.registry.hooks.run_start(config=cfg, run_dir=self.run_dir)

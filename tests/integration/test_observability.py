@@ -18,10 +18,20 @@ STEPS = 3
 RUN = [*SMALL, "--steps", str(STEPS), "--set", "loop.eval_every=2"]
 
 
+def tracker_env() -> dict[str, str]:
+    """The tracker plugins load through entry points; an environment installed before they
+    existed (`make setup` re-installs when pyproject.toml changes) gets them by import path."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="forgerl")}
+    missing = [f"forgerl_plugins.trackers.{n}" for n in ("tensorboard",) if n not in names]
+    return {"FORGE_PLUGINS": ",".join(missing)} if missing else {}
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("observed") / "run"
-    proc = forge("run", *RUN, "--output", str(out))
+    proc = forge("run", *RUN, "--output", str(out), env=tracker_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stderr
 
@@ -74,3 +84,22 @@ def test_report_of_the_run_plots_its_metrics(tiny_run, tmp_path):
         assert plotted["step"] == [r["step"] for r in expected], key
         assert plotted["value"] == [r[key] for r in expected], key
     assert run["eval_accuracy_start"] == json.loads((run_dir / "summary.json").read_text())["eval_accuracy_start"]
+
+
+def test_tensorboard_by_default_or_a_note_why_not(tiny_run):
+    run_dir, stderr = tiny_run
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        assert "tensorboard: skipped: tensorboard is not installed (pip install 'forgerl[tensorboard]'" in stderr
+        assert not (run_dir / "tensorboard").exists()
+        return
+    assert f"tensorboard: writing {run_dir / 'tensorboard'}" in stderr
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    rows = metrics(run_dir)
+    for key in ("reward/mean", "grad_norm", "eval/accuracy"):
+        points = [(e.step, e.value) for e in acc.Scalars(key)]
+        expected = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        assert [p[0] for p in points] == [e[0] for e in expected], key
+        assert [p[1] for p in points] == pytest.approx([e[1] for e in expected], rel=1e-6), key
