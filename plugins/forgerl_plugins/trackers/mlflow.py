@@ -61,11 +61,12 @@ class MLflow(Tracker):
         experiment = client.get_experiment_by_name(options.experiment)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(options.experiment)
         # A resumed run continues its MLflow run: found by the run directory's tag.
-        found = client.search_runs([experiment_id], filter_string=f"tags.forge_run_dir = '{run_dir.resolve()}'")
+        tag = str(run_dir.resolve())
+        found = client.search_runs([experiment_id], filter_string=f"tags.`forgerl.run_dir` = '{tag}'")
         if found:
             return _Run(client, found[0].info.run_id, uri)
         run = client.create_run(experiment_id, tags={"mlflow.runName": run_dir.name,
-                                                     "forge_run_dir": str(run_dir.resolve())})
+                                                     "forgerl.run_dir": tag})
         from mlflow.entities import Param
 
         params = [Param(k, v[:MAX_PARAM_CHARS]) for k, v in flat_params(json.loads(config.model_dump_json())).items()]

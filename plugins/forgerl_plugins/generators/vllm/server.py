@@ -268,7 +268,8 @@ def launch(run_dir: Path, replica: int) -> int:
     endpoint = endpoint_file(run_dir, replica)
     # A file left by the previous instance of this replica points at a dead server.
     endpoint.unlink(missing_ok=True)
-    with events.phase(f"vLLM replica {replica}: preparing model {config.model.name}", stage="model",
+    # Events say who they come from (vllm-<replica>): the messages need not.
+    with events.phase(f"preparing model {config.model.name}", stage="model",
                       key=f"model:{config.model.name}", run_dir=run_dir):
         model_dir = resolve_model(config.model, build_registry())
     api_key = secrets.token_urlsafe(24)
@@ -288,7 +289,7 @@ def launch(run_dir: Path, replica: int) -> int:
     signal.signal(signal.SIGINT, forward)
 
     starting = events.phase(
-        f"vLLM replica {replica}: starting the server", detail="loading the model, then one first request",
+        "starting the vLLM server", detail="loading the model, then one first request",
         stage="server", key=f"vllm-start:{config.model.name}:{'cpu' if is_cpu_build() else 'gpu'}",
         run_dir=run_dir, log=log_file(run_dir, replica),
     )
@@ -405,7 +406,7 @@ def _failed(endpoint: Path, why: str) -> int:
     write_endpoint(endpoint, {"error": why, "launcher_pid": os.getpid(), "time": time.time()})
     run_dir = endpoint.parent.parent
     replica = endpoint.stem.rsplit("-", 1)[-1]
-    events.announce(f"vLLM replica {replica}: {why}", stage="server", state="failed", run_dir=run_dir,
+    events.announce(why, stage="server", state="failed", run_dir=run_dir,
                     log=log_file(run_dir, int(replica)) if replica.isdigit() else None)
     return 1
 
