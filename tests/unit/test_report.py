@@ -17,7 +17,7 @@ import pytest
 
 from forgerl.report import build_report, load_runs
 from forgerl.report.data import config_differences, read_rows, series, wall_seconds
-from forgerl.report.panels import PANELS, all_series, draw
+from forgerl.report.panels import PANELS, all_series, draw, overview
 from forgerl.report.render import DATA_ID
 
 from .test_cli import assert_one_line_error, forge
@@ -96,6 +96,23 @@ def test_the_lines_drawn_are_the_series():
     assert list(line.get_xdata()) == pytest.approx(wall_seconds(rows)[0])
 
 
+def test_the_overview_draws_the_same_series_for_every_run(tmp_path):
+    a, b = copy_run(tmp_path, "a"), copy_run(tmp_path, "b")
+    runs_ = load_runs([str(a), str(b)])
+    fig = overview(runs_, all_series(runs_))
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible()]
+    assert titles == ["Reward", "Held-out accuracy", "Completion length", "Entropy", "Gradient norm",
+                      "Where a step's time goes"]
+    rows = rows_of(FIXTURE)
+    entropy = fig.axes[3]
+    for index in (0, 1):
+        (line,) = [ln for ln in entropy.get_lines() if ln.get_gid() == f"{index}:entropy"]
+        assert list(line.get_ydata()) == [r["entropy"] for r in rows]
+    # Several runs: the step time is one line per run (stacked areas would hide each other).
+    (line,) = [ln for ln in fig.axes[5].get_lines() if ln.get_gid() == "1:time/step"]
+    assert list(line.get_ydata()) == [r["time/step"] for r in rows]
+
+
 def test_html_report_is_self_contained_and_keeps_the_series(tmp_path):
     out = tmp_path / "r.html"
     (written,) = build_report([str(FIXTURE)], out)
@@ -103,7 +120,7 @@ def test_html_report_is_self_contained_and_keeps_the_series(tmp_path):
     text = out.read_text()
     assert "<img" in text and 'src="http' not in text and "<link" not in text
     images = re.findall(r'src="data:image/png;base64,([^"]+)"', text)
-    assert len(images) >= 12
+    assert len(images) >= 13 and 'id="overview"' in text
     assert all(base64.b64decode(i).startswith(b"\x89PNG") for i in images)
     data = embedded_data(text)
     (run,) = data["runs"]
@@ -173,7 +190,7 @@ def test_config_differences():
 def test_png_format_writes_one_image_per_panel(tmp_path):
     written = build_report([str(FIXTURE)], tmp_path / "pngs", fmt="png")
     names = {p.name for p in written}
-    assert {"reward.png", "accuracy.png", "time.png", "grad_norm.png"} <= names
+    assert {"overview.png", "reward.png", "accuracy.png", "time.png", "grad_norm.png"} <= names
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
 
 

@@ -161,6 +161,46 @@ def _stack(ax, run_series: list[Series], x_of) -> None:
     ax.stackplot(x, ys, labels=[s.key for s in present], alpha=0.85)
 
 
+#: The plots of the overview picture (one grid, against step): what a first look needs.
+OVERVIEW = ("reward", "accuracy", "completion_length", "entropy", "grad_norm", "time")
+
+
+def overview(runs_: list[RunData], per_panel: dict[str, list[list[Series]]]) -> Any:
+    """One figure with the main plots against step, runs overlaid; the step time as one
+    stacked area for a single run, as a line of ``time/step`` per run for several."""
+    from matplotlib.figure import Figure
+
+    ids = [pid for pid in OVERVIEW if pid in per_panel]
+    cols = 3
+    rows = max(1, -(-len(ids) // cols))
+    fig = Figure(figsize=(13, 3.4 * rows), layout="constrained")
+    axes = fig.subplots(rows, cols, squeeze=False)
+    by_id = {p.id: p for p in PANELS}
+    several = len(runs_) > 1
+    for ax, pid in zip(axes.flat, ids):
+        panel = by_id[pid]
+        for r, (run, run_series) in enumerate(zip(runs_, per_panel[pid])):
+            if panel.stacked and not several:
+                _stack(ax, run_series, lambda s: s.steps)
+            elif panel.stacked:
+                _lines(ax, run, r, f"C{r % 10}", [series(run, "time/step")], lambda s: s.steps, several_runs=True)
+            else:
+                _lines(ax, run, r, f"C{r % 10}", run_series, lambda s: s.steps, several_runs=several)
+                if pid == "accuracy":
+                    _start_accuracy(ax, run, f"C{r % 10}")
+        ax.set_title(panel.title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel(panel.ylabel, fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
+    for ax in list(axes.flat)[len(ids):]:
+        ax.set_visible(False)
+    fig.suptitle("forge report: " + ", ".join(r.label for r in runs_), fontsize=11)
+    return fig
+
+
 def figure_png(fig: Any, dpi: int = 90) -> bytes:
     from io import BytesIO
 

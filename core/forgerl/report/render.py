@@ -12,7 +12,7 @@ from typing import Any
 
 from forgerl.errors import UserError
 from forgerl.report.data import RunData, config_differences, default_config
-from forgerl.report.panels import PANELS, Series, draw, figure_png
+from forgerl.report.panels import PANELS, Series, draw, figure_png, overview
 
 DATA_ID = "forge-report-data"
 
@@ -52,7 +52,10 @@ def _write(path: Path, data: bytes | str) -> None:
 def write_pngs(runs_: list[RunData], per_panel: dict[str, list[list[Series]]], folder: Path) -> list[Path]:
     if folder.exists() and not folder.is_dir():
         raise UserError(f"--output {str(folder)!r} is a file: with --format png, give a folder for the images")
-    written = []
+    _ensure_parent(folder / "overview.png")
+    overview_path = folder / "overview.png"
+    _write(overview_path, figure_png(overview(runs_, per_panel), dpi=110))
+    written = [overview_path]
     for panel in PANELS:
         if panel.id not in per_panel:
             continue
@@ -81,6 +84,9 @@ def page(runs_: list[RunData], per_panel: dict[str, list[list[Series]]]) -> str:
         _runs_table(runs_), _config_table(runs_),
     ]
     missing = [p.title for p in PANELS if p.id not in per_panel]
+    png = figure_png(overview(runs_, per_panel))
+    parts.append(f'<section id="overview"><img alt="overview" src="data:image/png;base64,{base64.b64encode(png).decode()}">'
+                 "</section>")
     for panel in PANELS:
         if panel.id not in per_panel:
             continue
