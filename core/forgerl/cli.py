@@ -147,7 +147,8 @@ def run(config_file, sets, resume_dir, dry_run, wait, quiet, **kwargs) -> None:
         return
     click.echo(f"run directory: {plan.run_dir}", err=True)
     if progress:
-        click.echo(f"forge: started {job_text(plan.job)} with the {plan.config.scheduler.name} scheduler; "
+        verb = "submitted" if plan.scheduler.detached else "started"
+        click.echo(f"forge: {verb} {job_text(plan.job)} with the {plan.config.scheduler.name} scheduler; "
                    f"logs in {plan.run_dir / 'logs'}", err=True)
     status = follow_run(plan.scheduler, handle, plan.run_dir, plan.config, progress=progress,
                         events_from=events_from)
