@@ -155,3 +155,21 @@ def test_a_failing_tracker_does_not_stop_the_run(tmp_path, monkeypatch):
     assert len(writes) == 1  # the first write failed; the tracker wrote no more
     notes = [e["message"] for e in events(tmp_path) if e["stage"] == "tracker"]
     assert notes[-1].startswith("tensorboard: skipped: stopped after a failed write at step 1: OSError")
+
+
+def test_trackers_are_registered_plugins_whose_modules_stay_light():
+    """Each tracker is an entry point of forgerl's own distribution, and importing it (as
+    `forge plugins list` does) loads none of the tracker libraries."""
+    import re
+    import subprocess
+    import sys
+
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    section = pyproject.split("[project.entry-points.forgerl]", 1)[1].split("\n[", 1)[0]
+    declared = dict(re.findall(r'^(\w+) = "([\w.]+)"', section, flags=re.M))
+    for name, module in TRACKERS.items():
+        assert declared.get(name) == module, (name, declared)
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in TRACKERS.values())
+            + "print(sorted(m for m in ('torch', 'pydantic', 'wandb', 'mlflow', 'tensorboard') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
