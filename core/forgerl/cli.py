@@ -359,7 +359,7 @@ def cancel(job: str, scheduler_name: str | None) -> None:
 @cli.command()
 @click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
 @click.option("--output", "-o", type=click.Path(), help="File to write (default RUN_DIR/report.html for one run, "
-              "./report.html for several); with --format png, a folder.")
+              "./report.html for several); with --format png, a folder, or NAME.png for the overview alone.")
 @click.option("--format", "fmt", type=click.Choice(["html", "png"]), default="html", show_default=True,
               help="One self-contained HTML page, or one PNG per plot.")
 @click.option("--label", "labels", multiple=True, help="Name of each run in the plots, in order (default: "

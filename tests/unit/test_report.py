@@ -192,6 +192,10 @@ def test_png_format_writes_one_image_per_panel(tmp_path):
     names = {p.name for p in written}
     assert {"overview.png", "reward.png", "accuracy.png", "time.png", "grad_norm.png"} <= names
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)
+    # A .png name: the overview alone.
+    (single,) = build_report([str(FIXTURE)], tmp_path / "pics" / "demo.png", fmt="png")
+    assert single == tmp_path / "pics" / "demo.png" and single.read_bytes().startswith(b"\x89PNG")
+    assert [p.name for p in (tmp_path / "pics").iterdir()] == ["demo.png"]
 
 
 def test_cli_report_and_its_user_errors(tmp_path):

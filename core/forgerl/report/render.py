@@ -50,8 +50,15 @@ def _write(path: Path, data: bytes | str) -> None:
 
 
 def write_pngs(runs_: list[RunData], per_panel: dict[str, list[list[Series]]], folder: Path) -> list[Path]:
+    """Every plot into ``folder``; an output named ``*.png`` gets the overview alone (a
+    picture for a README or a chat)."""
+    if folder.suffix.lower() == ".png" and not folder.is_dir():
+        _ensure_parent(folder)
+        _write(folder, figure_png(overview(runs_, per_panel), dpi=110))
+        return [folder]
     if folder.exists() and not folder.is_dir():
-        raise UserError(f"--output {str(folder)!r} is a file: with --format png, give a folder for the images")
+        raise UserError(f"--output {str(folder)!r} is a file: with --format png, give a folder for the images "
+                        "(or a name ending in .png for the overview alone)")
     _ensure_parent(folder / "overview.png")
     overview_path = folder / "overview.png"
     _write(overview_path, figure_png(overview(runs_, per_panel), dpi=110))
