@@ -94,13 +94,11 @@ def load_run(path: str | Path, label: str | None = None) -> RunData:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        import yaml
+    import yaml
 
+    try:
         loaded = yaml.safe_load(path.read_text())
-    except (OSError, ValueError, ImportError):
-        return {}
-    except Exception:  # noqa: BLE001 - a malformed config.yaml only loses the config table
+    except (OSError, ValueError, yaml.YAMLError):  # missing or malformed: only the config table is lost
         return {}
     return loaded if isinstance(loaded, dict) else {}
 
