@@ -120,6 +120,8 @@ def draw(panel: Panel, runs_: list[RunData], per_run: list[list[Series]]) -> Any
                     _start_accuracy(ax, run, colors[r])
                 ax.set_title(panel.title, fontsize=10)
             ax.set_xlabel(xlabel if col == 0 else _short(xlabel), fontsize=8)
+            if col == 0:
+                _integer_steps(ax)
             ax.set_ylabel(panel.ylabel, fontsize=8)
             ax.grid(alpha=0.3)
             ax.tick_params(labelsize=8)
@@ -145,9 +147,21 @@ def _lines(ax, run: RunData, index: int, color: str, run_series: list[Series], x
 
 
 def _start_accuracy(ax, run: RunData, color: str) -> None:
+    """The evaluation before training (summary.json, not a metrics row) as a hollow marker
+    at step 0, joined to the first measurement by a dotted line."""
     start = (run.summary or {}).get("eval_accuracy_start")
-    if isinstance(start, (int, float)):
-        ax.plot([0], [start], "o", color=color, fillstyle="none", markersize=6)
+    if not isinstance(start, (int, float)):
+        return
+    ax.plot([0], [start], "o", color=color, fillstyle="none", markersize=6)
+    first = series(run, "eval/accuracy")
+    if first.values:
+        ax.plot([0, first.steps[0]], [start, first.values[0]], ":", color=color, linewidth=1)
+
+
+def _integer_steps(ax) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def _stack(ax, run_series: list[Series], x_of) -> None:
@@ -190,6 +204,7 @@ def overview(runs_: list[RunData], per_panel: dict[str, list[list[Series]]]) -> 
                     _start_accuracy(ax, run, f"C{r % 10}")
         ax.set_title(panel.title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
+        _integer_steps(ax)
         ax.set_ylabel(panel.ylabel, fontsize=8)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=8)
