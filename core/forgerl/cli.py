@@ -80,6 +80,7 @@ def cli(debug: bool) -> None:
     forge run --model tiny --steps 3
     forge run run.yaml --generator vllm --scheduler slurm
     forge plugins list              backends and whether they can run here
+    forge report runs/A runs/B      plots of runs, overlaid, as one HTML page
     """
     _State.debug = _State.debug or debug
 
@@ -117,12 +118,14 @@ def _flags(kwargs: dict[str, Any]) -> dict[str, Any]:
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), help="Continue the run in this directory.")
 @click.option("--dry-run", is_flag=True, help="Print what would be started or submitted; start nothing.")
 @click.option("--wait/--no-wait", default=None, help="Follow a submitted job to its end (default for local runs).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines or bar (the summary is still printed).")
 def run(
     config_file: str | None,
     sets: tuple[str, ...],
     resume_dir: str | None,
     dry_run: bool,
     wait: bool | None,
+    quiet: bool,
     **kwargs: Any,
 ) -> None:
     """Run (or submit) a post-training run."""
@@ -145,8 +148,11 @@ def run(
         click.echo(f"# scheduler: {plan.config.scheduler.name}")
         click.echo(plan.render())
         return
-    from forgerl.progress import follow_run
+    from forgerl.events import events_size
+    from forgerl.progress import follow_run, job_text
 
+    progress = plan.config.logging.progress and not quiet
+    events_from = events_size(plan.run_dir)
     handle = plan.scheduler.submit(plan.job)
     runs.write_submission(plan.run_dir, handle)
     if plan.scheduler.detached and not wait:
@@ -154,7 +160,12 @@ def run(
         click.echo(f"follow it with `forge status {plan.run_dir}` and `forge logs {plan.run_dir}`")
         return
     click.echo(f"run directory: {plan.run_dir}", err=True)
-    status = follow_run(plan.scheduler, handle, plan.run_dir, plan.config, progress=plan.config.logging.progress)
+    if progress:
+        verb = "submitted" if plan.scheduler.detached else "started"
+        click.echo(f"forge: {verb} {job_text(plan.job)} with the {plan.config.scheduler.name} scheduler; "
+                   f"logs in {plan.run_dir / 'logs'}", err=True)
+    status = follow_run(plan.scheduler, handle, plan.run_dir, plan.config, progress=progress,
+                        events_from=events_from)
     sys.exit(0 if status.exit_code in (0, None) and status.state.value == "completed" else (status.exit_code or 1))
 
 
@@ -351,6 +362,27 @@ def cancel(job: str, scheduler_name: str | None) -> None:
     scheduler, job_id, _ = _job_scheduler(job, scheduler_name)
     scheduler.cancel(job_id)
     click.echo(f"cancelled {job_id}")
+
+
+# --------------------------------------------------------------------------- report
+
+
+@cli.command()
+@click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
+@click.option("--output", "-o", type=click.Path(), help="File to write (default RUN_DIR/report.html for one run, "
+              "./report.html for several); with --format png, a folder, or NAME.png for the overview alone.")
+@click.option("--format", "fmt", type=click.Choice(["html", "png"]), default="html", show_default=True,
+              help="One self-contained HTML page, or one PNG per plot.")
+@click.option("--label", "labels", multiple=True, help="Name of each run in the plots, in order (default: "
+              "the directory's name).")
+def report(run_dirs: tuple[str, ...], output: str | None, fmt: str, labels: tuple[str, ...]) -> None:
+    """Plot runs (finished, failed or still going): reward, accuracy, lengths, staleness,
+    logprob gap, entropy, grad norm and time per step, against step and wall time; several
+    runs are overlaid, with a table of their config differences."""
+    from forgerl.report import build_report
+
+    for path in build_report(list(run_dirs), output, fmt, list(labels)):
+        click.echo(str(path))
 
 
 # ------------------------------------------------------------------------------ main

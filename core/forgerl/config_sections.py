@@ -151,10 +151,36 @@ class CheckpointConfig(_Strict):
     keep: int = Field(2, ge=1, le=1000, description="Checkpoints kept; older ones are deleted.")
 
 
+class WandbConfig(_Strict):
+    enabled: bool = Field(False, description="Send each step's metrics to Weights & Biases (needs `wandb`).")
+    project: str = Field("forgerl", min_length=1, description="The W&B project.")
+    mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline: write <run_dir>/wandb, no network (upload later with `wandb sync`); "
+        "online: upload as the run goes (after `wandb login`).",
+    )
+
+
+class MlflowConfig(_Strict):
+    enabled: bool = Field(False, description="Send each step's metrics to MLflow (needs `mlflow` or `mlflow-skinny`).")
+    tracking_uri: str | None = Field(
+        None, description="An MLflow tracking URI (a server, sqlite:///...); default a file store in <run_dir>/mlruns."
+    )
+    experiment: str = Field("forgerl", min_length=1, description="The MLflow experiment.")
+
+
 class LoggingConfig(_Strict):
     level: Literal["debug", "info", "warning", "error"] = "info"
-    progress: bool = Field(True, description="Live progress bar on the terminal.")
-    tensorboard: bool = Field(True, description="Write TensorBoard events when tensorboard is installed.")
+    progress: bool = Field(
+        True,
+        description="Progress on stderr from the start: a step bar in a terminal, one line per event and "
+        "step otherwise (`forge run --quiet` turns it off).",
+    )
+    tensorboard: bool = Field(
+        True, description="Write TensorBoard events to <run_dir>/tensorboard (skipped, with a note, without tensorboard)."
+    )
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
 
 
 def default_rewards() -> list[RewardChoice]:

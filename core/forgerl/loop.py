@@ -25,7 +25,7 @@ from types import FrameType
 from typing import Any
 
 from forgerl import checkpoint as ckpt
-from forgerl import runs
+from forgerl import events, runs
 from forgerl.batching import prepare_batch
 from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.config import RunConfig
@@ -138,7 +138,6 @@ class Loop:
         metrics = MetricsWriter(
             self.run_dir,
             hooks=self.registry.hooks,
-            tensorboard=cfg.logging.tensorboard,
             resume_step=self.step if resume_from is not None else None,
         )
         self.registry.hooks.run_start(config=cfg, run_dir=self.run_dir)
@@ -184,10 +183,14 @@ class Loop:
         try:
             if self.step < steps:
                 if cfg.loop.eval_at_start and self.step == 0 and self.eval_start is None:
-                    row = self.evaluate()
+                    with events.phase("evaluating the base model on the held-out problems", stage="eval",
+                                      key=f"eval:{cfg.generator.name}:{cfg.model.name}", run_dir=self.run_dir):
+                        row = self.evaluate()
                     self.eval_start = row["eval/accuracy"]
                     self.eval_last = self.eval_start
                 producer.start()
+                events.announce(f"training: steps {self.step + 1} to {steps}", stage="loop", state="start",
+                                run_dir=self.run_dir, step=self.step, steps=steps)
             while self.step < steps:
                 if self.stop_requested.is_set():
                     raise Interrupted()
@@ -265,6 +268,9 @@ class Loop:
         eps = rollouts.episodes
         row: dict[str, Any] = {
             "step": self.step,
+            # Wall-clock time (Unix seconds) of the step's end: `forge report` plots
+            # against it, and a resumed run's gap shows as one.
+            "time/wall": time.time(),
             "policy_version": self.policy_version,
             "reward/mean": _mean(e.reward for e in eps),
             "reward/failed": rollouts.rewards_failed,
