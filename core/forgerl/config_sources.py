@@ -136,7 +136,7 @@ def _describe(value: Any) -> str:
     return f"{type(value).__name__} {text if len(text) <= 60 else text[:57] + '...'}"
 
 
-def _index(node: list, part: str, path: list[str]) -> int:
+def _index(node: list[Any], part: str, path: list[str]) -> int:
     if not part.isdigit() or int(part) >= len(node):
         raise ConfigError(f"--set {'.'.join(path)}: {part!r} is not an index of a list of {len(node)}")
     return int(part)

@@ -90,7 +90,7 @@ def step_text(rows: list[dict[str, Any]], total: int, accuracy: float | None) ->
 
 
 def seconds_per_step(rows: list[dict[str, Any]]) -> float | None:
-    walls = [(r["step"], r.get("time/wall")) for r in rows if isinstance(r.get("time/wall"), (int, float))]
+    walls = [(r["step"], r["time/wall"]) for r in rows if isinstance(r.get("time/wall"), (int, float))]
     if len(walls) >= 2 and walls[-1][0] > walls[0][0]:
         return (walls[-1][1] - walls[0][1]) / (walls[-1][0] - walls[0][0])
     last = rows[-1].get("time/step") if rows else None

@@ -47,7 +47,7 @@ class WorkerSlot:
     def __init__(self, pool: RewardWorkerPool, number: int):
         self.pool = pool
         self.number = number
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self.conn: Connection | None = None
         self.ready = False
         self.busy = False
@@ -81,7 +81,7 @@ class WorkerSlot:
             if pool.broken:
                 return failed(f"reward workers cannot start: {pool.broken}")
             try:
-                self._wait_ready()
+                conn = self._wait_ready()
             except WorkerStartError as exc:
                 return failed(f"reward worker could not start: {exc}")
             with self._lock:
@@ -90,7 +90,7 @@ class WorkerSlot:
                 self.busy = True
             try:
                 try:
-                    self.conn.send((job.index, job.sample))
+                    conn.send((job.index, job.sample))
                 except (OSError, EOFError):
                     self._discard(kill=True)
                     if attempt == 2:
@@ -98,17 +98,17 @@ class WorkerSlot:
                     continue
                 except Exception as exc:  # noqa: BLE001 - the sample itself cannot be pickled
                     return failed(f"could not send the sample to a reward worker: {type(exc).__name__}: {exc}")
-                return self._answer()
+                return self._answer(conn)
             finally:
                 with self._lock:
                     self.busy = False
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _answer(self) -> Outcome:
+    def _answer(self, conn: Connection) -> Outcome:
         pool = self.pool
         try:
-            if self.conn.poll(pool.timeout):
-                outcome = self.conn.recv()
+            if conn.poll(pool.timeout):
+                outcome = conn.recv()
                 return outcome
         except (OSError, EOFError):
             status = self._discard(kill=True)
@@ -153,20 +153,23 @@ class WorkerSlot:
         except OSError:
             pass  # it died at once; _wait_ready reports how
 
-    def _wait_ready(self) -> None:
-        if self.ready:
-            return
-        if self.proc is None:
+    def _wait_ready(self) -> Connection:
+        """The connection to this slot's worker once it reported ready, started first if
+        there is none. Only this slot's thread sets or clears ``proc`` and ``conn``, together."""
+        if self.proc is None or self.conn is None:
             self._spawn()
-            if self.proc is None:
-                raise WorkerStartError(self.pool.broken or "the worker process could not be started")
+        conn = self.conn
+        if self.proc is None or conn is None:
+            raise WorkerStartError(self.pool.broken or "the worker process could not be started")
+        if self.ready:
+            return conn
         try:
-            if not self.conn.poll(self.pool.start_timeout):
+            if not conn.poll(self.pool.start_timeout):
                 self._discard(kill=True)
                 why = f"not ready within {self.pool.start_timeout:g}s"
                 self.pool._startfailed(why)
                 raise WorkerStartError(why)
-            kind, detail = self.conn.recv()
+            kind, detail = conn.recv()
         except (OSError, EOFError):
             status = self._discard(kill=True)
             why = f"it exited while starting ({describe_status(status)})"
@@ -181,6 +184,7 @@ class WorkerSlot:
         if self.killed_at is not None:
             self.pool.replacement_seconds.append(time.monotonic() - self.killed_at)
             self.killed_at = None
+        return conn
 
     def _discard(self, *, kill: bool) -> int | None:
         """Forget the current worker (SIGKILLed first when ``kill``); its exit status."""

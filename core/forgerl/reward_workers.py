@@ -44,7 +44,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from forgerl.reward_slots import Job, Outcome, WorkerSlot, failed
+from forgerl.reward_slots import Job, WorkerSlot, failed
+from forgerl.reward_slots import Outcome as Outcome  # re-exported: what the pool's futures complete with
 
 log = logging.getLogger("forgerl.rewards")
 

@@ -159,7 +159,7 @@ def run_worker(run_dir: Path) -> int:
     return 143 if summary["status"] == "interrupted" else 0
 
 
-def _phase(rank: int, run_dir: Path, message: str, **kw: Any) -> contextlib.AbstractContextManager:
+def _phase(rank: int, run_dir: Path, message: str, **kw: Any) -> contextlib.AbstractContextManager[object]:
     """A progress event (:mod:`forgerl.events`) from rank 0; every rank does the work."""
     from forgerl import events
 

@@ -18,11 +18,11 @@ __all__ = ["NotARun", "RunData", "build_report", "load_runs"]
 def load_runs(run_dirs: list[str], labels: list[str] | None = None) -> list[RunData]:
     from forgerl.errors import UserError
 
-    labels = list(labels or [])
-    if len(labels) > len(run_dirs):
-        raise UserError(f"{len(labels)} --label for {len(run_dirs)} run directories: give at most one per run")
-    labels += [None] * (len(run_dirs) - len(labels))
-    runs_ = [load_run(d, label) for d, label in zip(run_dirs, labels)]
+    given: list[str | None] = list(labels or [])
+    if len(given) > len(run_dirs):
+        raise UserError(f"{len(given)} --label for {len(run_dirs)} run directories: give at most one per run")
+    given += [None] * (len(run_dirs) - len(given))
+    runs_ = [load_run(d, label) for d, label in zip(run_dirs, given)]
     seen: dict[str, int] = {}
     for run in runs_:  # two runs named alike (a/run, b/run) must still be told apart
         seen[run.label] = seen.get(run.label, 0) + 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -121,13 +122,13 @@ def number(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def wall_seconds(rows: list[dict[str, Any]]) -> tuple[list[float | None], str]:
+def wall_seconds(rows: list[dict[str, Any]]) -> tuple[list[float], str]:
     """Seconds since the first step began, per row, and what they are. Rows carry
     ``time/wall`` (the end of the step); the first step began ``time/step`` before its end.
     Runs written before ``time/wall`` existed fall back to the running sum of ``time/step``
     (which leaves out evaluation and checkpoints)."""
-    walls = [number(r.get("time/wall")) for r in rows]
-    if rows and all(w is not None for w in walls):
+    walls = [w for w in (number(r.get("time/wall")) for r in rows) if w is not None]
+    if rows and len(walls) == len(rows):
         start = walls[0] - (number(rows[0].get("time/step")) or 0.0)
         return [w - start for w in walls], "wall-clock seconds since the first step began"
     total, out = 0.0, []
@@ -171,6 +172,7 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
     """``{"loop": {"steps": 3}}`` -> ``{"loop.steps": 3}``; lists by index, as ``--set``
     names them (``rewards.0.name``)."""
     out: dict[str, Any] = {}
+    items: Iterable[tuple[Any, Any]]
     if isinstance(config, dict):
         items = config.items()
     elif isinstance(config, list):

@@ -8,10 +8,17 @@ the module can draw from any thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from forgerl.report.data import RunData, Series, keys_present, series, wall_seconds
+
+if TYPE_CHECKING:  # pragma: no cover
+    from matplotlib.axes import Axes
+
+#: The x coordinates a plot draws a series against: its steps or its wall times.
+XOf: TypeAlias = Callable[[Series], list[float]]
 
 
 @dataclass(frozen=True)
@@ -135,7 +142,9 @@ def _short(label: str) -> str:
     return "seconds since the first step began" if label.startswith("wall-clock") else "seconds (sum of time/step)"
 
 
-def _lines(ax, run: RunData, index: int, color: str, run_series: list[Series], x_of, several_runs: bool) -> None:
+def _lines(
+    ax: Axes, run: RunData, index: int, color: str, run_series: list[Series], x_of: XOf, several_runs: bool
+) -> None:
     for j, s in enumerate(run_series):
         if not s.values:
             continue
@@ -146,7 +155,7 @@ def _lines(ax, run: RunData, index: int, color: str, run_series: list[Series], x
                 marker="o" if few else None, markersize=3, gid=f"{index}:{s.key}")
 
 
-def _start_accuracy(ax, run: RunData, color: str) -> None:
+def _start_accuracy(ax: Axes, run: RunData, color: str) -> None:
     """The evaluation before training (summary.json, not a metrics row) as a hollow marker
     at step 0, joined to the first measurement by a dotted line."""
     start = (run.summary or {}).get("eval_accuracy_start")
@@ -158,13 +167,13 @@ def _start_accuracy(ax, run: RunData, color: str) -> None:
         ax.plot([0, first.steps[0]], [start, first.values[0]], ":", color=color, linewidth=1)
 
 
-def _integer_steps(ax) -> None:
+def _integer_steps(ax: Axes) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
-def _stack(ax, run_series: list[Series], x_of) -> None:
+def _stack(ax: Axes, run_series: list[Series], x_of: XOf) -> None:
     present = [s for s in run_series if s.values]
     if not present:
         return

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from forgerl.errors import UserError
-from forgerl.report.data import RunData, config_differences, default_config
-from forgerl.report.panels import PANELS, Series, draw, figure_png, overview
+from forgerl.report.data import RunData, Series, config_differences, default_config
+from forgerl.report.panels import PANELS, draw, figure_png, overview
 
 DATA_ID = "forge-report-data"
 

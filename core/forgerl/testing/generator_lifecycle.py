@@ -8,7 +8,7 @@ anyway (the vllm generator reloads the model folder into them)."""
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 
@@ -29,9 +29,9 @@ if TYPE_CHECKING:  # pragma: no cover
 class LifecycleChecks:
     """Weight updates and close (see the module's docstring)."""
 
-    logprob_atol: float
-    update_timeout_s: float
-    cleanup_wait_s: float
+    logprob_atol: ClassVar[float]
+    update_timeout_s: ClassVar[float]
+    cleanup_wait_s: ClassVar[float]
 
     if TYPE_CHECKING:  # provided by GeneratorContract
 

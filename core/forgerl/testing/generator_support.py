@@ -45,6 +45,7 @@ def tiny_model(cache_dir: Path, options: Mapping[str, Any], plugins: Sequence[st
     model = AutoModelForCausalLM.from_pretrained(built, dtype=torch.float32)
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
+        assert isinstance(emb, torch.Tensor), f"the tiny model's input embeddings have no weight tensor: {emb!r}"
         emb.mul_(0.1 / emb.std())
     out = cache_dir / f"{built.name}-varied"
     model.save_pretrained(out)
@@ -123,7 +124,8 @@ class GeneratorSite:
         from transformers import AutoModelForCausalLM
 
         if self._reference is None:
-            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+            model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+            model.eval()  # type: ignore[no-untyped-call]  # transformers' PreTrainedModel.eval is unannotated
             self._reference = (model, {k: v.clone() for k, v in model.state_dict().items()})
         model, base = self._reference
         model.load_state_dict(base if weights is None else weights)

@@ -40,7 +40,7 @@ import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
 import pytest
 
@@ -59,6 +59,9 @@ from forgerl.testing.timing import hard_limit, scaled, wait_until
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import Scheduler
     from forgerl.types import JobHandle, JobSpec, JobStatus
+
+#: (scheduler, job id, run directory) of every job a test submitted (the ``jobs`` fixture).
+SubmittedJobs: TypeAlias = "list[tuple[Scheduler, str, Path]]"
 
 
 class SchedulerContract:
@@ -120,10 +123,10 @@ class SchedulerContract:
         return scheduler
 
     @pytest.fixture
-    def jobs(self) -> Iterator[list[tuple[Any, str, Path]]]:
+    def jobs(self) -> Iterator[SubmittedJobs]:
         """(scheduler, job id, run directory) of every job a test submits: cancelled at
         teardown whatever happened, and whatever its roles left running killed."""
-        submitted: list[tuple[Any, str, Path]] = []
+        submitted: SubmittedJobs = []
         yield submitted
         self.clean_up(submitted)
 
@@ -134,7 +137,7 @@ class SchedulerContract:
         record = backend_under_test("scheduler", self.backend, self.plugins, required=self.required)
         return record.build(dict(self.options))
 
-    def clean_up(self, submitted: list[tuple[Any, str, Path]]) -> None:
+    def clean_up(self, submitted: SubmittedJobs) -> None:
         """Cancel the jobs still running; kill what their roles left running."""
         for scheduler, job_id, run_dir in submitted:
             try:
@@ -170,7 +173,7 @@ class SchedulerContract:
         )
         return JobSpec(name=name, run_dir=str(run_dir), roles=specs)
 
-    def submit(self, scheduler: Scheduler, job: JobSpec, jobs: list) -> JobHandle:
+    def submit(self, scheduler: Scheduler, job: JobSpec, jobs: SubmittedJobs) -> JobHandle:
         handle = scheduler.submit(job)
         jobs.append((scheduler, handle.job_id, Path(job.run_dir)))
         assert handle.job_id, f"submit returned an empty job id: {handle}"
@@ -225,7 +228,7 @@ class SchedulerContract:
         assert isinstance(text, str) and text.strip(), f"render() returned {text!r}: --dry-run would print nothing"
         assert "forge-kit" in text, "render() does not show the roles' commands"
 
-    def test_job_runs_then_completes_with_exit_status_0(self, scheduler: Scheduler, tmp_path: Path, jobs: list) -> None:
+    def test_job_runs_then_completes_with_exit_status_0(self, scheduler: Scheduler, tmp_path: Path, jobs: SubmittedJobs) -> None:
         from forgerl.errors import SchedulerError
         from forgerl.types import JobState
 
@@ -268,7 +271,7 @@ class SchedulerContract:
             )
 
     def test_a_failing_role_fails_the_job_with_its_exit_status(
-        self, scheduler: Scheduler, tmp_path: Path, jobs: list
+        self, scheduler: Scheduler, tmp_path: Path, jobs: SubmittedJobs
     ) -> None:
         from forgerl.types import JobState
 
@@ -284,7 +287,7 @@ class SchedulerContract:
             assert any(line.endswith(fails) for line in lines), f"logs() lacks what the role printed: {lines[-20:]}"
 
     def test_cancel_stops_every_process_of_a_running_job(
-        self, scheduler: Scheduler, tmp_path: Path, jobs: list
+        self, scheduler: Scheduler, tmp_path: Path, jobs: SubmittedJobs
     ) -> None:
         from forgerl.errors import JobNotFound
         from forgerl.types import JobState

@@ -22,7 +22,7 @@ import os
 import signal
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 #: The message a role prints when its gate opened (``gate``), or when it fails (``fail``).
 DONE = "forge-kit: {name} done"
@@ -92,7 +92,7 @@ def _start_time(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
-def on_this_host(record: dict[str, Any] | None) -> bool:
+def on_this_host(record: dict[str, Any] | None) -> TypeGuard[dict[str, Any]]:
     """Whether the role ran on this machine, so that its processes can be looked up here."""
     return record is not None and record.get("host") == socket.gethostname() and os.path.isdir("/proc")
 

@@ -68,7 +68,7 @@ from forgerl.testing.trainer_support import (
     relative_step_difference,
     run_config,
     run_context,
-    snapshot,
+    snapshot_one_rank,
     temperature_of,
     wait_process,
 )
@@ -197,9 +197,9 @@ class TrainerContract:
 
         trainer = self.build(model_dir, tmp_path)
         try:
-            before = snapshot(trainer, 0)
+            before = snapshot_one_rank(trainer, 0)
             metrics = trainer.train_step(self.batch(model_dir, seed=2))
-            after = snapshot(trainer, 1)
+            after = snapshot_one_rank(trainer, 1)
         finally:
             trainer.close()
         assert isinstance(metrics, Mapping), f"train_step returned a {type(metrics).__name__}, not a dict"
@@ -228,9 +228,9 @@ class TrainerContract:
     def test_zero_advantages_leave_the_weights_alone(self, model_dir: Path, tmp_path: Path) -> None:
         trainer = self.build(model_dir, tmp_path)
         try:
-            before = snapshot(trainer, 0)
+            before = snapshot_one_rank(trainer, 0)
             metrics = trainer.train_step(self.batch(model_dir, seed=4, zero_advantages=True))
-            after = snapshot(trainer, 1)
+            after = snapshot_one_rank(trainer, 1)
         finally:
             trainer.close()
         moved = moved_beyond_decay(before, after)
@@ -250,17 +250,17 @@ class TrainerContract:
         try:
             trainer.train_step(first)
             trainer.save(checkpoint)
-            saved = snapshot(trainer, 1)
+            saved = snapshot_one_rank(trainer, 1)
             expected = compared_metrics(trainer.train_step(second))
-            expected_weights = snapshot(trainer, 2)
+            expected_weights = snapshot_one_rank(trainer, 2)
         finally:
             trainer.close()
         fresh = self.build(model_dir, tmp_path / "resumed")
         try:
             fresh.load(checkpoint)
-            loaded = snapshot(fresh, 1)
+            loaded = snapshot_one_rank(fresh, 1)
             got = compared_metrics(fresh.train_step(second))
-            got_weights = snapshot(fresh, 2)
+            got_weights = snapshot_one_rank(fresh, 2)
         finally:
             fresh.close()
         tol = self.resume_tolerance
@@ -332,7 +332,7 @@ class TrainerContract:
         backend_under_test("trainer", self.backend, self.plugins, required=self.required)
         out = tmp_path / "two-ranks"
         (out / "checkpoint").mkdir(parents=True)
-        spec = {
+        spec: dict[str, Any] = {
             "backend": self.backend,
             "options": dict(self.options),
             "plugins": list(registry_for(self.plugins).plugin_refs),

@@ -110,7 +110,8 @@ def reference_model(model_dir: Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return model.eval()  # type: ignore[no-untyped-call]  # transformers' PreTrainedModel.eval is unannotated
 
 
 def reference_logprobs(model: Any, batch: TrainBatch, temperature: float) -> torch.Tensor:
@@ -144,6 +145,13 @@ def snapshot(trainer: Trainer, version: int) -> dict[str, torch.Tensor] | None:
     if exported is None:
         return None
     return {name: t.detach().to("cpu", copy=True) for name, t in exported.tensors.items()}
+
+
+def snapshot_one_rank(trainer: Trainer, version: int) -> dict[str, torch.Tensor]:
+    """:func:`snapshot` of a trainer on one rank, which must export its weights."""
+    weights = snapshot(trainer, version)
+    assert weights is not None, "export_weights returned None on rank 0 of 1"
+    return weights
 
 
 def max_difference(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> tuple[float, str]:
@@ -293,7 +301,7 @@ def moved_beyond_decay(before: Mapping[str, Any], after: Mapping[str, Any]) -> l
     return moved
 
 
-def wait_process(proc: subprocess.Popen, timeout: float) -> int | None:
+def wait_process(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
     try:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -29,7 +29,7 @@ from typing import Any
 from forgerl.interfaces import Reward
 from forgerl.types import RewardInput, RewardResult
 from forgerl_plugins.rewards import CodeOptions
-from forgerl_plugins.rewards.sandbox import Limits, RunOutcome, Sandbox, run_all
+from forgerl_plugins.rewards.sandbox import Job, Limits, RunOutcome, Sandbox, run_all
 
 log = logging.getLogger("forgerl.rewards")
 
@@ -133,7 +133,7 @@ class CodeReward(Reward):
     def _stdio(self, code: str, cases: Any) -> tuple[list[bool], bool, bool]:
         if not isinstance(cases, list) or not cases:
             raise ValueError("metadata 'stdio' must be a non-empty list of {'input', 'output'} cases")
-        jobs = [{"files": {"main.py": code}, "stdin": str(case.get("input", ""))} for case in cases]
+        jobs: list[Job] = [{"files": {"main.py": code}, "stdin": str(case.get("input", ""))} for case in cases]
         outcomes = run_all(self.sandbox, jobs)
         _raise_on_setup_error(outcomes)
         passed = [

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from typing import Any
+from typing import Any, cast
 
 from forgerl.interfaces import Reward
 from forgerl.types import RewardInput
@@ -98,7 +98,8 @@ class RewardModelReward(Reward):
             messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
             messages = [{"role": m["role"], "content": _clean(m["content"])} for m in messages]
             messages.append({"role": "assistant", "content": completion})
-            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+            # tokenize=False: the text; transformers types the result as every mode's union.
+            return cast(str, self.tokenizer.apply_chat_template(messages, tokenize=False))
         text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
         return _clean(text) + completion
 

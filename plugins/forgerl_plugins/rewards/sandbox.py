@@ -28,6 +28,7 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, TypedDict
 
 from forgerl.errors import ConfigError
 
@@ -224,7 +225,7 @@ class Sandbox:
         finally:
             os.close(report_w)
         try:
-            if stdin_pipe:
+            if stdin_pipe and proc.stdin is not None:  # set whenever stdin_pipe (stdin=PIPE)
                 with contextlib.suppress(OSError):
                     proc.stdin.write(stdin.encode("utf-8", "replace"))
                     proc.stdin.close()
@@ -273,7 +274,7 @@ class Sandbox:
 
 
 @contextlib.contextmanager
-def _stdin(control: Path, text: str, pipe: bool) -> Iterator[int | object]:
+def _stdin(control: Path, text: str, pipe: bool) -> Iterator[int | IO[bytes]]:
     if pipe:
         yield subprocess.PIPE
         return
@@ -339,27 +340,41 @@ class _Slots:
             raise RuntimeError(f"{self.directory} is not a private directory of this user; remove it")
         with self._lock:
             start, self._next = self._next, (self._next + 1) % self.n
-        fd, slot = None, None
-        for i in range(self.n):
-            candidate = (start + i) % self.n
-            fd = os.open(self.directory / f"slot-{candidate}", _SLOT_FLAGS, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                slot = candidate
-                break
-            except BlockingIOError:
-                os.close(fd)
-        if slot is None:  # all busy: queue on one of them
-            slot = start
-            fd = os.open(self.directory / f"slot-{slot}", _SLOT_FLAGS, 0o600)
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        slot, fd = self._lock_one(start)
         try:
             yield slot
         finally:
             os.close(fd)  # releases the lock
 
+    def _lock_one(self, start: int) -> tuple[int, int]:
+        """The first free slot from ``start`` on, locked: (slot, its lock file's fd)."""
+        for i in range(self.n):
+            candidate = (start + i) % self.n
+            fd = os.open(self.directory / f"slot-{candidate}", _SLOT_FLAGS, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return candidate, fd
+            except BlockingIOError:
+                os.close(fd)
+        # All busy: queue on one of them.
+        fd = os.open(self.directory / f"slot-{start}", _SLOT_FLAGS, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return start, fd
 
-def run_all(sandbox: Sandbox, jobs: Sequence[Mapping[str, object]]) -> list[RunOutcome]:
+
+class _JobOptions(TypedDict, total=False):
+    stdin: str
+    stdin_pipe: bool
+    level: str | None
+
+
+class Job(_JobOptions):
+    """One program for :func:`run_all`: the keyword arguments of :meth:`Sandbox.run`."""
+
+    files: Mapping[str, str]
+
+
+def run_all(sandbox: Sandbox, jobs: Sequence[Job]) -> list[RunOutcome]:
     """Run several programs (keyword arguments of :meth:`Sandbox.run`), at most
     ``sandbox.concurrency`` at once from this process."""
     if len(jobs) <= 1:

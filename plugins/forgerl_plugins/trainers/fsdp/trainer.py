@@ -322,13 +322,14 @@ class FSDPTrainer(Trainer):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
             return None
+        # A full state dict holds plain tensors (no sharded ones).
+        tensors = cast("dict[str, torch.Tensor]", state)
         if self.world_size == 1 and self.device.type == "cpu":
             # One CPU rank: the "offloaded" state dict is the live parameters themselves, which
             # the next step changes in place while a transport may still hold this version
             # (for a worker that joins late). Gathered or offloaded tensors are copies already.
-            state = {name: t.detach().clone() for name, t in state.items()}
-        # A full state dict holds plain tensors (no sharded ones).
-        return WeightSet(version=version, tensors=cast("dict[str, torch.Tensor]", state))
+            tensors = {name: t.detach().clone() for name, t in tensors.items()}
+        return WeightSet(version=version, tensors=tensors)
 
     def save(self, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
