@@ -142,11 +142,13 @@ class Loop:
         )
         self.registry.hooks.run_start(config=cfg, run_dir=self.run_dir)
         if not self.receives_weights:
-            log.warning(
-                "generator %r takes no weight updates: every rollout comes from the initial weights, "
-                "so training is off-policy",
-                cfg.generator.name,
+            said = (
+                f"generator {cfg.generator.name!r} takes no weight updates: every rollout comes from "
+                "the initial weights, so training is off-policy"
             )
+            log.warning("%s", said)
+            # Also on `forge run`'s progress output: the user chose the generator, not the log file.
+            events.announce(said, stage="generator", state="warning", run_dir=self.run_dir)
         if resume_from is not None and self.policy_version > 0:
             # A fresh generator serves the base model (version 0): bring it to the
             # checkpoint's weights before it makes a single rollout.

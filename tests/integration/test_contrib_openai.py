@@ -81,13 +81,17 @@ def test_forge_run_trains_on_the_servers_completions(installed, served, tmp_path
         capture_output=True, text=True, env=installed, timeout=scaled(600),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # The loop says it once, in the trainer's log (logs/trainer-0.log).
+    # The loop says it once in the trainer's log (logs/trainer-0.log) ...
     log = (out / "logs" / "trainer-0.log").read_text()
     said = [line for line in log.splitlines() if "off-policy" in line]
     assert (
         len(said) == 1
         and "'openai' takes no weight updates: every rollout comes from the initial weights" in said[0]
     ), said
+    # ... and on forge run's progress output, through the run's events.
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    warned = [e for e in events if e.get("state") == "warning" and "takes no weight updates" in e["message"]]
+    assert len(warned) == 1, events
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["samples/dropped_stale"] == 0 for r in rows), rows
