@@ -15,15 +15,17 @@ demo: setup
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/forge run
 
 test: setup
-	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests contrib/countdown/tests
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -p no:cacheprovider tests contrib/countdown/tests contrib/openai_compat/tests
 
 # The suite under load: two busy loops on the cores, deadlines x3 (scripts/stress.sh).
 test-stress: setup
 	bash scripts/stress.sh
 
-# Static checks, as CI runs them: ruff's lint rules (configured in pyproject.toml).
+# Static checks, as CI runs them: ruff's lint rules and mypy's type checks (both
+# configured in pyproject.toml).
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not integration" tests

@@ -87,7 +87,7 @@ def plan(
     if create:
         scheduler.check()  # e.g. no sbatch: fail before a run directory appears
     fresh = resume_dir is None
-    run_dir = runs.planned_run_dir(config) if fresh else runs.existing_run_dir(resume_dir)
+    run_dir = runs.planned_run_dir(config) if resume_dir is None else runs.existing_run_dir(resume_dir)
     if create or not fresh:
         config = config.model_copy(update={"output": str(run_dir)})
     job = runs.build_job(config, registry, run_dir)

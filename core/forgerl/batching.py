@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 from forgerl.types import Episode, TrainBatch
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from forgerl.algorithms import AlgorithmConfig
 
 
@@ -93,7 +95,7 @@ def collate(episodes: Sequence[Episode], *, pad_id: int) -> TrainBatch:
     )
 
 
-def _select(batch: TrainBatch, idx) -> TrainBatch:
+def _select(batch: TrainBatch, idx: torch.Tensor) -> TrainBatch:
     return TrainBatch(
         input_ids=batch.input_ids[idx],
         attention_mask=batch.attention_mask[idx],

@@ -8,27 +8,36 @@ until a command needs it: ``forge --help`` and ``forge plugins list`` never impo
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from forgerl import __version__
+from forgerl.env import debug_enabled
 from forgerl.errors import ForgeError, JobNotFound, NotSupported
+from forgerl.kinds import FLAGS, REGISTRATION_HOOKS
+
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.backends import Backend
+    from forgerl.interfaces import Scheduler
+    from forgerl.plugins import PluginInfo, Registry
+
+_Command = TypeVar("_Command", bound=Callable[..., Any])
 
 EXIT_USER_ERROR = 2
 
 
 class _State:
     debug = False
-    registry = None
+    registry: Registry | None = None
 
 
-def _registry():
+def _registry() -> Registry:
     """The plugin registry, built once per command (plugins load once, hooks trace once)."""
     if _State.registry is None:
         from forgerl.plugins import build_registry
@@ -71,16 +80,14 @@ def cli(debug: bool) -> None:
     forge run --model tiny --steps 3
     forge run run.yaml --generator vllm --scheduler slurm
     forge plugins list              backends and whether they can run here
+    forge report runs/A runs/B      plots of runs, overlaid, as one HTML page
     """
     _State.debug = _State.debug or debug
 
 
 # ------------------------------------------------------------------------------ run
 
-_BACKEND_FLAGS = ("generator", "trainer", "transport", "scheduler", "task")
-
-
-def _config_options(f):
+def _config_options(f: _Command) -> _Command:
     """Options shared by `forge run` and `forge config show`."""
     opts = [
         click.argument("config_file", required=False, type=click.Path(dir_okay=False)),
@@ -101,7 +108,7 @@ def _config_options(f):
 
 
 def _flags(kwargs: dict[str, Any]) -> dict[str, Any]:
-    flags = {k: kwargs.get(k) for k in (*_BACKEND_FLAGS, "model", "steps", "output")}
+    flags = {key: kwargs.get(key) for key in FLAGS}
     flags["rewards"] = list(kwargs.get("rewards") or ())
     return flags
 
@@ -111,7 +118,16 @@ def _flags(kwargs: dict[str, Any]) -> dict[str, Any]:
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), help="Continue the run in this directory.")
 @click.option("--dry-run", is_flag=True, help="Print what would be started or submitted; start nothing.")
 @click.option("--wait/--no-wait", default=None, help="Follow a submitted job to its end (default for local runs).")
-def run(config_file, sets, resume_dir, dry_run, wait, **kwargs) -> None:
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines or bar (the summary is still printed).")
+def run(
+    config_file: str | None,
+    sets: tuple[str, ...],
+    resume_dir: str | None,
+    dry_run: bool,
+    wait: bool | None,
+    quiet: bool,
+    **kwargs: Any,
+) -> None:
     """Run (or submit) a post-training run."""
     from forgerl import api, runs
     from forgerl.config import build_config, read_yaml
@@ -132,8 +148,11 @@ def run(config_file, sets, resume_dir, dry_run, wait, **kwargs) -> None:
         click.echo(f"# scheduler: {plan.config.scheduler.name}")
         click.echo(plan.render())
         return
-    from forgerl.progress import follow_run
+    from forgerl.events import events_size
+    from forgerl.progress import follow_run, job_text
 
+    progress = plan.config.logging.progress and not quiet
+    events_from = events_size(plan.run_dir)
     handle = plan.scheduler.submit(plan.job)
     runs.write_submission(plan.run_dir, handle)
     if plan.scheduler.detached and not wait:
@@ -141,7 +160,12 @@ def run(config_file, sets, resume_dir, dry_run, wait, **kwargs) -> None:
         click.echo(f"follow it with `forge status {plan.run_dir}` and `forge logs {plan.run_dir}`")
         return
     click.echo(f"run directory: {plan.run_dir}", err=True)
-    status = follow_run(plan.scheduler, handle, plan.run_dir, plan.config, progress=plan.config.logging.progress)
+    if progress:
+        verb = "submitted" if plan.scheduler.detached else "started"
+        click.echo(f"forge: {verb} {job_text(plan.job)} with the {plan.config.scheduler.name} scheduler; "
+                   f"logs in {plan.run_dir / 'logs'}", err=True)
+    status = follow_run(plan.scheduler, handle, plan.run_dir, plan.config, progress=progress,
+                        events_from=events_from)
     sys.exit(0 if status.exit_code in (0, None) and status.state.value == "completed" else (status.exit_code or 1))
 
 
@@ -177,7 +201,7 @@ def plugins() -> None:
 def plugins_list(as_json: bool) -> None:
     """Every plugin: distribution, version, hooks, backends and whether each can run here."""
     registry = _registry()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for info in sorted(registry.plugins.values(), key=lambda i: (not i.first_party, i.name, i.distribution)):
         rows.append(
             {
@@ -202,12 +226,12 @@ def plugins_list(as_json: bool) -> None:
             mark = "ok " if b["available"] else "-- "
             why = "" if b["available"] else f"  (unavailable: {b['reason']})"
             click.echo(f"  {mark}{b['kind']:<10} {b['name']:<22} {b['description']}{why}")
-        other = [h for h in row["hooks"] if not h.startswith("forge_") or h[6:] not in _REGISTRATION]
+        other = [h for h in row["hooks"] if h not in REGISTRATION_HOOKS.values()]
         if other:
             click.echo(f"     hooks: {', '.join(other)}")
 
 
-def _backend_row(registry, info, backend) -> dict[str, Any]:
+def _backend_row(registry: Registry, info: PluginInfo, backend: Backend) -> dict[str, Any]:
     """One backend of one plugin; a name another plugin claims too cannot be used."""
     clash = registry.clash(backend.kind, backend.name)
     reason = clash.reason_for(info) if clash is not None else backend.unavailable_reason()
@@ -221,9 +245,6 @@ def _backend_row(registry, info, backend) -> dict[str, Any]:
     }
 
 
-_REGISTRATION = {"generators", "trainers", "rewards", "transports", "schedulers", "tasks", "models"}
-
-
 # --------------------------------------------------------------------------- config
 
 
@@ -234,7 +255,7 @@ def config_group() -> None:
 
 @config_group.command("show")
 @_config_options
-def config_show(config_file, sets, **kwargs) -> None:
+def config_show(config_file: str | None, sets: tuple[str, ...], **kwargs: Any) -> None:
     """Print the resolved config (defaults < file < flags < --set), backend options filled in."""
     from forgerl import api
 
@@ -270,7 +291,7 @@ def config_validate(config_file: str) -> None:
 # ------------------------------------------------------------------- jobs: status/logs/cancel
 
 
-def _job_scheduler(job: str, scheduler_name: str | None):
+def _job_scheduler(job: str, scheduler_name: str | None) -> tuple[Scheduler, str, str]:
     """The scheduler of a job, its job id and the scheduler's name. A job is a run
     directory (any scheduler; read from submission.json) or a scheduler's own job id
     together with --scheduler."""
@@ -343,6 +364,27 @@ def cancel(job: str, scheduler_name: str | None) -> None:
     click.echo(f"cancelled {job_id}")
 
 
+# --------------------------------------------------------------------------- report
+
+
+@cli.command()
+@click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...")
+@click.option("--output", "-o", type=click.Path(), help="File to write (default RUN_DIR/report.html for one run, "
+              "./report.html for several); with --format png, a folder, or NAME.png for the overview alone.")
+@click.option("--format", "fmt", type=click.Choice(["html", "png"]), default="html", show_default=True,
+              help="One self-contained HTML page, or one PNG per plot.")
+@click.option("--label", "labels", multiple=True, help="Name of each run in the plots, in order (default: "
+              "the directory's name).")
+def report(run_dirs: tuple[str, ...], output: str | None, fmt: str, labels: tuple[str, ...]) -> None:
+    """Plot runs (finished, failed or still going): reward, accuracy, lengths, staleness,
+    logprob gap, entropy, grad norm and time per step, against step and wall time; several
+    runs are overlaid, with a table of their config differences."""
+    from forgerl.report import build_report
+
+    for path in build_report(list(run_dirs), output, fmt, list(labels)):
+        click.echo(str(path))
+
+
 # ------------------------------------------------------------------------------ main
 
 
@@ -378,7 +420,7 @@ def _stop_on_termination() -> dict[int, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
-    _State.debug = "--debug" in args or os.environ.get("FORGE_DEBUG", "") not in ("", "0")
+    _State.debug = "--debug" in args or debug_enabled()
     previous_handlers = _stop_on_termination()
     try:
         _add_plugin_commands()

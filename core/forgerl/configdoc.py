@@ -6,6 +6,7 @@ drifts from the code.
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -26,7 +27,10 @@ refused everywhere.
 def _type_name(annotation: Any) -> str:
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
     text = text or str(annotation)
-    return text.replace("typing.", "").replace("NoneType", "None")
+    # A class inside a generic prints with its module (list[forgerl.config_sections.RewardChoice]):
+    # the reference names it as a reader knows it, not by the module that defines it.
+    text = re.sub(r"\b(?:[a-z_]\w*\.)+(?=[A-Z])", "", text)
+    return text.replace("NoneType", "None")
 
 
 def _default(field: Any) -> str:
@@ -108,7 +112,8 @@ def json_schema(registry: Registry | None = None, *, third_party: bool = True) -
     choice_kinds: dict[Any, str] = {
         RunConfig.model_fields[field].annotation: kind for field, kind in SINGLE_BACKEND_FIELDS.items()
     }
-    choice_kinds.update({RewardChoice: "reward", ModelConfig: "model"})
+    choice_kinds[RewardChoice] = "reward"
+    choice_kinds[ModelConfig] = "model"
     backends = [
         item for item in _backend_options(registry, first_party=True if not third_party else None)
         if registry.clash(item[1], item[2].name) is None or item[0].first_party

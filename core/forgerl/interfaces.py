@@ -36,6 +36,7 @@ from forgerl.types import (
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+    from typing_extensions import Self
 
     from forgerl.config import RunConfig
 
@@ -61,7 +62,7 @@ class Closeable:
     def close(self) -> None:
         """Release processes, ports, memory. Idempotent."""
 
-    def __enter__(self):
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -101,6 +102,12 @@ class Generator(Closeable, abc.ABC):
     service itself, and one whose engine is gone raises from :meth:`generate`.
     """
 
+    #: Whether :meth:`update_weights` can load new weights. False for a generator that
+    #: serves fixed weights (a hosted OpenAI-compatible server): the loop then never calls
+    #: it, warns once at run start that every rollout comes from the initial weights
+    #: (training is off-policy), and trains on all its samples, whatever their version.
+    receives_weights: ClassVar[bool] = True
+
     @abc.abstractmethod
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
         """``requests[i].n`` completions for each request, in request order."""
@@ -113,7 +120,8 @@ class Generator(Closeable, abc.ABC):
         Called while the transport's sender sends that version (possibly concurrently,
         in another thread). After it returns every new completion reports ``version``.
         Raises :class:`~forgerl.errors.TransportError` on failure or timeout; the
-        generator then keeps serving the last complete version.
+        generator then keeps serving the last complete version. Never called when
+        :attr:`receives_weights` is False.
         """
 
     @property

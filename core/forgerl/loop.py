@@ -5,6 +5,10 @@ overlapping training), drop samples staler than ``loop.max_staleness``, compute
 group-relative advantages, train on all ranks, export the new weights (version ``k+1``)
 and push them through the transport into the generator, evaluate and checkpoint when due,
 write one row of metrics.
+
+A generator that declares ``receives_weights = False`` (it serves fixed weights) is never
+sent any: the trainer's version still moves on with every step, the generator's stays at
+0, and its samples are trained on whatever their version (off-policy, said once at start).
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from forgerl import checkpoint as ckpt
-from forgerl import runs
+from forgerl import events, runs
 from forgerl.batching import prepare_batch
 from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.config import RunConfig
@@ -29,7 +35,7 @@ from forgerl.metrics import MetricsWriter
 from forgerl.plugins import Registry
 from forgerl.rollout import RolloutBatch, RolloutBuffer, RolloutProducer, Tokenizing, sampling_seed
 from forgerl.spmd import TrainerDriver
-from forgerl.types import GenerationRequest, RewardInput, SamplingParams
+from forgerl.types import GenerationRequest, RewardInput, RewardResult, SamplingParams
 
 log = logging.getLogger("forgerl.loop")
 
@@ -59,6 +65,8 @@ class Loop:
         self.run_dir = ctx.run_dir
         self.driver = driver
         self.generator = generator
+        #: False for a generator that serves fixed weights (Generator.receives_weights).
+        self.receives_weights = bool(getattr(type(generator), "receives_weights", True))
         self.task = task
         self.rewards = rewards
         self.sender = sender
@@ -130,17 +138,24 @@ class Loop:
         metrics = MetricsWriter(
             self.run_dir,
             hooks=self.registry.hooks,
-            tensorboard=cfg.logging.tensorboard,
             resume_step=self.step if resume_from is not None else None,
         )
         self.registry.hooks.run_start(config=cfg, run_dir=self.run_dir)
+        if not self.receives_weights:
+            said = (
+                f"generator {cfg.generator.name!r} takes no weight updates: every rollout comes from "
+                "the initial weights, so training is off-policy"
+            )
+            log.warning("%s", said)
+            # Also on `forge run`'s progress output: the user chose the generator, not the log file.
+            events.announce(said, stage="generator", state="warning", run_dir=self.run_dir)
         if resume_from is not None and self.policy_version > 0:
             # A fresh generator serves the base model (version 0): bring it to the
             # checkpoint's weights before it makes a single rollout.
             self.sync_weights(self.policy_version)
 
         next_index = self.step + len(pending)
-        buffer = RolloutBuffer(S, next_index=next_index, version=self.generator.policy_version)
+        buffer = RolloutBuffer(S, next_index=next_index, version=self.served_version())
         for b in pending:
             buffer.ready[b.index] = b
         if not resume_from:
@@ -170,10 +185,14 @@ class Loop:
         try:
             if self.step < steps:
                 if cfg.loop.eval_at_start and self.step == 0 and self.eval_start is None:
-                    row = self.evaluate()
+                    with events.phase("evaluating the base model on the held-out problems", stage="eval",
+                                      key=f"eval:{cfg.generator.name}:{cfg.model.name}", run_dir=self.run_dir):
+                        row = self.evaluate()
                     self.eval_start = row["eval/accuracy"]
                     self.eval_last = self.eval_start
                 producer.start()
+                events.announce(f"training: steps {self.step + 1} to {steps}", stage="loop", state="start",
+                                run_dir=self.run_dir, step=self.step, steps=steps)
             while self.step < steps:
                 if self.stop_requested.is_set():
                     raise Interrupted()
@@ -223,7 +242,12 @@ class Loop:
         t_step = time.perf_counter()
         rollouts = buffer.get(k)
         wait_s = time.perf_counter() - t_step
-        fresh = [e for e in rollouts.episodes if self.policy_version - e.completion.policy_version <= S]
+        # Fixed weights (receives_weights False) are never stale: nothing newer exists to sample.
+        fresh = [
+            e
+            for e in rollouts.episodes
+            if not self.receives_weights or self.policy_version - e.completion.policy_version <= S
+        ]
         dropped = len(rollouts.episodes) - len(fresh)
         prepared = prepare_batch(
             fresh, cfg.algorithm, max_tokens=cfg.loop.sampling.max_tokens, pad_id=self.pad_id
@@ -238,7 +262,7 @@ class Loop:
         # Every batch meant for the current version must be made before it changes.
         buffer.wait_done_through(min(self.step - 1 + S, cfg.loop.steps - 1))
         self.sync_weights(self.step)
-        buffer.set_version(self.generator.policy_version)
+        buffer.set_version(self.served_version())
         sync_s = time.perf_counter() - t
         for name, secs in (("generate", rollouts.gen_seconds), ("reward", rollouts.reward_seconds),
                            ("train", train_s), ("sync", sync_s)):
@@ -246,6 +270,9 @@ class Loop:
         eps = rollouts.episodes
         row: dict[str, Any] = {
             "step": self.step,
+            # Wall-clock time (Unix seconds) of the step's end: `forge report` plots
+            # against it, and a resumed run's gap shows as one.
+            "time/wall": time.time(),
             "policy_version": self.policy_version,
             "reward/mean": _mean(e.reward for e in eps),
             "reward/failed": rollouts.rewards_failed,
@@ -277,8 +304,17 @@ class Loop:
 
     # -------------------------------------------------------------------- weights
 
+    def served_version(self) -> int:
+        """The version the rollout gate waits for: the generator's, or the trainer's when
+        the generator takes no weights (its own never moves)."""
+        return self.generator.policy_version if self.receives_weights else self.policy_version
+
     def sync_weights(self, version: int) -> None:
-        """Export the trainer's weights as ``version`` and load them into the generator."""
+        """Export the trainer's weights as ``version`` and load them into the generator
+        (only the version moves on when the generator takes no weights)."""
+        if not self.receives_weights:
+            self.policy_version = version
+            return
         weights = self.driver.call("export_weights", version)
         timeout = self.config.transport.timeout
         errors: list[BaseException] = []
@@ -325,7 +361,7 @@ class Loop:
             for i, p in enumerate(problems)
         ]
 
-        async def go():
+        async def go() -> list[RewardResult]:
             results = await self.generator.generate(requests)
             inputs = [RewardInput(p, r[0].text, r[0].finish_reason) for p, r in zip(problems, results)]
             return await self.rewards.score(inputs)
@@ -382,7 +418,7 @@ def _is_correct(score: Any, cfg: RunConfig) -> float:
     return float(comps.get(primary, 0.0) >= 1.0)
 
 
-def _mean(xs) -> float:
+def _mean(xs: Iterable[Any]) -> float:
     xs = [float(x) for x in xs]
     return sum(xs) / len(xs) if xs else 0.0
 
@@ -396,7 +432,7 @@ def _replace(params: SamplingParams, **kw: Any) -> SamplingParams:
 def install_stop_handlers(loop: Loop | None) -> None:
     """SIGTERM/SIGINT ask for a checkpoint and a clean stop at the next step boundary."""
 
-    def handler(signum, frame):  # noqa: ARG001
+    def handler(signum: int, frame: FrameType | None) -> None:  # noqa: ARG001
         if loop is not None:
             loop.stop_requested.set()
 

@@ -1,4 +1,5 @@
-"""Per-step metrics: metrics.jsonl (a public contract), TensorBoard, and plugin hooks."""
+"""Per-step metrics: metrics.jsonl (a public contract) and the ``forge_step_end`` hook, which
+experiment trackers (TensorBoard, W&B, MLflow: forgerl_plugins.trackers) implement."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from forgerl.runs import METRICS_FILE
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: Path, hooks: Any = None, tensorboard: bool = True, resume_step: int | None = None):
+    def __init__(self, run_dir: Path, hooks: Any = None, resume_step: int | None = None):
         self.run_dir = run_dir
         self.path = run_dir / METRICS_FILE
         self.hooks = hooks
@@ -21,7 +22,6 @@ class MetricsWriter:
         elif self.path.exists():
             self.path.unlink()
         self._file = open(self.path, "a")
-        self._tb = _tensorboard(run_dir / "tensorboard") if tensorboard else None
 
     def _truncate_after(self, step: int) -> None:
         """A run killed after its last checkpoint wrote rows the resumed run will write
@@ -51,19 +51,12 @@ class MetricsWriter:
         return clean
 
     def publish(self, step: int, clean: Mapping[str, Any]) -> None:
-        """TensorBoard and the ``forge_step_end`` hook, once the step is checkpointed."""
-        if self._tb is not None:
-            for k, v in clean.items():
-                if isinstance(v, (int, float)) and k != "step" and v is not None:
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+        """The ``forge_step_end`` hook (trackers), once the step is checkpointed."""
         if self.hooks is not None:
             self.hooks.step_end(step=step, metrics=clean, run_dir=self.run_dir)
 
     def close(self) -> None:
         self._file.close()
-        if self._tb is not None:
-            self._tb.close()
 
 
 def _jsonable(v: Any) -> Any:
@@ -73,11 +66,3 @@ def _jsonable(v: Any) -> Any:
         return None
     return v
 
-
-def _tensorboard(path: Path):
-    try:
-        import tensorboard  # noqa: F401 - present only when the extra is installed
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        return None
-    return SummaryWriter(str(path))

@@ -38,7 +38,9 @@ from forgerl.backends import (
     TrainerBackend,
     TransportBackend,
 )
+from forgerl.env import env_flag
 from forgerl.errors import BackendUnavailable, DuplicateBackend, PluginLoadError, UnknownBackend
+from forgerl.kinds import KINDS, REGISTRATION_HOOKS
 from forgerl.plugin_problems import (
     BackendClash,
     broken,
@@ -53,18 +55,6 @@ FIRST_PARTY_DIST = "forgerl"
 #: The "distribution" of plugins given by import path (FORGE_PLUGINS) or as objects.
 EXPLICIT_REF = "<FORGE_PLUGINS>"
 EXPLICIT_OBJECT = "<embedded>"
-
-# kind -> name of the hook that registers backends of that kind
-_KIND_HOOKS = {
-    "generator": "forge_generators",
-    "trainer": "forge_trainers",
-    "reward": "forge_rewards",
-    "transport": "forge_transports",
-    "scheduler": "forge_schedulers",
-    "task": "forge_tasks",
-    "model": "forge_models",
-}
-
 
 @dataclass
 class PluginInfo:
@@ -93,10 +83,6 @@ class PluginInfo:
         return f"plugin {self.name!r} ({' '.join(p for p in (self.distribution, self.version) if p)})"
 
 
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() not in ("", "0", "false", "no")
-
-
 def _env_list_ordered(name: str) -> list[str]:
     return [p.strip() for p in os.environ.get(name, "").split(",") if p.strip()]
 
@@ -123,7 +109,7 @@ class Registry:
         self.plugins = plugins
         #: Plugins given by import path: a run's processes load them too (FORGE_PLUGINS).
         self.plugin_refs = list(refs or [])
-        self._backends: dict[str, dict[str, Backend]] = {kind: {} for kind in _KIND_HOOKS}
+        self._backends: dict[str, dict[str, Backend]] = {kind: {} for kind in KINDS}
         self._owner: dict[tuple[str, str], PluginInfo] = {}
         self._clashes: dict[tuple[str, str], BackendClash] = {}
         self._collect(strict)
@@ -136,7 +122,7 @@ class Registry:
         that fails to import; a name two plugins claim is recorded as a clash."""
         offered: dict[str, list[tuple[str, Any]]] = {}
         failed: dict[str, tuple[str, BaseException]] = {}
-        for kind, hook_name in _KIND_HOOKS.items():
+        for kind, hook_name in REGISTRATION_HOOKS.items():
             for plugin_name, call in self._registration_calls(hook_name):
                 if plugin_name in failed:
                     continue
@@ -150,14 +136,14 @@ class Registry:
                     failed[plugin_name] = (registration_failure(hook_name, exc), exc)
                     continue
                 offered.setdefault(plugin_name, []).extend((kind, r) for r in records)
-        for plugin_name, (why, exc) in failed.items():
+        for plugin_name, (why, error) in failed.items():
             info = self.plugins[plugin_name]
             self.pm.unregister(name=plugin_name)  # its event hooks must not run either
             info.hooks = []
-            broken(info, why, strict, exc)
-        for plugin_name, records in offered.items():
+            broken(info, why, strict, error)
+        for plugin_name, kinds_and_records in offered.items():
             if plugin_name not in failed:
-                for kind, record in records:
+                for kind, record in kinds_and_records:
                     self._add(kind, record, self.plugins[plugin_name])
         if strict and self._clashes:
             raise DuplicateBackend(next(iter(self._clashes.values())).message())
@@ -187,7 +173,7 @@ class Registry:
 
     @property
     def kinds(self) -> list[str]:
-        return list(_KIND_HOOKS)
+        return list(KINDS)
 
     def backends(self, kind: str) -> dict[str, Backend]:
         return dict(self._backends[kind])
@@ -295,8 +281,8 @@ def build_registry(
     """
     disabled_from = "FORGE_DISABLE_PLUGINS" if disabled is None else "disabled"
     disabled = set(disabled) if disabled is not None else _env_list("FORGE_DISABLE_PLUGINS")
-    strict = _env_flag("FORGE_STRICT_PLUGINS") if strict is None else strict
-    trace = _env_flag("FORGE_TRACE_HOOKS") if trace is None else trace
+    strict = env_flag("FORGE_STRICT_PLUGINS") if strict is None else strict
+    trace = env_flag("FORGE_TRACE_HOOKS") if trace is None else trace
 
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)

@@ -46,7 +46,7 @@ def check_run(
     fresh: bool,
 ) -> None:
     """Raise a one-line UserError for anything that would make the run fail to start."""
-    from forgerl.config import SINGLE_BACKEND_FIELDS
+    from forgerl.kinds import SINGLE_BACKEND_FIELDS
 
     if fresh:
         runs.check_output_location(run_dir)

@@ -20,6 +20,9 @@ its timeout gets its worker SIGKILLed (a reward may ignore SIGTERM) and replaced
   pool; the time a job waits for a starting worker does not count against its timeout.
 - A worker dies with its parent (``PR_SET_PDEATHSIG`` on Linux, and end-of-file on its
   pipe), so even a SIGKILLed trainer leaves no reward process behind.
+
+The pool and the worker process's ``main`` are here; a slot (one worker and its thread)
+is :mod:`forgerl.reward_slots`.
 """
 
 from __future__ import annotations
@@ -31,8 +34,6 @@ import numbers
 import os
 import queue
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -43,10 +44,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-log = logging.getLogger("forgerl.rewards")
+from forgerl.reward_slots import Job, WorkerSlot, failed
+from forgerl.reward_slots import Outcome as Outcome  # re-exported: what the pool's futures complete with
 
-#: (value, sub-components, error): value is None when the reward failed, error says why.
-Outcome = tuple["float | None", "dict[str, float]", "str | None"]
+log = logging.getLogger("forgerl.rewards")
 
 # A worker that cannot start this many times in a row (its plugin fails to import, its
 # reward cannot be built) will not start the next time either: fail fast from then on.
@@ -101,8 +102,8 @@ class RewardWorkerPool:
             "plugins": list(plugins),
             "recipes": [(r.backend, dict(r.options)) for r in self.recipes],
         }
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._slots: list[_Slot] = []
+        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._slots: list[WorkerSlot] = []
         self._lock = threading.Lock()
         self._closed = False
         self._start_failures = 0
@@ -117,7 +118,13 @@ class RewardWorkerPool:
         # forgot): close it at interpreter exit. A weak reference, so that registering does
         # not keep every pool alive.
         ref = weakref.ref(self)
-        self._at_exit = lambda: (pool := ref()) is not None and pool.close()
+
+        def close_at_exit() -> None:
+            pool = ref()
+            if pool is not None:
+                pool.close()
+
+        self._at_exit = close_at_exit
         atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------ public
@@ -130,7 +137,7 @@ class RewardWorkerPool:
             if self._closed or self._slots:
                 return
             self._started_at = time.monotonic()
-            self._slots = [_Slot(self, i) for i in range(self.size)]
+            self._slots = [WorkerSlot(self, i) for i in range(self.size)]
             for slot in self._slots:
                 slot.thread.start()
 
@@ -138,10 +145,10 @@ class RewardWorkerPool:
         """Score ``sample`` with reward ``index`` of the recipes."""
         future: Future[Outcome] = Future()
         if self._closed:
-            future.set_result(_failed("the reward workers were closed"))
+            future.set_result(failed("the reward workers were closed"))
             return future
         self.start()
-        self._jobs.put(_Job(index, sample, future))
+        self._jobs.put(Job(index, sample, future))
         return future
 
     def pids(self) -> list[int]:
@@ -170,7 +177,7 @@ class RewardWorkerPool:
             except queue.Empty:
                 break
             if job is not None and job.future.set_running_or_notify_cancel():
-                job.future.set_result(_failed("the reward workers were closed"))
+                job.future.set_result(failed("the reward workers were closed"))
 
     @property
     def closed(self) -> bool:
@@ -184,7 +191,7 @@ class RewardWorkerPool:
 
     # ------------------------------------------------------------------ slots' bookkeeping
 
-    def _start_failed(self, why: str) -> None:
+    def _startfailed(self, why: str) -> None:
         with self._lock:
             if self._closed:  # close() killed a starting worker: not a failure to start
                 return
@@ -203,207 +210,6 @@ class RewardWorkerPool:
             log.info("%d reward worker processes ready in %.2fs", self.size, time.monotonic() - self._started_at)
 
 
-@dataclass
-class _Job:
-    index: int
-    sample: Any
-    future: Future[Outcome]
-
-
-class _WorkerStartError(Exception):
-    pass
-
-
-class _Slot:
-    """One worker process and the thread that feeds it jobs, kills and replaces it."""
-
-    def __init__(self, pool: RewardWorkerPool, number: int):
-        self.pool = pool
-        self.number = number
-        self.proc: subprocess.Popen | None = None
-        self.conn: Connection | None = None
-        self.ready = False
-        self.busy = False
-        self.killed_at: float | None = None  # when the previous worker was killed
-        self._lock = threading.Lock()
-        self.thread = threading.Thread(target=self._serve, name=f"forge-reward-slot-{number}", daemon=True)
-
-    # --------------------------------------------------------------- the thread
-
-    def _serve(self) -> None:
-        while True:
-            # Take a job only with a worker ready for it: while this worker (re)starts,
-            # the other slots take the queue's jobs.
-            if not (self.ready or self.pool.closed or self.pool.broken):
-                try:
-                    self._wait_ready()
-                except _WorkerStartError:
-                    pass  # counted; the next job tries again, or fails once the pool is broken
-            job = self.pool._jobs.get()
-            if job is None:
-                break
-            if job.future.set_running_or_notify_cancel():
-                job.future.set_result(self._run(job))
-        self._stop()
-
-    def _run(self, job: _Job) -> Outcome:
-        pool = self.pool
-        for attempt in (1, 2):  # a worker found dead while idle is not the sample's fault
-            if pool.closed:
-                return _failed("the reward workers were closed")
-            if pool.broken:
-                return _failed(f"reward workers cannot start: {pool.broken}")
-            try:
-                self._wait_ready()
-            except _WorkerStartError as exc:
-                return _failed(f"reward worker could not start: {exc}")
-            with self._lock:
-                if pool.closed:
-                    return _failed("the reward workers were closed")
-                self.busy = True
-            try:
-                try:
-                    self.conn.send((job.index, job.sample))
-                except (OSError, EOFError):
-                    self._discard(kill=True)
-                    if attempt == 2:
-                        return _failed("the reward worker died before it took the sample")
-                    continue
-                except Exception as exc:  # noqa: BLE001 - the sample itself cannot be pickled
-                    return _failed(f"could not send the sample to a reward worker: {type(exc).__name__}: {exc}")
-                return self._answer()
-            finally:
-                with self._lock:
-                    self.busy = False
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _answer(self) -> Outcome:
-        pool = self.pool
-        try:
-            if self.conn.poll(pool.timeout):
-                outcome = self.conn.recv()
-                return outcome
-        except (OSError, EOFError):
-            status = self._discard(kill=True)
-            if pool.closed:
-                return _failed("the reward workers were closed")
-            pool.deaths += 1
-            self._spawn()
-            return _failed(f"its reward worker died ({_describe(status)}) and was replaced")
-        # Timed out: the reward may be stuck in C with the GIL held, or ignore SIGTERM.
-        self._discard(kill=True)
-        pool.timeouts += 1
-        self.killed_at = time.monotonic()
-        self._spawn()
-        return _failed(f"timed out after {pool.timeout:g}s (its worker was killed and replaced)")
-
-    # --------------------------------------------------------------- worker lifecycle
-
-    def _spawn(self) -> None:
-        """Start a worker and send it what it needs to build its rewards (non-blocking:
-        it reports ready later, read by :meth:`_wait_ready`)."""
-        pool = self.pool
-        if pool.closed or pool.broken:
-            return
-        ours, theirs = socket.socketpair()
-        try:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "forgerl.reward_workers", str(theirs.fileno()), str(os.getpid())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-            )
-        except OSError as exc:
-            ours.close()
-            pool._start_failed(f"{type(exc).__name__}: {exc}")
-            return
-        finally:
-            theirs.close()
-        with self._lock:
-            self.proc, self.conn, self.ready = proc, Connection(ours.detach()), False
-        pool.starts += 1
-        try:
-            self.conn.send(pool._init)
-        except OSError:
-            pass  # it died at once; _wait_ready reports how
-
-    def _wait_ready(self) -> None:
-        if self.ready:
-            return
-        if self.proc is None:
-            self._spawn()
-            if self.proc is None:
-                raise _WorkerStartError(self.pool.broken or "the worker process could not be started")
-        try:
-            if not self.conn.poll(self.pool.start_timeout):
-                self._discard(kill=True)
-                why = f"not ready within {self.pool.start_timeout:g}s"
-                self.pool._start_failed(why)
-                raise _WorkerStartError(why)
-            kind, detail = self.conn.recv()
-        except (OSError, EOFError):
-            status = self._discard(kill=True)
-            why = f"it exited while starting ({_describe(status)})"
-            self.pool._start_failed(why)
-            raise _WorkerStartError(why) from None
-        if kind != "ready":
-            self._discard(kill=True)
-            self.pool._start_failed(detail)
-            raise _WorkerStartError(detail)
-        self.ready = True
-        self.pool._started()
-        if self.killed_at is not None:
-            self.pool.replacement_seconds.append(time.monotonic() - self.killed_at)
-            self.killed_at = None
-
-    def _discard(self, *, kill: bool) -> int | None:
-        """Forget the current worker (SIGKILLed first when ``kill``); its exit status."""
-        with self._lock:
-            proc, conn = self.proc, self.conn
-            self.proc = self.conn = None
-            self.ready = False
-        if conn is not None:
-            conn.close()
-        if proc is None:
-            return None
-        if kill and proc.poll() is None:
-            proc.kill()
-        return proc.wait()
-
-    def _stop(self) -> None:
-        """At close: ask an idle worker to exit, kill it if it does not."""
-        proc, conn = self.proc, self.conn
-        if proc is not None and conn is not None and proc.poll() is None:
-            try:
-                conn.send(None)
-                proc.wait(timeout=2)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        self._discard(kill=True)
-
-    def interrupt(self) -> None:
-        """From :meth:`RewardWorkerPool.close`: kill the worker when it is busy or still
-        starting, so that its thread sees end-of-file now instead of at a deadline."""
-        with self._lock:
-            proc = self.proc if self.busy or not self.ready else None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-
-
-def _failed(why: str) -> Outcome:
-    return None, {}, why
-
-
-def _describe(status: int | None) -> str:
-    if status is None:
-        return "exit status unknown"
-    if status < 0:
-        try:
-            return f"killed by {signal.Signals(-status).name}"
-        except ValueError:
-            return f"killed by signal {-status}"
-    return f"exit status {status}"
-
-
 # ---------------------------------------------------------------------- outcomes
 
 
@@ -417,7 +223,7 @@ def outcome_of(raw: Any) -> Outcome:
             return None, {}, raw.error or "the reward reported a failure"
         value, subs = raw.value, dict(raw.components)
     elif isinstance(raw, numbers.Real):  # bool, int, float, numpy scalars
-        value, subs = raw, {}
+        value, subs = float(raw), {}
     else:
         return None, {}, f"returned {type(raw).__name__} {raw!r:.60}, expected a float or RewardResult"
     value = float(value)

@@ -87,11 +87,11 @@ class RewardSet:
         self.max_workers = max_workers or min(32, (os.cpu_count() or 1) + 4)
         # Blocking rewards with a recipe run in the worker processes: position here ->
         # position in the pool's list of recipes.
-        pooled = [i for i, r in enumerate(self.rewards) if r.recipe is not None and _blocking(r.reward)]
-        self._pooled = {i: n for n, i in enumerate(pooled)}
+        pooled = [(i, r.recipe) for i, r in enumerate(self.rewards) if r.recipe is not None and _blocking(r.reward)]
+        self._pooled = {i: n for n, (i, _) in enumerate(pooled)}
         self.pool: RewardWorkerPool | None = None
         if pooled:
-            recipes = [self.rewards[i].recipe for i in pooled]
+            recipes = [recipe for _, recipe in pooled]
             self.pool = RewardWorkerPool(
                 recipes, size=max_workers or default_pool_size(), timeout=self.timeout, plugins=plugins
             )
@@ -171,7 +171,7 @@ class RewardSet:
     async def _one(self, index: int, sample: RewardInput) -> Outcome:
         """(value, sub-components, error) of one reward on one sample; value None when failed."""
         named = self.rewards[index]
-        if index in self._pooled:
+        if self.pool is not None and index in self._pooled:
             # The pool enforces the timeout (it must kill the worker) and always answers.
             return await asyncio.wrap_future(self.pool.submit(self._pooled[index], sample))
         try:
@@ -256,7 +256,7 @@ def _run_into_future(
     fn: Callable[[RewardInput], Any],
     sample: RewardInput,
     loop: asyncio.AbstractEventLoop,
-    future: asyncio.Future,
+    future: asyncio.Future[Any],
 ) -> None:
     try:
         outcome, ok = fn(sample), True

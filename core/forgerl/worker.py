@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import yaml
 
+from forgerl.env import debug_enabled
 from forgerl.errors import ForgeError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_worker(args.run_dir.resolve())
     except ForgeError as exc:
-        if not exc.user_fixable or os.environ.get("FORGE_DEBUG"):
+        if not exc.user_fixable or debug_enabled():
             raise
         print(f"forge: error: {exc}", file=sys.stderr)
         return 2
@@ -75,6 +76,10 @@ def run_worker(run_dir: Path) -> int:
         stream=sys.stderr,
     )
     log = logging.getLogger("forgerl.worker")
+    if rank == 0:
+        from forgerl import events
+
+        events.announce(f"started (pid {os.getpid()}); importing torch", stage="worker", run_dir=run_dir)
 
     import torch
 
@@ -93,10 +98,14 @@ def run_worker(run_dir: Path) -> int:
     # failed and forge_run_end hears of it.
     starting = _ends_run_if_start_fails(registry, run_dir, log) if rank == 0 else contextlib.nullcontext()
     with starting:
-        model_path = resolve_model(config.model, registry)
+        with _phase(rank, run_dir, f"preparing model {config.model.name}", stage="model",
+                    key=f"model:{config.model.name}", detail="a named model is built or converted on first use only"):
+            model_path = resolve_model(config.model, registry)
         ctx = RunContext(config=config, run_dir=run_dir, model_path=model_path, rank=rank, world_size=world)
         log.info("model %s; trainer %s on %d rank(s)", model_path, config.trainer.name, world)
-        trainer = registry.require("trainer", config.trainer.name).build(config.trainer.options, context=ctx)
+        with _phase(rank, run_dir, f"building trainer {config.trainer.name} on {world} rank(s)", stage="trainer",
+                    key=f"trainer:{config.trainer.name}:{config.model.name}"):
+            trainer = registry.require("trainer", config.trainer.name).build(config.trainer.options, context=ctx)
 
     if rank != 0:
         # Rank 0 decides when to stop (after checkpointing): ignore the scheduler's
@@ -111,6 +120,7 @@ def run_worker(run_dir: Path) -> int:
 
     from transformers import AutoTokenizer
 
+    from forgerl import events
     from forgerl.loop import Loop, install_stop_handlers
     from forgerl.rewarding import RewardSet
 
@@ -126,9 +136,11 @@ def run_worker(run_dir: Path) -> int:
                 config.transport.options, context=ctx
             )
             sender = transport.sender()
-            generator = registry.require("generator", config.generator.name).build(
-                config.generator.options, context=ctx, transport=transport
-            )
+            with events.phase(f"starting generator {config.generator.name}", stage="generator", run_dir=run_dir,
+                              key=f"generator:{config.generator.name}:{config.model.name}"):
+                generator = registry.require("generator", config.generator.name).build(
+                    config.generator.options, context=ctx, transport=transport
+                )
             tokenizer = AutoTokenizer.from_pretrained(model_path)
             loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer)
             install_stop_handlers(loop)
@@ -145,6 +157,13 @@ def run_worker(run_dir: Path) -> int:
                     log.exception("closing %s failed", type(part).__name__)
         faulthandler.cancel_dump_traceback_later()
     return 143 if summary["status"] == "interrupted" else 0
+
+
+def _phase(rank: int, run_dir: Path, message: str, **kw: Any) -> contextlib.AbstractContextManager[object]:
+    """A progress event (:mod:`forgerl.events`) from rank 0; every rank does the work."""
+    from forgerl import events
+
+    return events.phase(message, run_dir=run_dir, **kw) if rank == 0 else contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
-"""Fixtures of the transport suites: the transport under test (``name``), the helper
-processes a test starts (``endpoints``), and a hard per-test time limit, so that a
-transport that hangs fails its test with a message instead of stalling the whole run."""
+"""Fixtures of the transport suites: the helper processes a test starts (``endpoints``)
+and a hard per-test time limit, so that a transport that hangs fails its test with a
+message instead of stalling the whole run. The transport under test (``name``) is
+tests/conftest.py's, shared with the transport fault tests."""
 
 from __future__ import annotations
 
@@ -9,12 +10,7 @@ import pytest
 from forgerl.testing.endpoints import Endpoint
 from forgerl.testing.timing import hard_limit
 
-from ..helpers.requires import require_mooncake
 from ..helpers.timing import scaled
-
-#: The transports ``name`` runs a test against. A module that applies to fewer narrows it:
-#: ``pytestmark = pytest.mark.parametrize("name", ["nccl", "rdma"], indirect=True)``.
-TRANSPORTS = ["shm", "nccl", "rdma"]
 
 DEFAULT_LIMIT_S = 90
 
@@ -30,13 +26,6 @@ def _hard_timeout(request: pytest.FixtureRequest):
     limit = int(scaled(marker.args[0] if marker else DEFAULT_LIMIT_S))
     with hard_limit(limit, f"{request.node.nodeid} ran past its hard timeout of {limit} s"):
         yield
-
-
-@pytest.fixture(params=TRANSPORTS)
-def name(request: pytest.FixtureRequest) -> str:
-    if request.param == "rdma":
-        require_mooncake()
-    return request.param
 
 
 @pytest.fixture

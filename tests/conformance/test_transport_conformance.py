@@ -24,9 +24,9 @@ from forgerl.testing.transport_receiver import make_weights
 from forgerl.testing.transport_support import expected
 from forgerl.testing.transport_support import start_receiver as start_receiver_of
 
+from ..conftest import TRANSPORTS
 from ..helpers.requires import require_mooncake
 from ..helpers.timing import scaled, wait_until
-from .conftest import TRANSPORTS
 
 pytestmark = pytest.mark.integration
 

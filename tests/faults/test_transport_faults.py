@@ -40,24 +40,15 @@ with warnings.catch_warnings():
     # this test follows theirs (the run secret, as it lands).
     warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
     from ..conformance.test_transport_conformance import create, expected, start_receiver
-from ..helpers.requires import require_mooncake
 from ..helpers.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
 
-TRANSPORTS = ["shm", "nccl", "rdma"]
 #: The send timeout for the version the worker stalls in. For nccl it is far above
 #: OPTIONS["nccl"]["stall_timeout"] (2 s), so that a drop before it is the stall rule's doing.
 STALLED_SEND_TIMEOUT = {"shm": 30.0, "nccl": 30.0, "rdma": 8.0}
 #: Seconds this whole test may take before it fails instead of hanging the suite.
 HARD_LIMIT_S = 240
-
-
-@pytest.fixture(params=TRANSPORTS)
-def name(request: pytest.FixtureRequest) -> str:
-    if request.param == "rdma":
-        require_mooncake()
-    return request.param
 
 
 @pytest.fixture

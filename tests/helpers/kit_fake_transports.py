@@ -11,6 +11,8 @@ from typing import Any
 
 from forgerl.backends import TransportBackend
 from forgerl.hookspecs import hookimpl
+from forgerl.testing.timing import scaled
+from forgerl.testing.transport_support import SLACK_S
 
 
 def _shm() -> Any:
@@ -58,7 +60,9 @@ def waits_past_its_timeout(options: Any, *, context: Any) -> Any:
             receiver = super().receiver(worker_id, spec)
 
             def receive(version: int, timeout: float | None = None) -> Iterator[Any]:
-                time.sleep(3 * (timeout or 1.0) + 6)
+                # Past the kit's bound at any FORGE_TEST_TIMEOUT_SCALE: the kit allows the
+                # timeout plus its scaled slack (a fixed overrun passed the check at scale 3).
+                time.sleep((timeout or 1.0) + scaled(SLACK_S) + 2)
                 raise TransportTimeout(f"version {version} did not arrive")
 
             receiver.receive = receive

@@ -7,8 +7,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+import subprocess
 
 import pytest
+
+from .timing import scaled
 
 
 def require_mooncake() -> None:
@@ -19,6 +23,23 @@ def require_mooncake() -> None:
     if os.environ.get("FORGE_REQUIRE_RDMA") == "1":
         pytest.fail(f"FORGE_REQUIRE_RDMA=1 but {reason}")
     pytest.skip(reason)
+
+
+def slurm_unavailable() -> str | None:
+    """None when a Slurm controller answers with a usable node, else why not (tests that
+    need one skip with it, or fail under FORGE_REQUIRE_SLURM=1, as CI sets)."""
+    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
+        return "no sinfo/sbatch on PATH"
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=scaled(10))
+    except subprocess.TimeoutExpired:
+        return f"sinfo did not answer in {scaled(10):g} s"
+    if proc.returncode != 0:
+        return f"sinfo failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
+    states = proc.stdout.split()
+    if not any(s.rstrip("*~#!%$@^-") in ("idle", "mix", "alloc", "comp") for s in states):
+        return f"no usable Slurm node (states: {states})"
+    return None
 
 
 def require_torchtitan() -> None:

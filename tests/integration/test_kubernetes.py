@@ -5,9 +5,7 @@ pods, patches status and serves pod logs."""
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +26,8 @@ from forgerl_plugins.schedulers.kubernetes.scheduler import (  # noqa: E402
     KubernetesScheduler,
     KubernetesUnreachable,
 )
+from tests.helpers.kmock_cluster import KMockServer  # noqa: E402
+from tests.helpers.kmock_cluster import write_kubeconfig as _kubeconfig  # noqa: E402
 from tests.helpers.timing import scaled  # noqa: E402
 
 pytestmark = pytest.mark.integration
@@ -36,58 +36,10 @@ NS = "rl"
 JOBSETS = ("jobset.x-k8s.io", "v1alpha2", NS, "jobsets")
 
 
-class KMockServer:
-    """kmock's emulator (asyncio) on its own thread, for a synchronous client."""
-
-    def __init__(self) -> None:
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    async def _main(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        async with kmock.KubernetesEmulator() as emulator, kmock.Server(emulator, host="127.0.0.1") as server:
-            self.emulator, self.url = emulator, str(server.url).rstrip("/")
-            # Known before any object exists, so that listing an empty kind answers [].
-            for res in ("v1/pods", "v1/configmaps", "v1/services", "batch/v1/jobs",
-                        "jobset.x-k8s.io/v1alpha2/jobsets"):
-                emulator.resources[res] = {}
-            self._ready.set()
-            await self._stop.wait()
-
-    def __enter__(self) -> KMockServer:
-        self._thread.start()
-        assert self._ready.wait(scaled(30)), f"kmock did not start in {scaled(30):g} s"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(scaled(10))
-
-    def in_loop(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the emulator's loop (its reactions are not thread-safe)."""
-        async def call():
-            return fn()
-        return asyncio.run_coroutine_threadsafe(call(), self.loop).result(10)
-
-    def serve_log(self, pod: str, text: str) -> None:
-        self.in_loop(lambda: self.emulator[f"get /api/v1/namespaces/{NS}/pods/{pod}/log"] << text.encode())
-
-
 @pytest.fixture
 def server():
     with KMockServer() as s:
         yield s
-
-
-def _kubeconfig(path: Path, url: str) -> Path:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-        "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-        "users": [{"name": "tester", "user": {"token": "not-checked"}}],
-        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "tester", "namespace": NS}}],
-    }))
-    return path
 
 
 @pytest.fixture

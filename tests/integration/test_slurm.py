@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ from forgerl.errors import ForgeError, JobNotFound, UserError
 from forgerl.types import JobSpec, JobState, Resources, RoleSpec
 from forgerl_plugins.schedulers.slurm.options import SlurmSchedulerOptions
 from forgerl_plugins.schedulers.slurm.scheduler import SbatchRejected, SlurmScheduler
+from tests.helpers.requires import slurm_unavailable
 from tests.helpers.timing import scaled, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm]
@@ -25,25 +25,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slurm]
 PY = sys.executable
 
 
-def _slurm_answer() -> str | None:
-    """None when a Slurm controller answers with a usable node, else why not."""
-    if shutil.which("sinfo") is None or shutil.which("sbatch") is None:
-        return "no sinfo/sbatch on PATH"
-    try:
-        proc = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, timeout=scaled(10))
-    except subprocess.TimeoutExpired:
-        return f"sinfo did not answer in {scaled(10):g} s"
-    if proc.returncode != 0:
-        return f"sinfo failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}"
-    states = proc.stdout.split()
-    if not any(s.rstrip("*~#!%$@^-") in ("idle", "mix", "alloc", "comp") for s in states):
-        return f"no usable Slurm node (states: {states})"
-    return None
-
-
 @pytest.fixture(scope="module")
 def slurm() -> SlurmScheduler:
-    why = _slurm_answer()
+    why = slurm_unavailable()
     if why is not None:
         msg = f"no Slurm running here ({why}); start one with scripts/slurm/start-local-slurm.sh"
         if os.environ.get("FORGE_REQUIRE_SLURM") == "1":

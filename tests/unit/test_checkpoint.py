@@ -371,7 +371,7 @@ def test_an_unwritable_checkpoint_folder_is_permission_denied(tmp_path):
 def test_resumed_metrics_drop_rows_after_the_checkpoint(tmp_path):
     rows = [{"step": i, "reward/mean": i / 10} for i in range(1, 5)]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 5, "rew')
-    writer = MetricsWriter(tmp_path, tensorboard=False, resume_step=2)
+    writer = MetricsWriter(tmp_path, resume_step=2)
     writer.write(3, {"step": 3, "reward/mean": 0.9})
     writer.close()
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

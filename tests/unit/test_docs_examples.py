@@ -1,7 +1,8 @@
 """The examples of docs/plugins*.md, run as written: the tutorial's reward plugin (its
-registration module must stay light), the experiment-tracker plugin, and the backend
+registration module must stay light), the experiment-tracker plugin, the backend
 tutorials' `files` transport, `mini` generator and `mini` trainer (with the sketches of a
-server-based generator), each checked against the contract its tutorial states."""
+server-based generator), and the scheduler tutorial's `procs` scheduler, each checked
+against the contract its tutorial states (and its kit, where forgerl.testing has one)."""
 
 from __future__ import annotations
 
@@ -321,6 +322,21 @@ def test_transport_tutorial_passes_the_transport_kit_as_its_conformance_test_say
     assert "3 passed" in done.stdout, done.stdout[-3000:]
 
 
+@pytest.mark.integration
+def test_generator_tutorial_passes_the_generator_kit_as_its_conformance_test_says(mini_src: Path, tmp_path: Path):
+    """The conformance test of plugins-generator.md, written out as it stands, runs the
+    whole Generator kit on the tutorial's `mini` generator with pytest, the plugin loaded
+    as an installed one would be, and passes every check."""
+    test = code_blocks("plugins-generator.md")["tests/test_conformance.py"]
+    (tmp_path / "test_conformance.py").write_text(test)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_conformance.py"],
+        capture_output=True, text=True, timeout=scaled(600), env=child_env(mini_src), cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "12 passed" in done.stdout, done.stdout[-3000:]
+
+
 def test_generator_and_trainer_tutorials_keep_the_logprob_and_weight_contracts(
     mini_src: Path, tiny_model_dir: Path, tmp_path: Path
 ):
@@ -450,67 +466,20 @@ def test_server_generator_parts_of_the_generator_tutorial(mini_src: Path, tmp_pa
         transport.close()
 
 
-# One rank of the `mini` trainer, as a scheduler starts it: RANK/WORLD_SIZE/MASTER_* set,
-# the trainer built from the registry on every rank. Rank 0 prints what the step did.
-TRAINER_RANK = """
-import json, os, sys
-from pathlib import Path
-import torch
-from forgerl.config import RunConfig
-from forgerl.interfaces import RunContext
-from forgerl.plugins import build_registry
-from forgerl.types import TrainBatch
-
-rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-ctx = RunContext(config=RunConfig(), run_dir=Path(sys.argv[2]), model_path=Path(sys.argv[1]),
-                 rank=rank, world_size=world)
-trainer = build_registry().require("trainer", "mini").build({"lr": 1e-3}, context=ctx)
-ids = torch.randint(0, 500, (4, 10), generator=torch.Generator().manual_seed(0))
-loss_mask = torch.zeros(4, 10)
-loss_mask[:, 5:] = 1
-batch = TrainBatch(ids, torch.ones(4, 10, dtype=torch.long), loss_mask, -3.0 * loss_mask,
-                   torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.zeros(4), num_groups=1)
-metrics = trainer.train_step(batch)
-weights = trainer.export_weights(1)
-if rank == 0:
-    sums = [float(t.double().sum()) for t in weights.tensors.values()]
-    print(json.dumps({"loss": metrics["loss"], "weights": sums}))
-else:
-    assert weights is None
-trainer.close()
-"""
-
-
-def test_trainer_tutorial_takes_the_same_step_on_two_ranks_as_on_one(
-    mini_src: Path, tiny_model_dir: Path, tmp_path: Path
-):
-    """docs/plugins-trainer.md says that summing gradients over ranks, with the loss
-    normalised over the whole batch, makes 2 ranks take the same step as 1."""
-    import json
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    base = {**child_env(mini_src), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
-    args = [sys.executable, "-c", TRAINER_RANK, str(tiny_model_dir), str(tmp_path)]
-    ranks = [subprocess.Popen(args, env={**base, "WORLD_SIZE": "2", "RANK": str(r)}, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    try:
-        one = subprocess.run(args, env={**base, "WORLD_SIZE": "1", "RANK": "0"}, capture_output=True,
-                             text=True, timeout=scaled(120))
-        outputs = [r.communicate(timeout=scaled(120))[0] for r in ranks]
-    finally:
-        for r in ranks:
-            if r.poll() is None:
-                r.kill()
-    assert one.returncode == 0, one.stderr
-    assert [r.returncode for r in ranks] == [0, 0], outputs
-    single = json.loads(one.stdout.strip().splitlines()[-1])
-    double = json.loads(outputs[0].strip().splitlines()[-1])
-    assert double["loss"] == pytest.approx(single["loss"], rel=1e-5)
-    assert double["weights"] == pytest.approx(single["weights"], rel=1e-5, abs=1e-6)
+@pytest.mark.integration
+@pytest.mark.slow  # two trainer ranks in their own processes: 20-60 s on two busy cores
+def test_trainer_tutorial_passes_the_trainer_kit_as_its_conformance_test_says(mini_src: Path, tmp_path: Path):
+    """The "Run the kit" test of plugins-trainer.md, written out as it stands, runs the whole
+    trainer kit (two ranks included) on the tutorial's `mini` trainer with pytest, the
+    plugin loaded as an installed one would be, and passes."""
+    test = code_blocks("plugins-trainer.md")["tests/test_trainer_conformance.py"]
+    (tmp_path / "test_trainer_conformance.py").write_text(test)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_trainer_conformance.py"],
+        capture_output=True, text=True, timeout=scaled(400), env=child_env(mini_src), cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "9 passed" in done.stdout, done.stdout[-3000:]
 
 
 def test_a_run_on_the_three_tutorial_backends(mini_src: Path, tmp_path: Path):
@@ -532,3 +501,53 @@ def test_a_run_on_the_three_tutorial_backends(mini_src: Path, tmp_path: Path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["policy_version"] for r in rows] == [1, 2]
     assert all(r["logprob_gap/max"] < 1e-4 for r in rows), rows
+
+
+# ------------------------------------------------- the scheduler tutorial's `forgerl-procs`
+
+PROCS_FILES = ("src/forgerl_procs/options.py", "src/forgerl_procs/plugin.py", "src/forgerl_procs/supervisor.py",
+               "src/forgerl_procs/scheduler.py", "tests/test_conformance.py")
+
+
+def write_procs_package(root: Path) -> dict[str, str]:
+    """The files of docs/plugins-scheduler.md written out under ``root`` as they stand; the
+    environment of a process that imports them (the tutorial's package not installed)."""
+    blocks = code_blocks("plugins-scheduler.md")
+    for path in PROCS_FILES:
+        assert path in blocks, f"docs/plugins-scheduler.md has no block starting '# {path}'"
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(blocks[path])
+    (root / "src/forgerl_procs/__init__.py").write_text("")
+    shim = REPO / ".pyshim"
+    path = [str(root / "src"), *([str(shim)] if shim.is_dir() else []), *sys.path]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def test_scheduler_tutorial_registration_module_stays_light(tmp_path: Path):
+    env = write_procs_package(tmp_path)
+    script = (
+        "import sys\n"
+        "from forgerl_procs.plugin import forge_schedulers\n"
+        "[backend] = forge_schedulers()\n"
+        "heavy = [m for m in ('pydantic', 'forgerl_procs.options', 'forgerl_procs.scheduler') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "scheduler = backend.build({'stop_timeout': 3})\n"
+        "print(type(scheduler).__name__, scheduler.detached, scheduler.supports_logs)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=scaled(60), env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["ProcsScheduler", "True", "True"]
+
+
+@pytest.mark.integration
+def test_scheduler_tutorial_passes_the_scheduler_kit_as_its_conformance_test_says(tmp_path: Path):
+    """docs/plugins-scheduler.md's conformance test, written out as it stands, runs the
+    whole scheduler kit (real jobs of real processes) on the tutorial's `procs` scheduler
+    with pytest, and passes."""
+    env = write_procs_package(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py"],
+        capture_output=True, text=True, timeout=scaled(300), env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "7 passed" in done.stdout, done.stdout[-3000:]

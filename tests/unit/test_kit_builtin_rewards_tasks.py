@@ -70,3 +70,49 @@ class TestFileTask(TaskContract):
         ]
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         self.options = {"path": str(path), "eval_fraction": 0.2, "system_prompt": "Be brief."}
+
+
+ADD = Problem(
+    id="kit/add",
+    prompt="Write a Python function add(a, b) that returns their sum.",
+    metadata={"tests": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"]},
+)
+
+
+class TestCodeReward(RewardContract):
+    """Every text of the kit's battery runs as a program in the sandbox."""
+
+    backend = "code"
+    options = {"timeout": 10}
+    completions = ("```python\ndef add(a, b):\n    return a + b\n```", "def add(a, b): return a - b")
+    known_scores = (
+        (RewardInput(ADD, "Here:\n```python\ndef add(a, b):\n    return a + b\n```"), 1.0),
+        (RewardInput(ADD, "def add(a, b):\n    return 3"), 0.5),
+        (RewardInput(ADD, "import sys\nsys.exit(0)"), 0.0),
+    )
+
+    def problems(self) -> list[Problem]:
+        return [ADD]
+
+
+class TestCodeBasicsTask(TaskContract):
+    backend = "code_basics"
+
+
+class TestFileTaskCodeFormat(TaskContract):
+    """Code problems from a file: the tests reach the rewards as metadata."""
+
+    backend = "file"
+
+    @pytest.fixture(autouse=True)
+    def _data(self, tmp_path):
+        path = tmp_path / "code.jsonl"
+        rows = [
+            {"prompt": f"Write f(x) returning x + {i}.", "tests": [f"assert f(1) == {1 + i}"], "solution": "..."}
+            for i in range(6)
+        ] + [
+            {"prompt": "Echo a line.", "stdio": [{"input": "hi\n", "output": "hi"}]},
+            {"prompt": "Write g.", "tests": "def check(c):\n    assert c() == 1\n", "entry_point": "g"},
+        ]
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        self.options = {"path": str(path), "format": "code", "eval_fraction": 0.25}

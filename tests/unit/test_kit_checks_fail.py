@@ -103,7 +103,7 @@ def test_importing_the_kits_imports_neither_torch_nor_pytest_until_a_kit_is_used
         "import sys\n"
         "import forgerl.testing\n"
         "assert 'pytest' not in sys.modules and 'torch' not in sys.modules, 'import forgerl.testing'\n"
-        "from forgerl.testing import RewardContract, TaskContract, TransportContract\n"
+        "from forgerl.testing import GeneratorContract, RewardContract, TaskContract, TransportContract\n"
         "assert 'torch' not in sys.modules, 'importing the kits imported torch'\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -3,7 +3,7 @@ import pytest
 
 from forgerl.types import Problem, RewardInput
 from forgerl_countdown.game import CountdownReward, CountdownTask, evaluate
-from forgerl_countdown.plugin import CountdownRewardOptions, CountdownTaskOptions
+from forgerl_countdown.options import CountdownRewardOptions, CountdownTaskOptions
 
 
 def problem(numbers, target):

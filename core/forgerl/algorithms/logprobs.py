@@ -16,6 +16,7 @@ shifted slice ``logits[:, :-1]`` is not copied either.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -59,7 +60,7 @@ class _SelectiveLogprobs(torch.autograd.Function):
     # the backward recomputes the block's softmax from the logits, so nothing per
     # vocabulary entry is ever saved.
     @staticmethod
-    def forward(ctx, logits: Tensor, token_ids: Tensor, chunk_size: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, logits: Tensor, token_ids: Tensor, chunk_size: int) -> Tensor:
         batch, length, _ = logits.shape
         cdt = _compute_dtype(logits.dtype)
         out = torch.empty(batch, length, dtype=cdt, device=logits.device)
@@ -73,7 +74,7 @@ class _SelectiveLogprobs(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None, None]:
         logits, token_ids = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         batch, length, _ = logits.shape
@@ -121,7 +122,7 @@ def naive_selective_logprobs(logits: Tensor, token_ids: Tensor) -> Tensor:
 
 class _TokenEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, chunk_size: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, logits: Tensor, chunk_size: int) -> Tensor:
         batch, length, _ = logits.shape
         cdt = _compute_dtype(logits.dtype)
         ent = torch.empty(batch, length, dtype=cdt, device=logits.device)
@@ -137,7 +138,7 @@ class _TokenEntropy(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: Tensor):  # type: ignore[override]
+    def backward(ctx: Any, grad_out: Tensor) -> tuple[Tensor, None]:
         logits, ent = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         batch, length, _ = logits.shape

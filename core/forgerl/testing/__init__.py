@@ -5,7 +5,7 @@ Each kit is a pytest test class. A plugin's test module subclasses it, names the
 that kind against it::
 
     # tests/test_conformance.py of a plugin
-    from forgerl.testing import RewardContract, TaskContract, TransportContract
+    from forgerl.testing import GeneratorContract, RewardContract, TaskContract, TransportContract
 
     class TestMyReward(RewardContract):
         backend = "my_reward"
@@ -18,13 +18,17 @@ that kind against it::
         backend = "my_transport"
         confirms_delivery = True         # its send waits for every receiver
 
+    class TestMyGenerator(GeneratorContract):
+        backend = "my_generator"         # checked on the built-in tiny model by default
+
 Backends are built the way a run builds them, through the public build contract
 (``build_registry().require(kind, name).build(options, ...)``, :mod:`forgerl.contract`),
 so the plugin must be installed, or named in the class's ``plugins`` (import paths of
 plugin modules, like ``FORGE_PLUGINS``).
 
 Importing this package imports neither pytest nor torch: each kit is imported on first use
-(:class:`TransportContract` needs torch when its tests run, the others never do).
+(:class:`TransportContract`, :class:`TrainerContract` and :class:`GeneratorContract` need
+torch when their tests run, the others never do; the generator kit also needs transformers).
 Deadlines in the kits stretch with ``FORGE_TEST_TIMEOUT_SCALE`` (:mod:`forgerl.testing.timing`).
 """
 
@@ -39,6 +43,9 @@ _KITS = {
     "TaskContract": "forgerl.testing.task",
     "TransportContract": "forgerl.testing.transport",
     "TransportCase": "forgerl.testing.transport",
+    "TrainerContract": "forgerl.testing.trainer",
+    "SchedulerContract": "forgerl.testing.scheduler",
+    "GeneratorContract": "forgerl.testing.generator",
 }
 
 __all__ = list(_KITS)  # the kits' names, listed once in _KITS
@@ -48,7 +55,13 @@ if _pytest is not None:
     # Under pytest, a failed check of a kit shows its values like a test's own assert does
     # (the kits are imported after this line, so pytest can rewrite their asserts).
     _pytest.register_assert_rewrite(
-        "forgerl.testing.reward", "forgerl.testing.task", "forgerl.testing.transport"
+        "forgerl.testing.reward",
+        "forgerl.testing.task",
+        "forgerl.testing.transport",
+        "forgerl.testing.trainer",
+        "forgerl.testing.scheduler",
+        "forgerl.testing.generator",
+        "forgerl.testing.generator_lifecycle",
     )
 
 

@@ -24,6 +24,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from multiprocessing.context import ForkServerContext
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +38,13 @@ HELPER = "forgerl.testing.transport_receiver"
 READER_THREAD_PREFIX = "forgerl-testing-endpoint"
 SPAWN = os.environ.get("FORGE_CONFORMANCE_SPAWN", "fork")
 
-_forkserver: Any = None
+_forkserver: ForkServerContext | None = None
 
 
-def _context() -> Any:
+def _context() -> ForkServerContext:
     global _forkserver
     if _forkserver is None:
-        ctx = multiprocessing.get_context("forkserver")
+        ctx: ForkServerContext = multiprocessing.get_context("forkserver")
         # Imported once in the server, inherited by every child; nothing here starts a
         # thread, so forking after it is safe.
         ctx.set_forkserver_preload(["torch", "forgerl.plugins", HELPER])
@@ -79,7 +82,7 @@ class _LineReceiver:
         except EOFError:
             return ""
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[str]:
         while line := self.readline():
             yield line
 
@@ -90,8 +93,8 @@ def _forked_main(argv: list[str], events: Any, commands: Any, log_path: str) -> 
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 - lives as long as the process
-    sys.stdout = _LineSender(events)  # type: ignore[assignment]
-    sys.stdin = _LineReceiver(commands)  # type: ignore[assignment]
+    sys.stdout = _LineSender(events)
+    sys.stdin = _LineReceiver(commands)
     from forgerl.testing import transport_receiver
 
     code = 1
@@ -107,9 +110,12 @@ class Endpoint:
 
     def __init__(self, args: list[str], label: str) -> None:
         self.label = label
-        self.events: queue.Queue[dict] = queue.Queue()
-        self.seen: list[dict] = []
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.seen: list[dict[str, Any]] = []
         self._stderr: list[str] = []
+        # Exactly one of the two is set: a subprocess, or a process forked by the forkserver.
+        self._popen: subprocess.Popen[str] | None = None
+        self._proc: BaseProcess | None = None
         if SPAWN == "subprocess":
             self._popen = subprocess.Popen(
                 [sys.executable, "-m", HELPER, *args],
@@ -119,17 +125,15 @@ class Endpoint:
                 text=True,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
-            self._proc = None
             self.pid = self._popen.pid
             self._reader(self._read_lines, self._popen.stdout)
-            self._reader(self._read_stderr)
+            self._reader(self._read_stderr, self._popen.stderr)
         else:
             ctx = _context()
             events_in, events_out = ctx.Pipe(duplex=False)
             commands_in, commands_out = ctx.Pipe(duplex=False)
             fd, self._log_path = tempfile.mkstemp(prefix="forgerl-endpoint-", suffix=".log")
             os.close(fd)
-            self._popen = None
             self._proc = ctx.Process(
                 target=_forked_main, args=(args, events_out, commands_in, self._log_path), daemon=True
             )
@@ -137,6 +141,7 @@ class Endpoint:
             events_out.close()
             commands_in.close()
             self._commands = commands_out
+            assert self._proc.pid is not None  # set by start()
             self.pid = self._proc.pid
             self._reader(self._read_conn, events_in)
 
@@ -161,8 +166,8 @@ class Endpoint:
             except (EOFError, OSError):
                 return
 
-    def _read_stderr(self) -> None:
-        for line in self._popen.stderr:  # type: ignore[union-attr]
+    def _read_stderr(self, stream: Any) -> None:
+        for line in stream:
             self._stderr.append(line)
 
     def stderr_tail(self, lines: int = 25) -> str:
@@ -175,7 +180,7 @@ class Endpoint:
 
     # ---------------------------------------------------------------- control
 
-    def wait(self, event: str, version: int | None = None, timeout: float | None = None) -> dict:
+    def wait(self, event: str, version: int | None = None, timeout: float | None = None) -> dict[str, Any]:
         """The next event of this kind (and version); fails with the process's log.
         ``timeout``: seconds, as given (pass ``scaled(...)``); default ``scaled(30)``."""
         timeout = scaled(30.0) if timeout is None else timeout
@@ -208,7 +213,7 @@ class Endpoint:
     def exitcode(self) -> int | None:
         if self._popen is not None:
             return self._popen.poll()
-        return self._proc.exitcode  # type: ignore[union-attr]
+        return self._forked().exitcode
 
     def finish(self, timeout: float | None = None) -> int:
         """Wait for the process to exit; its exit status (negative: killed by a signal).
@@ -220,11 +225,12 @@ class Endpoint:
             except subprocess.TimeoutExpired:
                 self.kill()
                 raise AssertionError(f"{self.label} did not exit within {timeout} s") from None
-        self._proc.join(timeout)  # type: ignore[union-attr]
-        if self._proc.exitcode is None:  # type: ignore[union-attr]
+        proc = self._forked()
+        proc.join(timeout)
+        if proc.exitcode is None:
             self.kill()
             raise AssertionError(f"{self.label} did not exit within {timeout} s")
-        return self._proc.exitcode  # type: ignore[union-attr]
+        return proc.exitcode
 
     def kill(self) -> None:
         if self._popen is not None:
@@ -232,9 +238,16 @@ class Endpoint:
                 self._popen.kill()
             self._popen.wait(timeout=scaled(30))
             return
-        if self._proc.exitcode is None:  # type: ignore[union-attr]
-            self._proc.kill()  # type: ignore[union-attr]
-        self._proc.join(scaled(30))  # type: ignore[union-attr]
+        proc = self._forked()
+        if proc.exitcode is None:
+            proc.kill()
+        proc.join(scaled(30))
+
+    def _forked(self) -> BaseProcess:
+        """The helper process when it was forked rather than started with Popen."""
+        if self._proc is None:
+            raise AssertionError(f"{self.label}: neither started nor forked")
+        return self._proc
 
     def cleanup(self) -> None:
         self.kill()

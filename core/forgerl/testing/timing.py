@@ -38,9 +38,9 @@ def scaled(seconds: float) -> float:
 
 
 def wait_until(
-    condition: Callable[[], T], timeout: float, what: str, interval: float = 0.05
+    condition: Callable[[], T | None], timeout: float, what: str, interval: float = 0.05
 ) -> T:
-    """Poll ``condition`` until it returns something true and return that; fail with
+    """Poll ``condition`` until it returns something true (never None) and return that; fail with
     ``what`` (and how long it waited) once ``scaled(timeout)`` seconds pass."""
     limit = scaled(timeout)
     deadline = time.monotonic() + limit

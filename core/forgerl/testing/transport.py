@@ -181,7 +181,11 @@ class TransportContract:
         leftover = [ep.label for ep in endpoints if ep.alive()]
         assert not leftover, f"helper processes still alive after close: {leftover}"
         for port in ports:
-            wait_until(lambda port=port: port not in listening_ports(), 5, f"port {port} to close")
+
+            def released(port: int = port) -> bool:
+                return port not in listening_ports()
+
+            wait_until(released, 5, f"port {port} to close")
         stacks = threads_left(threads_before, self.thread_exit_wait_s)
         assert not stacks, f"threads the transport started still run after close:\n{stacks}"
         registered = getattr(sender, "registered_bytes", 0)

@@ -14,7 +14,10 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PretrainedConfig, PreTrainedModel
 
 # Bump when the output of the builder changes, so cached folders are rebuilt.
 BUILDER_VERSION = 3
@@ -122,6 +125,8 @@ def write_tiny_model(options: Any, folder: Path) -> None:
         bos_token_id=None,
         torch_dtype="float32",
     )
+    Config: type[PretrainedConfig]
+    Model: type[PreTrainedModel]
     if options.architecture == "qwen2":
         from transformers import Qwen2Config as Config
         from transformers import Qwen2ForCausalLM as Model
@@ -136,7 +141,7 @@ def write_tiny_model(options: Any, folder: Path) -> None:
     # embeddings a std of 0.5 made it repeat its input token with probability ~1, and
     # every seed sampled the same tokens.
     with torch.no_grad():
-        model.get_input_embeddings().weight.normal_(0.0, 0.1)
+        model.get_input_embeddings().get_parameter("weight").normal_(0.0, 0.1)
     model.generation_config.eos_token_id = eos_id
     model.generation_config.pad_token_id = pad_id
     model.save_pretrained(folder, safe_serialization=True)

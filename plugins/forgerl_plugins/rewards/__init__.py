@@ -1,4 +1,4 @@
-"""Built-in rewards: ``math_answer``, ``format``."""
+"""Built-in rewards: ``math_answer``, ``format``, ``code``, ``remote``, ``reward_model``."""
 
 from __future__ import annotations
 
@@ -22,8 +22,30 @@ def forge_rewards():
             options="forgerl_plugins.rewards.options:FormatOptions",
             description="the completion matches a regular expression",
         ),
+        RewardBackend(
+            name="code",
+            factory="forgerl_plugins.rewards.code:CodeReward",
+            options="forgerl_plugins.rewards.options:CodeOptions",
+            description="the completion's program passes the problem's tests (sandboxed)",
+            preflight="forgerl_plugins.rewards.code:preflight",
+        ),
+        RewardBackend(
+            name="remote",
+            factory="forgerl_plugins.rewards.remote:RemoteReward",
+            options="forgerl_plugins.rewards.options:RemoteOptions",
+            description="an HTTP scoring service scores each sample",
+        ),
+        RewardBackend(
+            name="reward_model",
+            factory="forgerl_plugins.rewards.reward_model:RewardModelReward",
+            options="forgerl_plugins.rewards.options:RewardModelOptions",
+            description="a Hugging Face sequence-classification model scores each sample (in-process)",
+            requires=("torch", "transformers"),
+        ),
     ]
 
 
 # Options models live in .options, imported on first use (listing backends never imports pydantic).
-__getattr__ = lazy_options(__name__, ("MathAnswerOptions", "FormatOptions"))
+__getattr__ = lazy_options(
+    __name__, ("MathAnswerOptions", "FormatOptions", "CodeOptions", "RemoteOptions", "RewardModelOptions")
+)

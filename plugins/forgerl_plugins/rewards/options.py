@@ -24,7 +24,6 @@ class MathAnswerOptions(OptionsModel):
 
 
 class FormatOptions(OptionsModel):
-
     # Non-empty content: "<answer></answer>" alone must not earn the format reward.
     pattern: str = Field(
         r"<answer>\s*[^<\s][^<]*</answer>", description="Regular expression the completion should match."
@@ -39,3 +38,76 @@ class FormatOptions(OptionsModel):
         except re.error as exc:
             raise ValueError(f"not a valid regular expression: {exc}") from None
         return pattern
+
+
+class CodeOptions(OptionsModel):
+    value: str = Field(
+        "pass_rate",
+        pattern="^(pass_rate|all_passed)$",
+        description="The reward: share of tests passed, or 1 if all.",
+    )
+    code_from: str = Field(
+        "fenced_or_raw",
+        pattern="^(fenced|raw|fenced_or_raw)$",
+        description="The program: the first python code block, the whole text, or the block else the text.",
+    )
+    isolation: str = Field(
+        "auto",
+        pattern="^(auto|namespace|bwrap|process)$",
+        description="Sandbox level; an explicit level that this machine lacks stops the run at start.",
+    )
+    timeout: float = Field(5.0, gt=0, le=600, description="Wall-clock seconds per program run.")
+    cpu_seconds: int | None = Field(None, ge=1, le=600, description="CPU seconds per run (default: timeout).")
+    memory_mb: int = Field(1024, ge=64, le=1 << 20, description="Address space per run, MiB.")
+    processes: int = Field(32, ge=1, le=4096, description="Processes the program may have (RLIMIT_NPROC).")
+    file_size_mb: int = Field(16, ge=1, le=1 << 20, description="Largest file the program may write, MiB.")
+    open_files: int = Field(64, ge=16, le=65536, description="Open file descriptors per run.")
+    max_output_kb: int = Field(64, ge=1, le=1 << 20, description="Stdout/stderr read back per run, KiB.")
+    concurrency: int | None = Field(
+        None, ge=1, le=1024, description="Programs at once on this machine (default: the usable cores)."
+    )
+    python: str | None = Field(None, description="Interpreter for the programs (default: this one).")
+    workdir: str | None = Field(None, description="Where the per-run directories go (default: the temp dir).")
+
+
+class RemoteOptions(OptionsModel):
+    url: str = Field(pattern=r"^https?://", description="Where to POST each sample (http:// or https://).")
+    timeout: float = Field(10.0, gt=0, le=3600, description="Seconds per request.")
+    retries: int = Field(2, ge=0, le=20, description="Retries after a connection error, timeout, 429 or 5xx.")
+    backoff: float = Field(
+        0.5, ge=0, le=60, description="Seconds before the first retry, doubled for each next."
+    )
+    concurrency: int = Field(16, ge=1, le=4096, description="Requests in flight at once (per process).")
+    auth_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Name of the environment variable holding the auth token (the token is never in the config).",
+    )
+    auth_header: str = Field("Authorization", min_length=1, description="Header the token goes in.")
+    auth_scheme: str = Field("Bearer", description="Put before the token ('' for none).")
+    score_field: str = Field("score", description="Field of the answer holding the score.")
+    components_field: str = Field("components", description="Field of the answer holding named components.")
+    max_response_bytes: int = Field(1 << 20, ge=64, description="Largest answer read.")
+
+
+class RewardModelOptions(OptionsModel):
+    model: str = Field(min_length=1, description="Folder (or hub id) of a sequence-classification model.")
+    label: int | None = Field(
+        None,
+        ge=0,
+        description="Which label's probability is the score (default: the last; 1-label models: the logit).",
+    )
+    activation: str = Field(
+        "auto",
+        pattern="^(auto|none|sigmoid|softmax)$",
+        description="auto: the raw logit for 1 label, softmax otherwise; sigmoid squashes a 1-label logit.",
+    )
+    chat_template: bool = Field(
+        True, description="Render prompt and completion with the tokenizer's chat template."
+    )
+    batch_size: int = Field(16, ge=1, le=4096, description="Samples per forward pass.")
+    max_length: int = Field(4096, ge=8, description="Tokens per sample; longer ones keep their end.")
+    device: str | None = Field(None, description="torch device (default: cuda when available, else cpu).")
+    dtype: str | None = Field(
+        None, pattern="^(float32|bfloat16|float16)$", description="Weights' dtype (default: as saved)."
+    )

@@ -1,4 +1,5 @@
-"""Built-in tasks: ``arithmetic`` (generated problems) and ``file`` (JSONL/Parquet)."""
+"""Built-in tasks: ``arithmetic`` (generated problems), ``file`` (JSONL/Parquet) and
+``code_basics`` (a handful of very easy Python functions, for the ``code`` reward)."""
 
 from __future__ import annotations
 
@@ -22,8 +23,14 @@ def forge_tasks():
             description="prompts and answers from a JSONL or Parquet file",
             preflight="forgerl_plugins.tasks.file:preflight",
         ),
+        TaskBackend(
+            name="code_basics",
+            factory="forgerl_plugins.tasks.code_basics:CodeBasicsTask",
+            options="forgerl_plugins.tasks.options:CodeBasicsOptions",
+            description="very easy Python functions with assert tests (for the code reward)",
+        ),
     ]
 
 
 # Options models live in .options, imported on first use (listing backends never imports pydantic).
-__getattr__ = lazy_options(__name__, ("ArithmeticOptions", "FileTaskOptions"))
+__getattr__ = lazy_options(__name__, ("ArithmeticOptions", "FileTaskOptions", "CodeBasicsOptions"))

@@ -35,7 +35,7 @@ class FileTask(Task):
     def __init__(self, options: FileTaskOptions, *, seed: int = 0):
         self.options = options
         self.seed = int(seed)
-        rows = read_rows(Path(options.path))
+        rows = self._rows(options)
         problems = [self._problem(row, options.path, i) for i, row in enumerate(rows)]
         if options.eval_path:
             eval_rows = read_rows(Path(options.eval_path))
@@ -89,6 +89,9 @@ class FileTask(Task):
 
     # ------------------------------------------------------------- helpers
 
+    def _rows(self, options: FileTaskOptions) -> list[dict[str, Any]]:
+        return read_rows(Path(options.path))
+
     def _epoch_order(self, epoch: int) -> list[int]:
         order = list(range(len(self._train)))
         random.Random(f"file:{self.seed}:{epoch}").shuffle(order)
@@ -107,6 +110,8 @@ def problem_from_row(o: FileTaskOptions, row: Mapping[str, Any], source: str, in
             "set task.options.prompt_field"
         )
     prompt = _chat(row[o.prompt_field], o.system_prompt, where, o.prompt_field)
+    if o.format == "code":
+        return _code_problem(o, row, where, source, index, prompt)
     answer = ""
     if o.answer_field is not None:
         if o.answer_field not in row or row[o.answer_field] is None:
@@ -121,6 +126,28 @@ def problem_from_row(o: FileTaskOptions, row: Mapping[str, Any], source: str, in
     used = {o.prompt_field, o.answer_field, o.id_field}
     metadata = {k: v for k, v in row.items() if k not in used}
     return Problem(id=problem_id, prompt=prompt, answer=answer, metadata=metadata)
+
+
+def _code_problem(
+    o: FileTaskOptions, row: Mapping[str, Any], where: str, source: str, index: int, prompt: list[dict[str, str]]
+) -> Problem:
+    """A ``format: code`` row: the tests travel in the metadata (for the code reward), the
+    reference solution (optional field ``solution``) is the answer."""
+    tests, stdio = row.get("tests"), row.get("stdio")
+    if stdio is not None:
+        if not (isinstance(stdio, list) and stdio and all(isinstance(c, Mapping) and "output" in c for c in stdio)):
+            raise ConfigError(f'{where}: "stdio" must be a non-empty list of {{"input", "output"}} cases')
+    elif isinstance(tests, str):
+        if not row.get("entry_point"):
+            raise ConfigError(f'{where}: "tests" as check(candidate) code needs an "entry_point" (the function)')
+    elif not (isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)):
+        raise ConfigError(
+            f'{where}: a code problem needs "tests" (a list of assert statements, or check(candidate) code '
+            'with "entry_point") or "stdio" (input/output cases)'
+        )
+    problem_id = str(row[o.id_field]) if row.get(o.id_field) is not None else f"{Path(source).name}:{index}"
+    metadata = {k: v for k, v in row.items() if k not in (o.prompt_field, o.id_field, "solution")}
+    return Problem(id=problem_id, prompt=prompt, answer=str(row.get("solution") or ""), metadata=metadata)
 
 
 def _chat(value: Any, system_prompt: str | None, where: str, field: str) -> list[dict[str, str]]:

@@ -48,3 +48,16 @@ class FileTaskOptions(OptionsModel):
     id_field: str = Field("id", description="Field holding a problem id, when present (else file:row).")
     eval_fraction: float = Field(0.1, ge=0, lt=1, description="Share of path held out when no eval_path.")
     system_prompt: str | None = Field(None, description="System message put before every prompt.")
+    format: str = Field(
+        "qa",
+        pattern="^(qa|code)$",
+        description="qa: prompt and answer; code: prompt and tests for the code reward (docs/rewards.md).",
+    )
+
+
+class CodeBasicsOptions(OptionsModel):
+    eval_fraction: float = Field(0.25, ge=0, lt=1, description="Share of the problems held out for eval.")
+    system_prompt: str | None = Field(
+        "Write the Python function asked for. Answer with the code in one ```python block.",
+        description="System message put before every prompt.",
+    )

@@ -1,25 +1,13 @@
-"""Registration: one task and one reward, both named ``countdown``."""
+"""Registration: one task and one reward, both named ``countdown``.
+
+What the entry point imports, so it stays light: the options models and the game are
+named as "module:attr" and imported only when a backend is validated or built.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
-
 from forgerl.backends import RewardBackend, TaskBackend
 from forgerl.hookspecs import hookimpl
-
-
-class CountdownTaskOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    numbers: int = Field(3, ge=2, le=6, description="How many numbers each problem gives.")
-    max_number: int = Field(25, ge=2)
-    eval_size: int = Field(32, ge=1)
-
-
-class CountdownRewardOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    well_formed_credit: float = Field(0.1, ge=0, le=1)
 
 
 @hookimpl
@@ -28,7 +16,7 @@ def forge_tasks():
         TaskBackend(
             name="countdown",
             factory="forgerl_countdown.game:CountdownTask",
-            options=CountdownTaskOptions,
+            options="forgerl_countdown.options:CountdownTaskOptions",
             description="reach a target number from given numbers",
         )
     ]
@@ -40,7 +28,7 @@ def forge_rewards():
         RewardBackend(
             name="countdown",
             factory="forgerl_countdown.game:CountdownReward",
-            options=CountdownRewardOptions,
+            options="forgerl_countdown.options:CountdownRewardOptions",
             description="checks a Countdown expression",
         )
     ]

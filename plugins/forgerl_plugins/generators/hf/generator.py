@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from forgerl.errors import ConfigError, GeneratorError, TransportError
 from forgerl.interfaces import Generator, RunContext, Transport, TransportReceiver
@@ -148,7 +148,7 @@ class HFGenerator(Generator):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"hf generator cannot load the model in {path}: {exc}") from exc
-        self.model = model.to(self.device).eval().requires_grad_(False)
+        self.model = model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]  # transformers' wrapped .to() takes self
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.eos_ids = self._eos_ids()
@@ -192,7 +192,7 @@ class HFGenerator(Generator):
                 self._decode(sequences[start : start + size])
         out: list[list[Completion]] = [[] for _ in requests]
         for s in sequences:
-            text = s.text if s.text is not None else self.tokenizer.decode(s.tokens, skip_special_tokens=True)
+            text = s.text if s.text is not None else self._text(s.tokens)
             assert s.finish is not None, f"sequence {s.request}/{s.index} did not finish"
             out[s.request].append(Completion(s.tokens, s.logprobs, s.finish, version, text))
         return out
@@ -300,8 +300,12 @@ class HFGenerator(Generator):
         elif len(s.tokens) >= s.max_new:
             s.finish = "length"
 
+    def _text(self, tokens: list[int]) -> str:
+        # decode returns a list of strings only for a batch of sequences.
+        return cast(str, self.tokenizer.decode(tokens, skip_special_tokens=True))
+
     def _hit_stop_string(self, s: _Sequence) -> bool:
-        text = self.tokenizer.decode(s.tokens, skip_special_tokens=True)
+        text = self._text(s.tokens)
         hits = [i for stop in s.sampling.stop if stop and (i := text.find(stop)) >= 0]
         if not hits:
             return False
@@ -395,7 +399,7 @@ class HFGenerator(Generator):
             if self._receiver is not None:
                 self._receiver.close()
                 self._receiver = None
-            self.model = None  # type: ignore[assignment]
+            self.model = None
 
 
 def _few(names: list[str], limit: int = 5) -> str:

@@ -34,6 +34,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from forgerl import events
+
 from . import cpu_cores, liveness
 from .auth import KEY_ENV, MIDDLEWARE
 
@@ -266,7 +268,10 @@ def launch(run_dir: Path, replica: int) -> int:
     endpoint = endpoint_file(run_dir, replica)
     # A file left by the previous instance of this replica points at a dead server.
     endpoint.unlink(missing_ok=True)
-    model_dir = resolve_model(config.model, build_registry())
+    # Events say who they come from (vllm-<replica>): the messages need not.
+    with events.phase(f"preparing model {config.model.name}", stage="model",
+                      key=f"model:{config.model.name}", run_dir=run_dir):
+        model_dir = resolve_model(config.model, build_registry())
     api_key = secrets.token_urlsafe(24)
     env = server_env(options, api_key)
     if is_cpu_build():
@@ -283,6 +288,11 @@ def launch(run_dir: Path, replica: int) -> int:
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
 
+    starting = events.phase(
+        "starting the vLLM server", detail="loading the model, then one first request",
+        stage="server", key=f"vllm-start:{config.model.name}:{'cpu' if is_cpu_build() else 'gpu'}",
+        run_dir=run_dir, log=log_file(run_dir, replica),
+    )
     for attempt in range(3):
         port = free_port(options.host)
         command = server_command(options, model_dir, config.model.dtype, port)
@@ -337,6 +347,7 @@ def launch(run_dir: Path, replica: int) -> int:
         },
     )
     _say(f"replica {replica}: healthy at {url} (pid {child.pid}); endpoint in {endpoint}")
+    starting.done()
     try:
         hung = liveness.watch(
             child,
@@ -393,6 +404,10 @@ def _failed(endpoint: Path, why: str) -> int:
     """Tell the generator (it fails at once with this message) and exit non-zero."""
     _say(why)
     write_endpoint(endpoint, {"error": why, "launcher_pid": os.getpid(), "time": time.time()})
+    run_dir = endpoint.parent.parent
+    replica = endpoint.stem.rsplit("-", 1)[-1]
+    events.announce(why, stage="server", state="failed", run_dir=run_dir,
+                    log=log_file(run_dir, int(replica)) if replica.isdigit() else None)
     return 1
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from forgerl import events
 from forgerl.errors import GeneratorUnreachable
 
 from .client import ReplicaClient
@@ -48,6 +49,8 @@ class ReplicaWatch:
         # that are gone: a report of failure counts only if written since this job began;
         # an endpoint only once the server behind it answers with its key.
         not_before = process_start_time() - 60.0
+        events.announce(f"waiting for vLLM replica {r.index} to answer /health (up to "
+                        f"{self.options.startup_timeout:g} s)", stage="generator", run_dir=self.run_dir, log=r.log)
         while True:
             data = read_endpoint(endpoint_file(self.run_dir, r.index))
             if data is not None and data.get("error"):

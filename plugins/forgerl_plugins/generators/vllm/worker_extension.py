@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 
 class _Counted:
@@ -51,6 +51,13 @@ class ForgeWorkerExtension:
 
     _forge_version: int = 0
     _forge_receivers: dict[str, Any]
+
+    if TYPE_CHECKING:  # pragma: no cover - what the vLLM worker this is mixed into provides
+        model_runner: Any
+
+        def reload_weights(
+            self, *, weights_iterator: Iterable[tuple[str, Any]] | None, is_checkpoint_format: bool
+        ) -> None: ...
 
     def forge_load_weights(self, request: str) -> dict[str, Any]:
         """Load a weight version. ``request`` is JSON: ``{"version", "timeout",

@@ -12,6 +12,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -98,7 +99,7 @@ class KubernetesScheduler(Scheduler):
         created: list[dict[str, Any]] = []
         try:
             for obj in objects:
-                self._call(f"create {obj['kind']} {obj['metadata']['name']}", lambda o=obj: self._create(o))
+                self._call(f"create {obj['kind']} {obj['metadata']['name']}", partial(self._create, obj))
                 created.append(obj)
         except BaseException:
             # All or nothing: a half-created run would hold a name and resources.
@@ -258,8 +259,8 @@ class KubernetesScheduler(Scheduler):
         prefix = role is None or len(pods) > 1
         for pod in pods:
             pname = pod["metadata"]["name"]
-            resp = self._call(f"read log of pod {pname}", lambda p=pname: core.read_namespaced_pod_log(
-                p, self.options.namespace, _preload_content=False), missing=None)
+            resp = self._call(f"read log of pod {pname}", partial(
+                core.read_namespaced_pod_log, pname, self.options.namespace, _preload_content=False), missing=None)
             if resp is None:
                 continue
             try:

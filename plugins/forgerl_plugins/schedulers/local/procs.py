@@ -82,7 +82,7 @@ def pid_reused(pid: int, starttime: int | None) -> bool:
 
 
 def _all_stats() -> list[ProcStat]:
-    out = []
+    out: list[ProcStat] = []
     try:
         names = os.listdir("/proc")
     except OSError:

@@ -33,8 +33,10 @@ import shlex
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from forgerl.errors import ConfigError, JobNotFound, SchedulerError
 from forgerl.interfaces import Scheduler
@@ -286,7 +288,7 @@ def _caught_signals() -> Iterator[list[int]]:
     the process ignores (``nohup``) stays ignored: the user asked to survive it.
     """
     caught: list[int] = []
-    previous: dict[int, object] = {}
+    previous: dict[signal.Signals, Callable[[int, FrameType | None], Any] | int | None] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             handler = signal.getsignal(sig)

@@ -146,9 +146,9 @@ class SlurmScheduler(Scheduler):
         record = self._sacct(job_id)
         if record is None:
             raise JobNotFound(f"Slurm knows no job {job_id} (`squeue`/`sacct` list the jobs it knows)")
-        state_name, code = record
+        state_name, exit_text = record
         state = _state(state_name)
-        return JobStatus(state=state, exit_code=_exit_code(code) if state.finished else None,
+        return JobStatus(state=state, exit_code=_exit_code(exit_text) if state.finished else None,
                          detail=_detail(state, state_name, "None", 0))
 
     def wait(self, handle: JobHandle, timeout: float | None = None) -> JobStatus:

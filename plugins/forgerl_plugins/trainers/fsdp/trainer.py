@@ -51,7 +51,7 @@ class FSDPTrainer(ShardedTrainer):
         from torch.distributed.fsdp import fully_shard
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.ctx.model_path, dtype=self.dtype)
+        model = AutoModelForCausalLM.from_pretrained(self._model_path, dtype=self.dtype)
         # Dropout off: the trainer's logprobs must be those of the policy the generator
         # samples from (most causal LMs have none, but some configs set it).
         model.eval()
@@ -78,8 +78,6 @@ class FSDPTrainer(ShardedTrainer):
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
     def export_weights(self, version: int) -> WeightSet | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         # A collective: every rank takes part, rank 0 receives the full CPU tensors.
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return WeightSet(version=version, tensors=state) if self.rank == 0 else None
+        tensors = self._full_state()
+        return WeightSet(version=version, tensors=tensors) if tensors is not None else None

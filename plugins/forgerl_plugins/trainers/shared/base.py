@@ -26,7 +26,7 @@ import abc
 import contextlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from forgerl.errors import CheckpointUnusable, ConfigError
 from forgerl.interfaces import RunContext, Trainer
@@ -55,6 +55,7 @@ class ShardedTrainer(Trainer, abc.ABC):
 
         if context.model_path is None:
             raise ConfigError(f"the {self.name} trainer needs a model folder (model.name in the config)")
+        self._model_path: Path = context.model_path
         self.options = options
         self.ctx = context
         self.algorithm = context.config.algorithm
@@ -78,14 +79,17 @@ class ShardedTrainer(Trainer, abc.ABC):
         log.info("trainer computes in %s on %s", "bf16 autocast" if self.autocast_bf16 else "float32", self.device)
         self._owns_process_group = init_distributed(options.backend, context, self.device)
         self._closed = False
-        self.model = self.reference_model = self.optimizer = None
+        self.model: Any = None
+        self.reference_model: Any = None
+        self.optimizer: torch.optim.Optimizer | None = None
         self._select_head = False
         try:
             self.rank = dist.get_rank()
             self.world_size = dist.get_world_size()
             # Who trains on which rows: every rank its own, unless a subclass shards the
             # model's tensors too (then a tensor-parallel group shares one share of rows).
-            self.dp_rank, self.dp_size, self.dp_group = self.rank, self.world_size, None
+            self.dp_rank, self.dp_size = self.rank, self.world_size
+            self.dp_group: Any = None
             torch.manual_seed(context.config.loop.seed)
             self._build()
         except BaseException:
@@ -109,7 +113,7 @@ class ShardedTrainer(Trainer, abc.ABC):
         """The output projection module that :mod:`.head` hooks (when ``_select_head``)."""
         return model.get_output_embeddings()
 
-    def _adamw(self) -> Any:
+    def _adamw(self) -> torch.optim.Optimizer:
         import torch
         from torch.distributed.tensor import DTensor
 
@@ -118,7 +122,7 @@ class ShardedTrainer(Trainer, abc.ABC):
         return torch.optim.AdamW(
             self.model.parameters(),
             lr=options.lr,
-            betas=tuple(options.betas),
+            betas=(options.betas[0], options.betas[1]),
             weight_decay=options.weight_decay,
             # The fused kernel is 4-5x faster than the per-tensor loop on CPU (0.12 vs
             # 0.54 s for 135M parameters); it takes plain tensors, not FSDP's DTensors.
@@ -152,11 +156,11 @@ class ShardedTrainer(Trainer, abc.ABC):
         from forgerl.algorithms.logprobs import selective_logprobs, token_entropy
 
         targets = input_ids[:, 1:]
-        select = positions is not None and self._select_head
-        with self._autocast(), head_at(self._head(model), positions) if select else contextlib.nullcontext():
+        select = positions if self._select_head else None
+        with self._autocast(), head_at(self._head(model), select) if select is not None else contextlib.nullcontext():
             logits = self._logits(model, input_ids, attention_mask)
-        if select:
-            targets = targets[positions].unsqueeze(0)  # [1, N], the order of the hook's rows
+        if select is not None:
+            targets = targets[select].unsqueeze(0)  # [1, N], the order of the hook's rows
         else:
             logits = logits[:, :-1]
         if self.temperature != 1.0:
@@ -167,11 +171,11 @@ class ShardedTrainer(Trainer, abc.ABC):
         if entropy:
             with torch.no_grad():
                 ent = token_entropy(logits.detach(), chunk)
-        if select:
+        if select is not None:
             # Back to [b, L-1]: the loss masks the zeros, and their gradient goes nowhere.
-            logprobs = logprobs.new_zeros(positions.shape).masked_scatter(positions, logprobs)
+            logprobs = logprobs.new_zeros(select.shape).masked_scatter(select, logprobs)
             if ent is not None:
-                ent = ent.new_zeros(positions.shape).masked_scatter(positions, ent)
+                ent = ent.new_zeros(select.shape).masked_scatter(select, ent)
         return logprobs, ent
 
     def _micro_tensors(self, batch: TrainBatch, mb: MicroBatch) -> dict[str, torch.Tensor]:
@@ -251,17 +255,18 @@ class ShardedTrainer(Trainer, abc.ABC):
                 loss.backward()
             acc.add(metrics, tokens=int(positions.sum()))
 
+        _, optimizer = self._live()
         with record_function("forge.clip_gradients"):
             grad_norm = self._clip_gradients()
         with record_function("forge.optimizer"):
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
 
         with record_function("forge.metrics"):
             metrics = acc.reduce(self.device, self.dp_group)
         metrics["loss"] = metrics.get("loss/policy", 0.0) + metrics.get("loss/kl", 0.0)
         metrics["grad_norm"] = grad_norm
-        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
+        metrics["lr"] = float(optimizer.param_groups[0]["lr"])
         metrics["train/tokens"] = float((shifted_mask != 0).sum())
         metrics["train/sequences"] = float((shifted_mask != 0).any(-1).sum())
         return metrics
@@ -269,7 +274,8 @@ class ShardedTrainer(Trainer, abc.ABC):
     def _clip_gradients(self) -> float:
         import torch
 
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        model, _ = self._live()
+        params = [p for p in model.parameters() if p.grad is not None]
         # max_norm = inf measures the norm and scales by exactly 1.
         max_norm = self.options.max_grad_norm if self.options.max_grad_norm is not None else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -309,7 +315,7 @@ class ShardedTrainer(Trainer, abc.ABC):
 
         from .checkpointing import failure
 
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(*self._live())
         try:
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
         except BaseException as exc:  # DCP's CheckpointException derives from BaseException
@@ -332,8 +338,9 @@ class ShardedTrainer(Trainer, abc.ABC):
         if not (Path(path) / ".metadata").is_file():
             raise CheckpointUnusable(f"{path} is not a trainer checkpoint (no .metadata written by save())")
         metadata = read_metadata_safely(Path(path))
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_state, "optimizer": optim_state}
+        model, optimizer = self._live()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
         try:
             dcp.load(state, storage_reader=SafeReader(Path(path), metadata), planner=SafePlanner())
         except BaseException as exc:
@@ -343,9 +350,30 @@ class ShardedTrainer(Trainer, abc.ABC):
             if err is None:
                 raise
             raise err from err.__cause__
-        set_state_dict(
-            self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-        )
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+    def _live(self) -> tuple[Any, torch.optim.Optimizer]:
+        """The model and its optimizer, set from construction until :meth:`close`."""
+        assert self.model is not None and self.optimizer is not None, f"the {self.name} trainer is closed"
+        return self.model, self.optimizer
+
+    def _full_state(self) -> dict[str, torch.Tensor] | None:
+        """The trainable model's full state dict on rank 0 (CPU tensors that nothing
+        changes later), None elsewhere. A collective: every rank calls it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        model, _ = self._live()
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return None
+        # A full state dict holds plain tensors (no sharded ones).
+        tensors = cast("dict[str, torch.Tensor]", state)
+        if self.world_size == 1 and self.device.type == "cpu":
+            # One CPU rank: the "offloaded" state dict is the live parameters themselves, which
+            # the next step changes in place while a transport may still hold this version
+            # (for a worker that joins late). Gathered or offloaded tensors are copies already.
+            tensors = {name: t.detach().clone() for name, t in tensors.items()}
+        return tensors
 
     def close(self) -> None:
         if self._closed:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import ConfigError
 
@@ -69,7 +69,7 @@ def init_distributed(backend: str | None, ctx: RunContext, device: torch.device)
             f"RANK={rank} WORLD_SIZE={world_size} from the environment; launch the trainer "
             "through the scheduler or set both consistently"
         )
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
     if "MASTER_ADDR" in os.environ:
         if "MASTER_PORT" not in os.environ:
             raise ConfigError("MASTER_ADDR is set but MASTER_PORT is not; set both (torchrun and srun do)")

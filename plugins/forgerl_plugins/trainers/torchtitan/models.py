@@ -268,7 +268,7 @@ def _llama_adapter() -> type:
     weights' rows: the bias is added per output row, and RoPE pairs those rows."""
     from torchtitan.models.llama3 import Llama3StateDictAdapter
 
-    class BiasedLlamaAdapter(Llama3StateDictAdapter):
+    class BiasedLlamaAdapter(Llama3StateDictAdapter):  # type: ignore[misc]  # untyped upstream
         def __init__(self, model_config: Any, hf_assets_path: str | None) -> None:
             super().__init__(model_config, hf_assets_path)
             for hf_name, tt_name in (("q_proj", "qkv_linear.wq"), ("k_proj", "qkv_linear.wk"),

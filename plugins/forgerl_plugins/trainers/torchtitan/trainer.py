@@ -23,7 +23,6 @@ gradients with plain SUM collectives (gloo has no PREMUL_SUM).
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import ConfigError
@@ -44,12 +43,13 @@ SPMD_BACKEND = "partial_dtensor"
 class TorchTitanTrainer(ShardedTrainer):
     Options = TorchTitanTrainerOptions
     name = "torchtitan"
+    options: TorchTitanTrainerOptions
 
     def _build(self) -> None:
         from .models import model_spec
 
         options = self.options
-        self.spec = model_spec(Path(self.ctx.model_path))
+        self.spec = model_spec(self._model_path)
         self.adapter = self.spec.state_dict_adapter(self.spec.model, None)
         tp = options.tp
         dp_shard = options.dp_shard or self.world_size // tp
@@ -116,20 +116,20 @@ class TorchTitanTrainer(ShardedTrainer):
             if offset == self.rank % tp:
                 self.dp_group = group
 
-    def _read_hf_weights(self) -> dict[str, torch.Tensor]:
+    def _read_hf_weights(self) -> dict[str, Any]:
         """The folder's safetensors as TorchTitan state-dict entries (each rank reads them:
         a trainer's ranks share the model folder, as they do for ``fsdp``)."""
         from safetensors.torch import load_file
 
-        files = sorted(Path(self.ctx.model_path).glob("*.safetensors"))
+        files = sorted(self._model_path.glob("*.safetensors"))
         if not files:
-            raise ConfigError(f"{self.ctx.model_path}: no *.safetensors weights for the torchtitan trainer")
+            raise ConfigError(f"{self._model_path}: no *.safetensors weights for the torchtitan trainer")
         weights: dict[str, Any] = {}
         for f in files:
             weights.update(load_file(f))
         return self.adapter.from_hf(weights)
 
-    def _build_model(self, weights: dict[str, torch.Tensor], trainable: bool) -> Any:
+    def _build_model(self, weights: dict[str, Any], trainable: bool) -> Any:
         import torch
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
         from torchtitan.tools.utils import set_default_dtype
@@ -194,11 +194,9 @@ class TorchTitanTrainer(ShardedTrainer):
     # ---------------------------------------------------------------- weights
 
     def export_weights(self, version: int) -> WeightSet | None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         # A collective: every rank takes part, rank 0 receives the full CPU tensors.
-        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if self.rank != 0:
+        state = self._full_state()
+        if state is None:
             return None
         tensors = self.adapter.to_hf(state)
         if self.spec.model.enable_weight_tying:

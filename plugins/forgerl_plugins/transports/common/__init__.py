@@ -8,7 +8,8 @@ every receiver's acknowledgement:
 * :mod:`.membership`: receivers' registration, acknowledgements and goodbyes;
 * :mod:`.layout`: a version's flat layout, its chunks and their checksums;
 * :mod:`.endpoints`: the bookkeeping their senders and receivers have in common;
-* :mod:`.hosting`: the transport object that hosts the store and tells receivers where it is.
+* :mod:`.hosting`: the transport object that hosts the store and tells receivers where it is;
+* :mod:`.options`: the options both take (host, port, secret file, timeouts), declared once.
 
 Not a plugin: it registers no backend.
 """

@@ -45,7 +45,7 @@ def make_group(store: Any, rank: int, size: int, backend: str, timeout: float, a
     if backend == "gloo":
         from torch.distributed import ProcessGroupGloo
 
-        opts = ProcessGroupGloo._Options()
+        opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: not in torch's stubs
         opts._timeout = timedelta(timeout)
         # The address peers use to reach this process: loopback stays on loopback.
         opts._devices = [ProcessGroupGloo.create_device(hostname=address)]

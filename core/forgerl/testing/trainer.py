@@ -1,0 +1,415 @@
+"""The Trainer kit: what a run relies on from a trainer, checked against one backend by name
+on a tiny model built offline.
+
+What it checks (each a test of :class:`TrainerContract`):
+
+- the backend builds through the registry, ``factory(options, *, context=RunContext)``,
+  into a :class:`~forgerl.interfaces.Trainer` on one rank;
+- ``export_weights(version)`` returns a WeightSet of that version whose names, shapes and
+  values are the model's Hugging Face ``state_dict()`` (what every generator loads by
+  name), as fresh tensors: the next ``train_step`` does not change a version already
+  handed to the transport (a transport keeps it for workers that join late);
+- ``train_step`` returns finite numbers including the algorithm's metrics
+  (:data:`forgerl.algorithms.METRIC_KEYS` that apply: ``kl/ref`` only with a KL term,
+  ``entropy`` optional), and changes the weights;
+- the trainer's logprobs are ``log_softmax(logits / T)`` of a plain transformers forward
+  pass at the run's sampling temperature: trained on a batch whose behaviour logprobs
+  come from that forward pass, its ``logprob_gap/max`` is about 0;
+- a batch whose advantages are all 0 has a zero loss gradient: the first step leaves every
+  weight where it was, up to a uniform shrink per tensor (weight decay), and a reported
+  ``grad_norm`` is 0;
+- a checkpoint resumes exactly: ``save``, then ``load`` into a fresh trainer, restores the
+  weights, and the next step gives the same metrics and weights as without the break;
+- a KL term (``algorithm.kl_coef > 0``) is honoured (``kl/ref`` is reported) or refused
+  when the trainer is built, with a one-line :class:`~forgerl.errors.UserError`;
+- ``close()`` (twice: it is idempotent) leaves no threads or child processes it started
+  and no default ``torch.distributed`` process group it created;
+- with :attr:`TrainerContract.two_ranks`, two ranks in their own processes (a gloo group
+  on loopback, as a scheduler starts them: ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+  ``MASTER_PORT``) take the same step as one rank: the weights after a step agree, the
+  loss agrees, every rank reports the same metrics, only rank 0 gets the exported
+  weights, and a checkpoint saved and loaded on two ranks resumes exactly.
+
+A subclass names the backend (``backend``), its options as a config holds them
+(``options``), the plugins to load when it is not installed (``plugins``) and, if not the
+``tiny`` model, the model backend to build the test model with (``model``,
+``model_options``); ``config`` overrides the run config (e.g. ``{"algorithm": {"loss_agg":
+"token_mean"}}``). Tolerances are class attributes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import pytest
+
+from forgerl.testing.registry import backend_under_test, registry_for
+from forgerl.testing.timing import hard_limit, scaled, wait_until
+from forgerl.testing.trainer_support import (
+    compared_metrics,
+    finite_number,
+    free_port,
+    live_children,
+    make_batch,
+    max_difference,
+    merged,
+    moved_beyond_decay,
+    on_policy,
+    rank_env,
+    rank_scenario,
+    reference_model,
+    relative_step_difference,
+    run_config,
+    run_context,
+    snapshot_one_rank,
+    temperature_of,
+    wait_process,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.interfaces import Trainer
+
+#: Model folders built by the kits of this session, by (model backend, options).
+_MODELS: dict[str, Path] = {}
+
+
+class TrainerContract:
+    """Base class of a plugin's trainer conformance tests (see the module's docstring)."""
+
+    #: The trainer's backend name, as ``trainer.name`` in a config.
+    backend: ClassVar[str] = ""
+    #: Its options, as ``trainer.options`` holds them (plain data).
+    options: ClassVar[Mapping[str, Any]] = {}
+    #: Plugin modules to load besides the installed ones (import paths).
+    plugins: ClassVar[Sequence[str]] = ()
+    #: Fail, rather than skip, when the backend cannot be used here.
+    required: ClassVar[bool] = False
+    #: The model backend that builds the test model (``tiny``: a random Qwen2, offline).
+    model: ClassVar[str] = "tiny"
+    model_options: ClassVar[Mapping[str, Any]] = {}
+    #: Run config overrides (plain data), merged over a fixed seed and the temperature.
+    config: ClassVar[Mapping[str, Any]] = {}
+    #: The sampling temperature the trainer's logprobs must be computed at.
+    temperature: ClassVar[float] = 0.7
+    #: Whether to check two ranks (gloo on CPU) against one.
+    two_ranks: ClassVar[bool] = False
+    #: Most |trainer logprob - transformers logprob| allowed (fp32).
+    logprob_tolerance: ClassVar[float] = 1e-4
+    #: Most difference allowed between the step of one rank and of two, relative to the
+    #: step (over all weights; see trainer_support.relative_step_difference).
+    rank_tolerance: ClassVar[float] = 1e-3
+    #: Most difference allowed between a resumed step and the original (0: bit-exact).
+    resume_tolerance: ClassVar[float] = 0.0
+    #: Seconds (scaled) each test may run before it fails instead of hanging the suite.
+    hard_limits: ClassVar[Mapping[str, float]] = {"test_two_ranks_take_the_same_step_as_one": 420}
+    default_hard_limit: ClassVar[float] = 180
+
+    # ---------------------------------------------------------------- fixtures
+
+    @pytest.fixture
+    def model_dir(self, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        """The test model's Hugging Face folder, built once per session and options."""
+        key = json.dumps([self.model, dict(self.model_options)], sort_keys=True)
+        if key not in _MODELS or not _MODELS[key].is_dir():
+            record = backend_under_test("model", self.model, self.plugins)
+            cache = tmp_path_factory.mktemp("kit-models")
+            _MODELS[key] = Path(record.build(dict(self.model_options), cache_dir=cache))
+        return _MODELS[key]
+
+    @pytest.fixture(autouse=True)
+    def _hard_timeout(self, request: pytest.FixtureRequest) -> Iterator[None]:
+        name = getattr(request.function, "__name__", "")
+        limit = max(1, int(scaled(self.hard_limits.get(name, self.default_hard_limit))))
+        with hard_limit(limit, f"{request.node.nodeid} ran past its hard timeout of {limit} s"):
+            yield
+
+    # ----------------------------------------------------------------- helpers
+
+    def config_data(self, **overrides: Any) -> dict[str, Any]:
+        """The run config (plain data) a trainer of this kit is built with."""
+        return merged(run_config(self.config, self.temperature), overrides)
+
+    def build(self, model_dir: Path, run_dir: Path, config: Mapping[str, Any] | None = None) -> Trainer:
+        """A new trainer on one rank, built as a run builds it."""
+        record = backend_under_test("trainer", self.backend, self.plugins, required=self.required)
+        context = run_context(model_dir, run_dir, config or self.config_data())
+        return record.build(dict(self.options), context=context)
+
+    def batch(self, model_dir: Path, seed: int, rows: int = 4, zero_advantages: bool = False) -> Any:
+        """An on-policy batch: behaviour logprobs from a plain transformers forward pass."""
+        batch = make_batch(model_dir, rows=rows, seed=seed, zero_advantages=zero_advantages)
+        return on_policy(batch, reference_model(model_dir), temperature_of(self.config_data()))
+
+    # ------------------------------------------------------------------- tests
+
+    def test_builds_a_trainer_through_the_registry(self, model_dir: Path, tmp_path: Path) -> None:
+        from forgerl.interfaces import Trainer
+
+        trainer = self.build(model_dir, tmp_path)
+        try:
+            assert isinstance(trainer, Trainer), (
+                f"trainer {self.backend!r} built a {type(trainer).__name__}, not a forgerl.interfaces.Trainer"
+            )
+        finally:
+            trainer.close()
+
+    def test_exports_the_models_weights_under_hugging_face_names(self, model_dir: Path, tmp_path: Path) -> None:
+        import torch
+
+        original = reference_model(model_dir).state_dict()
+        trainer = self.build(model_dir, tmp_path)
+        try:
+            exported = trainer.export_weights(7)
+            assert exported is not None, "export_weights returned None on rank 0 of 1"
+            assert exported.version == 7, f"export_weights(7) returned version {exported.version}"
+            tensors = exported.tensors
+            missing, extra = sorted(original.keys() - tensors.keys()), sorted(tensors.keys() - original.keys())
+            assert not missing and not extra, (
+                f"exported names are not the Hugging Face model's state_dict() keys: missing {missing[:8]}, "
+                f"unexpected {extra[:8]} (strip wrappers' prefixes such as 'module.' or '_orig_mod.')"
+            )
+            shapes = {n: (tuple(tensors[n].shape), tuple(t.shape)) for n, t in original.items()}
+            wrong = {n: s for n, s in shapes.items() if s[0] != s[1]}
+            assert not wrong, f"exported shapes differ from the model's (exported, model): {wrong}"
+            values = {n: t.detach().to("cpu", copy=True) for n, t in tensors.items()}
+            differ = [n for n, t in original.items() if not torch.equal(values[n], t.to(values[n].dtype))]
+            assert not differ, f"before any step, exported {differ[:8]} differ from the model folder's weights"
+            trainer.train_step(self.batch(model_dir, seed=1))
+            changed = [n for n, t in tensors.items() if not torch.equal(t.detach().cpu(), values[n])]
+            assert not changed, (
+                f"train_step changed the tensors of a version already exported ({changed[:5]}...): "
+                "export fresh tensors (a copy), since a transport keeps a version for workers that join late"
+            )
+        finally:
+            trainer.close()
+
+    def test_train_step_reports_the_algorithms_metrics_and_changes_the_weights(
+        self, model_dir: Path, tmp_path: Path
+    ) -> None:
+        from forgerl.algorithms import METRIC_KEYS
+
+        trainer = self.build(model_dir, tmp_path)
+        try:
+            before = snapshot_one_rank(trainer, 0)
+            metrics = trainer.train_step(self.batch(model_dir, seed=2))
+            after = snapshot_one_rank(trainer, 1)
+        finally:
+            trainer.close()
+        assert isinstance(metrics, Mapping), f"train_step returned a {type(metrics).__name__}, not a dict"
+        optional = {"entropy", "kl/ref"}  # entropy: optional; kl/ref: only with a KL term
+        missing = [k for k in METRIC_KEYS if k not in optional and k not in metrics]
+        assert not missing, f"train_step's metrics lack the algorithm's {missing} (forgerl.algorithms.policy_loss)"
+        bad = {k: v for k, v in metrics.items() if not finite_number(v)}
+        assert not bad, f"train_step returned metrics that are not finite numbers: {bad}"
+        diff, _ = max_difference(before, after)
+        assert diff > 0, "train_step on a batch with non-zero advantages left every weight unchanged"
+
+    def test_logprobs_match_a_plain_hugging_face_forward(self, model_dir: Path, tmp_path: Path) -> None:
+        trainer = self.build(model_dir, tmp_path)
+        try:
+            metrics = trainer.train_step(self.batch(model_dir, seed=3))
+        finally:
+            trainer.close()
+        gap = metrics.get("logprob_gap/max")
+        assert gap is not None, "train_step reports no logprob_gap/max (pass behaviour_logprobs to policy_loss)"
+        assert gap <= self.logprob_tolerance, (
+            f"the trainer's logprobs are {gap:.3g} away from log_softmax(logits / T) of a plain transformers "
+            f"forward pass at T = {self.temperature} (tolerance {self.logprob_tolerance}): the run would train "
+            "on logprobs its generator did not sample with"
+        )
+
+    def test_zero_advantages_leave_the_weights_alone(self, model_dir: Path, tmp_path: Path) -> None:
+        trainer = self.build(model_dir, tmp_path)
+        try:
+            before = snapshot_one_rank(trainer, 0)
+            metrics = trainer.train_step(self.batch(model_dir, seed=4, zero_advantages=True))
+            after = snapshot_one_rank(trainer, 1)
+        finally:
+            trainer.close()
+        moved = moved_beyond_decay(before, after)
+        assert not moved, (
+            "a batch whose advantages are all 0 has a zero loss gradient, but the first step moved weights "
+            f"beyond a weight-decay shrink: {moved[:5]}"
+        )
+        if "grad_norm" in metrics:
+            assert abs(metrics["grad_norm"]) <= 1e-6, f"grad_norm {metrics['grad_norm']} with all advantages 0"
+        assert abs(metrics.get("loss/policy", 0.0)) <= 1e-6, f"loss/policy {metrics['loss/policy']} with advantages 0"
+
+    def test_checkpoint_resumes_exactly_in_a_fresh_trainer(self, model_dir: Path, tmp_path: Path) -> None:
+        first, second = self.batch(model_dir, seed=5), self.batch(model_dir, seed=6)
+        checkpoint = tmp_path / "checkpoint"
+        checkpoint.mkdir()  # forgerl creates the directory and hands it to save()
+        trainer = self.build(model_dir, tmp_path / "run")
+        try:
+            trainer.train_step(first)
+            trainer.save(checkpoint)
+            saved = snapshot_one_rank(trainer, 1)
+            expected = compared_metrics(trainer.train_step(second))
+            expected_weights = snapshot_one_rank(trainer, 2)
+        finally:
+            trainer.close()
+        fresh = self.build(model_dir, tmp_path / "resumed")
+        try:
+            fresh.load(checkpoint)
+            loaded = snapshot_one_rank(fresh, 1)
+            got = compared_metrics(fresh.train_step(second))
+            got_weights = snapshot_one_rank(fresh, 2)
+        finally:
+            fresh.close()
+        tol = self.resume_tolerance
+        diff, name = max_difference(saved, loaded)
+        assert diff <= tol, f"load() of the checkpoint restored {name} {diff:.3g} away from what save() saw"
+        assert got.keys() == expected.keys(), f"metric keys differ after resume: {sorted(got.keys() ^ expected.keys())}"
+        differ = {k: (expected[k], got[k]) for k in got if not abs(got[k] - expected[k]) <= tol}
+        assert not differ, (
+            "the step after resuming from the checkpoint reports other metrics than the step without the "
+            f"break (expected, resumed): {differ}"
+        )
+        diff, name = max_difference(expected_weights, got_weights)
+        assert diff <= tol, (
+            f"after the resumed step {name} is {diff:.3g} away from the uninterrupted run's: save and load "
+            "the optimiser's state (Adam's moments, its step count) with the model's"
+        )
+
+    def test_kl_term_is_honoured_or_refused_when_built(self, model_dir: Path, tmp_path: Path) -> None:
+        from forgerl.errors import UserError
+
+        config = self.config_data(algorithm={"kl_coef": 0.1})
+        try:
+            trainer = self.build(model_dir, tmp_path, config)
+        except UserError as exc:
+            assert "\n" not in str(exc).strip(), f"the refusal is not one line: {exc}"
+            return
+        try:
+            metrics = trainer.train_step(self.batch(model_dir, seed=7))
+        finally:
+            trainer.close()
+        assert "kl/ref" in metrics, (
+            "with algorithm.kl_coef 0.1 train_step reports no kl/ref: give policy_loss the reference model's "
+            "logprobs, or refuse kl_coef > 0 with a UserError when built"
+        )
+        assert finite_number(metrics["kl/ref"]), f"kl/ref is {metrics['kl/ref']}"
+
+    def test_close_releases_processes_threads_and_the_process_group(self, model_dir: Path, tmp_path: Path) -> None:
+        import torch.distributed as dist
+
+        from forgerl.testing.transport_support import threads_left
+
+        threads_before = set(threading.enumerate())
+        children_before = live_children()
+        group_before = dist.is_available() and dist.is_initialized()
+        trainer = self.build(model_dir, tmp_path)
+        try:
+            trainer.train_step(self.batch(model_dir, seed=8))
+            trainer.export_weights(1)
+        finally:
+            trainer.close()
+        trainer.close()  # idempotent: forgerl may close again while unwinding
+        if not group_before:
+            initialised = dist.is_available() and dist.is_initialized()
+            if initialised:
+                dist.destroy_process_group()  # so that the checks after this one start clean
+            assert not initialised, (
+                "close() left the default torch.distributed process group it created: another trainer built "
+                "in this process cannot create its own"
+            )
+        stacks = threads_left(threads_before, 15)
+        assert not stacks, f"threads the trainer started still run after close():\n{stacks}"
+        wait_until(lambda: not (live_children() - children_before), 15, "the trainer's child processes to exit")
+
+    def test_two_ranks_take_the_same_step_as_one(self, model_dir: Path, tmp_path: Path) -> None:
+        if not self.two_ranks:
+            pytest.skip(f"{type(self).__name__}.two_ranks is False: the trainer is checked on one rank only")
+        import torch
+
+        backend_under_test("trainer", self.backend, self.plugins, required=self.required)
+        out = tmp_path / "two-ranks"
+        (out / "checkpoint").mkdir(parents=True)
+        spec: dict[str, Any] = {
+            "backend": self.backend,
+            "options": dict(self.options),
+            "plugins": list(registry_for(self.plugins).plugin_refs),
+            "model_dir": str(model_dir),
+            "run_dir": str(out),
+            "config": self.config_data(),
+            "checkpoint": str(out / "checkpoint"),
+            "out": str(out),
+        }
+        (out / "spec.json").write_text(json.dumps(spec))
+        port = free_port()
+        logs = [open(out / f"rank{r}.log", "w+") for r in range(2)]  # noqa: SIM115 - closed below
+        ranks = [
+            subprocess.Popen(
+                [sys.executable, "-m", "forgerl.testing.trainer_rank", str(out / "spec.json")],
+                env=rank_env(r, 2, port),
+                stdout=logs[r],
+                stderr=subprocess.STDOUT,
+            )
+            for r in range(2)
+        ]
+        try:
+            # One rank meanwhile, in this process, on one thread like each rank (another
+            # thread count sums in another order: ~1e-6 differences).
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            (tmp_path / "one-rank").mkdir()
+            try:
+                trainer = self.build(model_dir, tmp_path / "one-rank")
+                try:
+                    one = rank_scenario(trainer, model_dir, tmp_path / "one-rank", temperature_of(spec["config"]))
+                finally:
+                    trainer.close()
+            finally:
+                torch.set_num_threads(threads)
+            codes = [wait_process(p, scaled(300)) for p in ranks]
+        finally:
+            for p in ranks:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+            for f in logs:
+                f.close()
+        for r, code in enumerate(codes):
+            assert code == 0, f"rank {r} of 2 failed (exit {code}):\n{(out / f'rank{r}.log').read_text()[-4000:]}"
+        self._compare_ranks(one, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)], out)
+
+    def _compare_ranks(self, one: dict[str, Any], two: list[dict[str, Any]], out: Path) -> None:
+        from safetensors.torch import load_file
+
+        assert two[0]["exported"] == [True] * 3, f"rank 0 of 2: export_weights returned None ({two[0]['exported']})"
+        assert two[1]["exported"] == [False] * 3, "rank 1 of 2: export_weights must return None off rank 0"
+        for step, (a, b) in enumerate(zip(two[0]["metrics"], two[1]["metrics"])):
+            a, b = compared_metrics(a), compared_metrics(b)
+            differ = {k: (a[k], b.get(k)) for k in a if b.get(k) is None or not math.isclose(a[k], b[k], rel_tol=1e-6, abs_tol=1e-7)}
+            assert not differ, f"step {step + 1}: ranks 0 and 1 report different metrics (rank 0, rank 1): {differ}"
+        first_one, first_two = one["metrics"][0], two[0]["metrics"][0]
+        assert compared_metrics(first_one).keys() == compared_metrics(first_two).keys(), (
+            f"metric keys differ between 1 and 2 ranks: {sorted(first_one.keys() ^ first_two.keys())}"
+        )
+        for key, why in (("loss/policy", "normalise the loss over the whole batch, not each rank's rows"),
+                         ("grad_norm", "sum gradients over ranks (FSDP and DDP average them by default)")):
+            if key in first_one and key in first_two:
+                a, b = first_one[key], first_two[key]
+                assert math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-6), f"{key} {a} on 1 rank, {b} on 2: {why}"
+        gap = first_two.get("logprob_gap/max", 0.0)
+        assert gap <= self.logprob_tolerance, f"on 2 ranks logprob_gap/max is {gap:.3g}"
+        two_weights = load_file(str(out / "weights.safetensors"))
+        rel, name = relative_step_difference(one["initial"], one["weights"], two_weights)
+        assert rel <= self.rank_tolerance, (
+            f"the step on 2 ranks differs from the step on 1 by {rel:.3g} of its size (most at {name}; tolerance "
+            f"{self.rank_tolerance}): sum gradients over ranks, with the loss normalised over the whole batch"
+        )
+        resumed, original = compared_metrics(two[0]["metrics"][2]), compared_metrics(two[0]["metrics"][1])
+        tol = self.resume_tolerance
+        differ = {k: (original[k], resumed.get(k)) for k in original if not abs(resumed.get(k, math.inf) - original[k]) <= tol}
+        assert not differ, f"on 2 ranks the step after load() differs from the step after save(): {differ}"
+        diff, name = two[0]["resume_diff"]
+        assert diff <= tol, f"on 2 ranks, after load() and the same step, {name} is {diff:.3g} away"
+

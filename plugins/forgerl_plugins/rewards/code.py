@@ -1,0 +1,189 @@
+"""The ``code`` reward: run the completion's program against the problem's tests, sandboxed.
+
+The tests come from the problem's metadata (the ``file`` task passes a row's extra fields
+through; docs/rewards.md has the format):
+
+- ``stdio``: a list of ``{"input", "output"}`` cases; the program reads stdin, and its
+  output must equal the expected one up to whitespace (compared token by token). Each case
+  is a separate run.
+- ``tests`` as a list of statements (MBPP: ``assert f(1) == 2``): each must run without
+  raising after the program has been executed; one run reports each test.
+- ``tests`` as text defining ``check(candidate)`` with ``entry_point`` (HumanEval): one
+  test, ``check(<entry_point>)``.
+
+``setup`` (optional) is code run before the tests; ``prefix`` (optional, HumanEval's
+prompt) is put before the completion's code. The harness reports each result with a
+nonce the program does not get, so a program that exits early (``sys.exit(0)``,
+``os._exit``) or prints fake results passes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+from collections.abc import Mapping
+from typing import Any
+
+from forgerl.interfaces import Reward
+from forgerl.types import RewardInput, RewardResult
+from forgerl_plugins.rewards import CodeOptions
+from forgerl_plugins.rewards.sandbox import Job, Limits, RunOutcome, Sandbox, run_all
+
+log = logging.getLogger("forgerl.rewards")
+
+_FENCE = re.compile(r"```[ \t]*([\w+#-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_PYTHON_TAGS = ("python", "py", "python3", "")
+
+# Runs the program's code, then each test, in one namespace; results go to a duplicate of
+# stdout tagged with a nonce read from the stdin pipe (gone once read).
+HARNESS = """\
+import json, os, sys
+
+def _forge_harness():
+    nonce = sys.stdin.readline().strip()
+    out = os.dup(1)
+    with open("tests.json", encoding="utf-8") as f:
+        spec = json.load(f)
+    def say(text):
+        os.write(out, (nonce + " " + text + "\\n").encode())
+    namespace = {"__name__": "solution"}
+    try:
+        exec(compile(spec["setup"] + "\\n" + spec["code"], "solution.py", "exec"), namespace)
+    except BaseException as exc:
+        say("error " + type(exc).__name__)
+        return
+    for i, test in enumerate(spec["tests"]):
+        try:
+            exec(compile(test, "test_%d" % i, "exec"), namespace)
+            say("pass %d" % i)
+        except BaseException as exc:
+            say("fail %d %s" % (i, type(exc).__name__))
+    say("done")
+
+_forge_harness()
+"""
+
+
+def extract_code(text: str, mode: str) -> str:
+    """The program in a completion: the first fenced block tagged python (or untagged),
+    else (``fenced_or_raw``, ``raw``) the whole text."""
+    if mode != "raw":
+        blocks = [(tag.lower(), body) for tag, body in _FENCE.findall(text)]
+        for tag, body in blocks:
+            if tag in _PYTHON_TAGS:
+                return body
+        if mode == "fenced":
+            return ""
+    return text
+
+
+def preflight(options: CodeOptions) -> None:
+    """Before ``forge run`` creates the run directory: the isolation asked for exists here."""
+    sandbox_for(options)
+
+
+def sandbox_for(options: CodeOptions) -> Sandbox:
+    return Sandbox(
+        isolation=options.isolation,
+        limits=Limits(
+            wall_seconds=options.timeout,
+            cpu_seconds=options.cpu_seconds or max(1, int(options.timeout + 0.999)),
+            memory_mb=options.memory_mb,
+            processes=options.processes,
+            file_size_mb=options.file_size_mb,
+            open_files=options.open_files,
+            max_output_bytes=options.max_output_kb * 1024,
+        ),
+        concurrency=options.concurrency,
+        python=options.python,
+        workdir=options.workdir,
+    )
+
+
+class CodeReward(Reward):
+    def __init__(self, options: CodeOptions):
+        self.options = options
+        self.sandbox = sandbox_for(options)
+        log.info("code reward: %s", self.sandbox.describe())
+
+    def score(self, sample: RewardInput) -> RewardResult:
+        meta = sample.problem.metadata
+        code = str(meta.get("prefix") or "") + extract_code(sample.completion_text, self.options.code_from)
+        if meta.get("stdio") is not None:
+            results = self._stdio(code, meta["stdio"])
+        else:
+            results = self._tests(code, meta, sample.problem.id)
+        passed, timed_out, errored = results
+        total = len(passed)
+        pass_rate = sum(passed) / total if total else 0.0
+        all_passed = float(total > 0 and all(passed))
+        components = {
+            "pass_rate": pass_rate,
+            "all_passed": all_passed,
+            "timeout": float(timed_out),
+            "error": float(errored),
+        }
+        value = pass_rate if self.options.value == "pass_rate" else all_passed
+        return RewardResult(value=value, components=components)
+
+    # --------------------------------------------------------------- formats
+
+    def _stdio(self, code: str, cases: Any) -> tuple[list[bool], bool, bool]:
+        if not isinstance(cases, list) or not cases:
+            raise ValueError("metadata 'stdio' must be a non-empty list of {'input', 'output'} cases")
+        jobs: list[Job] = [{"files": {"main.py": code}, "stdin": str(case.get("input", ""))} for case in cases]
+        outcomes = run_all(self.sandbox, jobs)
+        _raise_on_setup_error(outcomes)
+        passed = [
+            o.ok and o.stdout.split() == str(case.get("output", "")).split()
+            for o, case in zip(outcomes, cases, strict=True)
+        ]
+        timed_out = any(o.timed_out for o in outcomes)
+        errored = any(not o.timed_out and o.exit_code != 0 for o in outcomes)
+        return passed, timed_out, errored
+
+    def _tests(self, code: str, meta: Mapping[str, Any], problem_id: str) -> tuple[list[bool], bool, bool]:
+        tests = meta.get("tests")
+        if isinstance(tests, str):
+            entry_point = meta.get("entry_point")
+            if not entry_point:
+                raise ValueError(f"problem {problem_id}: 'tests' as text (HumanEval) needs an 'entry_point'")
+            tests = [f"{tests}\ncheck({entry_point})"]
+        elif not (isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)):
+            raise ValueError(
+                f"problem {problem_id} has no tests for the code reward: metadata needs 'tests' "
+                "(a list of assert statements, or check(candidate) text with 'entry_point') or 'stdio' cases"
+            )
+        nonce = secrets.token_hex(16)
+        spec = {"setup": str(meta.get("setup") or ""), "code": code, "tests": tests}
+        outcome = self.sandbox.run(
+            {"main.py": HARNESS, "tests.json": json.dumps(spec)}, stdin=nonce + "\n", stdin_pipe=True
+        )
+        _raise_on_setup_error([outcome])
+        passed = [False] * len(tests)
+        done = errored = False
+        for line in outcome.stdout.splitlines():
+            head, _, rest = line.partition(" ")
+            if head != nonce:
+                continue
+            words = rest.split()
+            if words[:1] == ["pass"] and len(words) > 1 and words[1].isdigit() and int(words[1]) < len(tests):
+                passed[int(words[1])] = True
+            elif words[:1] == ["error"]:
+                errored = True
+            elif words[:1] == ["done"]:
+                done = True
+        if not done and not outcome.timed_out:
+            # Died before the end (killed, os._exit, a limit): results reported before
+            # stand, the tests it skipped are failed.
+            errored = True
+        return passed, outcome.timed_out, errored
+
+
+def _raise_on_setup_error(outcomes: list[RunOutcome]) -> None:
+    for o in outcomes:
+        if o.setup_error:
+            # The sandbox failed, not the program: the sample is scored failed, with why.
+            raise RuntimeError(f"the sandbox could not run the program: {o.setup_error}")

@@ -1,0 +1,256 @@
+"""Runs one untrusted program in a sandbox and reports how it ended (stdlib only).
+
+Started by :mod:`forgerl_plugins.rewards.sandbox` as ``python -I -S sandbox_launcher.py SPEC``
+in its own session, with the program's stdin/stdout/stderr already open and a report pipe
+(``report_fd`` of the spec). This process is the supervisor: it never runs untrusted code itself.
+
+- ``namespace``: new network, PID, mount, IPC and UTS namespaces (plus a user namespace
+  when not root). ``/`` becomes read-only, only the program's directory is writable; the
+  program is PID 1 of its namespace, so when it ends or is killed the kernel kills every
+  process left in the namespace, including ones that called setsid or double-forked.
+- ``process``: no namespaces. This process becomes a child subreaper, so descendants
+  that escape the process group are re-parented here and killed by scanning /proc.
+- ``bwrap``: like ``process``, with the program wrapped in bubblewrap's namespaces.
+
+In every level the program gets resource limits, a fresh session, HOME and TMPDIR in its
+directory, no new privileges, and (as root) a uid of its own, so that RLIMIT_NPROC holds
+(the kernel exempts root from it) and it can signal nothing of ours.
+"""
+
+import ctypes
+import json
+import os
+import resource
+import select
+import signal
+import sys
+import time
+
+CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
+CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+SYS_MOUNT_SETATTR = 442  # the same number on every architecture that has it
+AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = -100, 0x8000, 1, 2
+
+#: Where a program in namespaces sees its directory and, when needed, the interpreter.
+VIEW_BOX, VIEW_PYTHON = "/tmp/sandbox", "/tmp/python"
+
+libc = ctypes.CDLL(None, use_errno=True)
+
+
+def check(result, what):
+    if result != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def prctl(option, value):
+    check(libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0), f"prctl({option})")
+
+
+def mount(source, target, fstype, flags, data=None):
+    enc = [None if s is None else s.encode() for s in (source, target, fstype, data)]
+    check(libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]), f"mount {target}")
+
+
+def read_only_root():
+    """Every mount of this (private) mount namespace read-only, recursively."""
+
+    class MountAttr(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint64) for n in ("attr_set", "attr_clr", "propagation", "userns_fd")]
+
+    attr = MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
+    done = libc.syscall(
+        SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr)
+    )
+    if done == 0:
+        return
+    # Kernels before 5.12: remount each mount point read-only, deepest last is fine.
+    with open("/proc/self/mountinfo") as f:
+        points = [line.split()[4] for line in f]
+    for point in points:
+        try:
+            mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
+        except OSError:
+            pass  # a mount we may not touch (locked); the ones that matter are / and the data dirs
+
+
+def enter_namespaces(spec):
+    root = os.geteuid() == 0
+    flags = CLONE_NEWNS | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
+    uid, gid = os.getuid(), os.getgid()
+    if not root:
+        flags |= CLONE_NEWUSER
+    check(libc.unshare(flags), "unshare")
+    if not root:
+        # Map our own ids to themselves: the exec'd program is then no namespace root and
+        # loses the capabilities unshare gave us (which could undo the read-only mounts).
+        for name, text in (
+            ("setgroups", "deny"),
+            ("uid_map", f"{uid} {uid} 1"),
+            ("gid_map", f"{gid} {gid} 1"),
+        ):
+            with open(f"/proc/self/{name}", "w") as f:
+                f.write(text)
+    # Hold the directories to show before /tmp is covered (they may live under it).
+    box = os.open(spec["box"], os.O_PATH | os.O_DIRECTORY)
+    python = os.open(spec["python_bind"], os.O_PATH | os.O_DIRECTORY) if spec.get("python_bind") else None
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    # A private, empty /tmp: the host's (and every path under it) disappears. The program
+    # sees its directory at VIEW_BOX and, when root's home hides the interpreter from its
+    # uid, the interpreter's prefix at VIEW_PYTHON.
+    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    os.mkdir(VIEW_BOX)
+    mount(f"/proc/self/fd/{box}", VIEW_BOX, None, MS_BIND)
+    if python is not None:
+        os.mkdir(VIEW_PYTHON)
+        mount(f"/proc/self/fd/{python}", VIEW_PYTHON, None, MS_BIND | MS_REC)
+    read_only_root()
+    mount(None, VIEW_BOX, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+
+
+def set_limits(limits):
+    names = {
+        "cpu": resource.RLIMIT_CPU,
+        "address_space": resource.RLIMIT_AS,
+        "processes": resource.RLIMIT_NPROC,
+        "file_size": resource.RLIMIT_FSIZE,
+        "open_files": resource.RLIMIT_NOFILE,
+        "core": resource.RLIMIT_CORE,
+    }
+    for key, value in limits.items():
+        # The hard CPU limit one second later: SIGXCPU first, then SIGKILL.
+        hard = value + 1 if key == "cpu" else value
+        resource.setrlimit(names[key], (value, hard))
+
+
+def run_program(spec, supervisor, in_pid_namespace):
+    """In the forked child: become the program (never returns)."""
+    try:
+        os.close(spec["report_fd"])  # the report pipe is ours
+        os.setsid()
+        if in_pid_namespace:
+            try:
+                mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+            except OSError:
+                pass  # a container that masks parts of /proc forbids a fresh one; the host's stays
+        os.chdir(VIEW_BOX if in_pid_namespace else spec["box"])
+        if spec.get("uid") is not None:
+            os.setgroups([])
+            os.setgid(spec["uid"])
+            os.setuid(spec["uid"])
+        prctl(PR_SET_NO_NEW_PRIVS, 1)
+        prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+        if os.getppid() != supervisor and not in_pid_namespace:
+            os._exit(126)
+        set_limits(spec["limits"])
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+        os.execve(spec["argv"][0], spec["argv"], spec["env"])
+    except BaseException as exc:  # noqa: BLE001 - report and die; never run on as the launcher
+        try:
+            os.write(2, f"sandbox: could not start the program: {exc}\n".encode())
+        finally:
+            os._exit(127)
+
+
+def children_of(pid):
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            # The command name may hold spaces and parentheses: fields follow the last ')'.
+            fields = stat[stat.rfind(b")") + 2 :].split()
+            if int(fields[1]) == pid:
+                out.append(int(entry))
+    return out
+
+
+def kill_everything_left(spec, in_pid_namespace):
+    """Kill and reap every descendant (re-parented to us, the subreaper), until none is left.
+    In a PID namespace the kernel has done it: the namespace died with its init."""
+    me = os.getpid()
+    deadline = time.monotonic() + 30
+    while True:
+        if spec.get("uid") is not None and not in_pid_namespace and os.fork() == 0:
+            # kill(-1) as the sandbox's uid hits all its processes in one pass that a
+            # fork bomb cannot outrun (the kernel holds the task list while it signals).
+            try:
+                os.setuid(spec["uid"])
+                os.kill(-1, signal.SIGKILL)
+            finally:
+                os._exit(0)
+        for pid in children_of(me):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.002)  # the killed need a moment to become zombies
+
+
+def wait_with_deadline(pid, seconds):
+    """(wait status or None on timeout)."""
+    fd = os.pidfd_open(pid)
+    try:
+        ready, _, _ = select.select([fd], [], [], max(0.0, seconds))
+    finally:
+        os.close(fd)
+    if not ready:
+        return None
+    return os.waitpid(pid, 0)[1]
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    report = os.fdopen(spec["report_fd"], "w")
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != spec["parent"]:
+        return 1  # the reward process died while we started
+    level = spec["level"]
+    try:
+        if level == "namespace":
+            enter_namespaces(spec)
+        else:
+            prctl(PR_SET_CHILD_SUBREAPER, 1)
+    except OSError as exc:
+        report.write(json.dumps({"setup_error": str(exc)}))
+        return 1
+    started = time.monotonic()
+    me = os.getpid()
+    child = os.fork()
+    if child == 0:
+        run_program(spec, me, level == "namespace")
+    status = wait_with_deadline(child, spec["timeout"])
+    timed_out = status is None
+    if timed_out:
+        os.kill(child, signal.SIGKILL)  # in a PID namespace: its init, so everything in it
+        status = os.waitpid(child, 0)[1]
+    elapsed = time.monotonic() - started
+    kill_everything_left(spec, level == "namespace")
+    report.write(
+        json.dumps(
+            {
+                "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
+                "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
+                "timed_out": timed_out,
+                "seconds": elapsed,
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

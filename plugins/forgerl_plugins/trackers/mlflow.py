@@ -1,0 +1,108 @@
+"""The ``mlflow`` tracker: every step's metrics, and the run's config as parameters, to
+MLflow. Off unless ``logging.mlflow.enabled``. Without ``logging.mlflow.tracking_uri`` it
+needs no server: a file store in ``<run_dir>/mlruns`` (``mlflow ui --backend-store-uri
+RUN_DIR/mlruns``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from forgerl.hookspecs import hookimpl
+from forgerl_plugins.trackers.common import Tracker
+
+LOG_DIR = "mlruns"
+#: MLflow refuses longer parameter values.
+MAX_PARAM_CHARS = 500
+STATUS = {"completed": "FINISHED", "interrupted": "KILLED"}
+
+
+@dataclass
+class _Run:
+    client: Any
+    run_id: str
+    uri: str
+
+
+def flat_params(config: Any, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    items = config.items() if isinstance(config, dict) else enumerate(config) if isinstance(config, list) else None
+    if items is None:
+        return {prefix: json.dumps(config) if not isinstance(config, str) else config}
+    for k, v in items:
+        out.update(flat_params(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+class MLflow(Tracker):
+    name = "mlflow"
+    module = "mlflow"
+    install = "pip install mlflow-skinny"
+    switch = "set logging.mlflow.enabled=false"
+
+    def enabled(self, config: Any) -> bool:
+        return bool(config.logging.mlflow.enabled)
+
+    def open(self, config: Any, run_dir: Path) -> _Run:
+        options = config.logging.mlflow
+        uri = options.tracking_uri or (run_dir / LOG_DIR).resolve().as_uri()
+        if uri.startswith("file:"):
+            # MLflow 3 keeps the file store working behind this switch (it prefers a
+            # database); a local store with no server is what this default is for.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        from mlflow.tracking import MlflowClient
+
+        client = MlflowClient(tracking_uri=uri)
+        experiment = client.get_experiment_by_name(options.experiment)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(options.experiment)
+        # A resumed run continues its MLflow run: found by the run directory's tag.
+        tag = str(run_dir.resolve())
+        found = client.search_runs([experiment_id], filter_string=f"tags.`forgerl.run_dir` = '{tag}'")
+        if found:
+            return _Run(client, found[0].info.run_id, uri)
+        run = client.create_run(experiment_id, tags={"mlflow.runName": run_dir.name,
+                                                     "forgerl.run_dir": tag})
+        from mlflow.entities import Param
+
+        params = [Param(k, v[:MAX_PARAM_CHARS]) for k, v in flat_params(json.loads(config.model_dump_json())).items()]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 parameters a batch
+            client.log_batch(run.info.run_id, params=params[i:i + 100])
+        return _Run(client, run.info.run_id, uri)
+
+    def where(self, run_dir: Path) -> str:
+        handle = self.open_runs.get(run_dir)
+        return f"writing {handle.uri}" if handle else "writing"
+
+    def write(self, handle: _Run, step: int, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        # "loss" and "loss/policy" cannot both be files of a file store: "/" becomes ".".
+        metrics = [Metric(k.replace("/", "."), v, now, step) for k, v in values.items()]
+        handle.client.log_batch(handle.run_id, metrics=metrics)
+
+    def close(self, handle: _Run, summary: Mapping[str, Any]) -> None:
+        handle.client.set_terminated(handle.run_id, STATUS.get(str(summary.get("status")), "FAILED"))
+
+
+_tracker = MLflow()
+
+
+@hookimpl
+def forge_run_start(config: Any, run_dir: Path) -> None:
+    _tracker.start(config, run_dir)
+
+
+@hookimpl
+def forge_step_end(step: int, metrics: Mapping[str, float], run_dir: Path) -> None:
+    _tracker.step(step, metrics, run_dir)
+
+
+@hookimpl
+def forge_run_end(summary: Mapping[str, Any], run_dir: Path) -> None:
+    _tracker.end(summary, run_dir)

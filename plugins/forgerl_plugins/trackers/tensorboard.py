@@ -1,0 +1,58 @@
+"""The ``tensorboard`` tracker: every step's metrics as TensorBoard scalars in
+``<run_dir>/tensorboard`` (``tensorboard --logdir runs/``). On unless
+``logging.tensorboard: false``; scripts/setup.sh installs it (the ``tensorboard`` extra)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from forgerl.hookspecs import hookimpl
+from forgerl_plugins.trackers.common import Tracker
+
+LOG_DIR = "tensorboard"
+
+
+class TensorBoard(Tracker):
+    name = "tensorboard"
+    module = "tensorboard"
+    install = "pip install 'forgerl[tensorboard]'"
+    switch = "set logging.tensorboard=false to silence this"
+
+    def enabled(self, config: Any) -> bool:
+        return bool(config.logging.tensorboard)
+
+    def open(self, config: Any, run_dir: Path) -> Any:
+        from torch.utils.tensorboard import SummaryWriter
+
+        return SummaryWriter(str(run_dir / LOG_DIR))
+
+    def where(self, run_dir: Path) -> str:
+        return f"writing {run_dir / LOG_DIR} (tensorboard --logdir {run_dir.parent})"
+
+    def write(self, handle: Any, step: int, values: dict[str, float]) -> None:
+        for key, value in values.items():
+            handle.add_scalar(key, value, step)
+        handle.flush()
+
+    def close(self, handle: Any, summary: Mapping[str, Any]) -> None:
+        handle.close()
+
+
+_tracker = TensorBoard()
+
+
+@hookimpl
+def forge_run_start(config: Any, run_dir: Path) -> None:
+    _tracker.start(config, run_dir)
+
+
+@hookimpl
+def forge_step_end(step: int, metrics: Mapping[str, float], run_dir: Path) -> None:
+    _tracker.step(step, metrics, run_dir)
+
+
+@hookimpl
+def forge_run_end(summary: Mapping[str, Any], run_dir: Path) -> None:
+    _tracker.end(summary, run_dir)

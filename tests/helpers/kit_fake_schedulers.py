@@ -1,0 +1,63 @@
+"""A plugin of deliberately broken schedulers, each the ``local`` scheduler with one rule of
+the scheduler kit (:class:`forgerl.testing.SchedulerContract`) broken: the tests of the kit
+show that each check can fail. Loaded by import path
+(``plugins = ("tests.helpers.kit_fake_schedulers",)``)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from forgerl.backends import SchedulerBackend
+from forgerl.hookspecs import hookimpl
+from forgerl.types import JobHandle, JobState, JobStatus
+from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
+
+OPTIONS = "forgerl_plugins.schedulers.local.options:LocalSchedulerOptions"
+
+
+class CancelSparesChildren(LocalScheduler):
+    """Cancel kills each role's own process, not its process tree: the role's child lives on."""
+
+    def cancel(self, job_id: str) -> None:
+        live = self._jobs[job_id]
+        for proc in live.all_procs():
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.popen.wait()
+        live._finish(JobState.CANCELLED, 143, "cancelled")
+
+
+class LosesExitCode(LocalScheduler):
+    """Reports a failed job without the exit status of the role that failed it."""
+
+    def wait(self, handle: JobHandle, timeout: float | None = None) -> JobStatus:
+        status = super().wait(handle, timeout)
+        return JobStatus(status.state, None if status.state is JobState.FAILED else status.exit_code, status.detail)
+
+
+class UnknownJobIsKeyError(LocalScheduler):
+    """Answers an unknown job id with a KeyError instead of JobNotFound."""
+
+    def status(self, job_id: str) -> JobStatus:
+        if job_id not in self._jobs:
+            raise KeyError(job_id)
+        return super().status(job_id)
+
+
+class HidesItsLogs(LocalScheduler):
+    """Implements logs() but says it has none: `forge logs` would never show them."""
+
+    supports_logs = False
+
+
+@hookimpl
+def forge_schedulers():
+    return [
+        SchedulerBackend(name=name, factory=f"tests.helpers.kit_fake_schedulers:{cls.__name__}", options=OPTIONS)
+        for name, cls in [
+            ("kit_cancel_spares_children", CancelSparesChildren),
+            ("kit_loses_exit_code", LosesExitCode),
+            ("kit_unknown_job_is_key_error", UnknownJobIsKeyError),
+            ("kit_hides_its_logs", HidesItsLogs),
+        ]
+    ]

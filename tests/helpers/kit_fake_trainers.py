@@ -1,0 +1,87 @@
+"""A plugin of deliberately broken trainers, each the ``fsdp`` trainer with one rule of the
+trainer kit (:class:`forgerl.testing.TrainerContract`) broken: the tests of the kit show
+that each check can fail. Loaded by import path
+(``plugins = ("tests.helpers.kit_fake_trainers",)``)."""
+
+from __future__ import annotations
+
+from forgerl.backends import TrainerBackend
+from forgerl.hookspecs import hookimpl
+from forgerl.types import WeightSet
+from forgerl_plugins.trainers.fsdp.trainer import FSDPTrainer
+
+OPTIONS = "forgerl_plugins.trainers.fsdp.options:FSDPTrainerOptions"
+
+
+class PrefixedNames(FSDPTrainer):
+    """Exports the names of a DDP wrapper ('module.model.norm.weight')."""
+
+    def export_weights(self, version):
+        weights = super().export_weights(version)
+        return None if weights is None else WeightSet(version, {f"module.{k}": v for k, v in weights.tensors.items()})
+
+
+class LiveExport(FSDPTrainer):
+    """Exports its live parameters: the next step changes a version the transport holds."""
+
+    def export_weights(self, version):
+        return WeightSet(version, dict(self.model.state_dict()))
+
+
+class IgnoresTemperature(FSDPTrainer):
+    """Computes logprobs of the plain logits whatever the sampling temperature."""
+
+    def __init__(self, options, *, context):
+        super().__init__(options, context=context)
+        self.temperature = 1.0
+
+
+class ReportsOnlyTheLoss(FSDPTrainer):
+    def train_step(self, batch):
+        return {"loss": super().train_step(batch)["loss"]}
+
+
+class DriftsEveryStep(FSDPTrainer):
+    """Moves the final norm by a constant every step, gradient or not."""
+
+    def train_step(self, batch):
+        import torch
+
+        metrics = super().train_step(batch)
+        with torch.no_grad():
+            self.model.get_parameter("model.norm.weight").add_(1e-3)
+        return metrics
+
+
+class ForgetsTheOptimizer(FSDPTrainer):
+    """Loads the model from a checkpoint but starts a fresh optimiser (no Adam moments)."""
+
+    def load(self, path):
+        import torch
+
+        super().load(path)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=self.options.lr)
+
+
+class KeepsItsProcessGroup(FSDPTrainer):
+    """Leaves the default process group it created behind when closed."""
+
+    def close(self):
+        self._owns_process_group = False
+        super().close()
+
+
+@hookimpl
+def forge_trainers():
+    return [
+        TrainerBackend(name=name, factory=f"tests.helpers.kit_fake_trainers:{cls.__name__}", options=OPTIONS)
+        for name, cls in [
+            ("kit_prefixed_names", PrefixedNames),
+            ("kit_live_export", LiveExport),
+            ("kit_ignores_temperature", IgnoresTemperature),
+            ("kit_reports_only_the_loss", ReportsOnlyTheLoss),
+            ("kit_drifts_every_step", DriftsEveryStep),
+            ("kit_forgets_the_optimizer", ForgetsTheOptimizer),
+            ("kit_keeps_its_process_group", KeepsItsProcessGroup),
+        ]
+    ]

@@ -1,0 +1,224 @@
+"""The `code` reward's sandbox against hostile programs, with real processes.
+
+Each program attacks in its module body (or in ``ok()``, the one test: ``assert ok()``,
+true only when the attack worked). Every attack must be contained: the sample scores 0,
+no process of it is left, nothing was written outside its directory, and the reward
+scores the next program normally.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from forgerl.plugins import build_registry
+from forgerl.types import Problem, RewardInput
+from forgerl_plugins.rewards.sandbox import SANDBOX_UID_BASE, SandboxUnavailable
+
+from ..helpers.timing import scaled, wait_until
+
+pytestmark = pytest.mark.integration
+
+GOOD = "def ok():\n    return True\n"
+
+
+@pytest.fixture(scope="module")
+def workdir():
+    # Not under pytest's own temp dir: as root, the process level runs programs as another
+    # uid, which must be able to traverse to its directory.
+    path = tempfile.mkdtemp(prefix="forge-sandbox-test-")
+    os.chmod(path, 0o711)
+    yield Path(path)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module", params=["namespace", "process"])
+def reward(request, workdir):
+    options = {"isolation": request.param, "timeout": scaled(3.0), "workdir": str(workdir), "processes": 16}
+    if request.param == "process" and os.geteuid() == 0 and os.path.exists("/usr/bin/python3"):
+        options["python"] = "/usr/bin/python3"  # root's own interpreter may be out of the sandbox uid's reach
+    try:
+        return build_registry().require("reward", "code").build({**options, "memory_mb": 512})
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def sandbox_processes(workdir) -> list[str]:
+    """Processes a sandbox left: running as a sandbox uid (as root), or with their working
+    directory under the sandboxes' work directory."""
+    left = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            uid = os.stat(f"/proc/{entry}").st_uid
+            cwd = os.readlink(f"/proc/{entry}/cwd")
+        except OSError:
+            continue
+        if SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + 4096 or cwd.startswith(str(workdir)):
+            left.append(f"{entry} (uid {uid}, cwd {cwd})")
+    return left
+
+
+def score(reward, program: str) -> dict[str, float]:
+    problem = Problem(id="attack", prompt="", metadata={"tests": ["assert ok()"]})
+    result = reward.score(RewardInput(problem, program))
+    return {"value": result.value, **result.components}
+
+
+def contained(reward, workdir, program: str) -> dict[str, float]:
+    """Score ``program``, check it was contained, return its score."""
+    got = score(reward, program)
+    assert got["value"] == 0.0, got
+    wait_until(
+        lambda: not sandbox_processes(workdir), 10, f"no sandbox process left ({sandbox_processes(workdir)})"
+    )
+    assert os.listdir(workdir) == [], "a program's directory was not removed"
+    assert score(reward, GOOD)["value"] == 1.0, "the reward does not score normally after the attack"
+    return got
+
+
+def test_a_good_program_passes(reward):
+    assert score(reward, GOOD) == {
+        "value": 1.0,
+        "pass_rate": 1.0,
+        "all_passed": 1.0,
+        "timeout": 0.0,
+        "error": 0.0,
+    }
+
+
+def test_fork_bomb(reward, workdir):
+    got = contained(
+        reward,
+        workdir,
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n",
+    )
+    assert got["timeout"] == 1.0
+
+
+def test_memory_bomb(reward, workdir):
+    got = contained(reward, workdir, "hoard = []\nwhile True:\n    hoard.append(bytearray(50 * 2**20))\n")
+    assert got["error"] == 1.0
+
+
+def test_infinite_loop(reward, workdir):
+    assert contained(reward, workdir, "while True:\n    pass\n")["timeout"] == 1.0
+
+
+def test_sleeping_grandchild_that_outlives_its_parent(reward, workdir):
+    program = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(10000)\n"
+        "    os._exit(0)\n"
+        "os.wait()\n"
+        "def ok():\n    return False\n"
+    )
+    contained(reward, workdir, program)
+
+
+def test_network_connection(reward, workdir):
+    if reward.sandbox.level == "process":
+        pytest.skip("the process level has no network isolation (docs/rewards.md)")
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    program = (
+        "import socket\n"
+        "def ok():\n"
+        f"    socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
+        "    return True\n"
+    )
+    try:
+        contained(reward, workdir, program)
+        # A connection completes into the listen backlog without accept(): none may be there.
+        server.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            server.accept()[0].close()
+    finally:
+        server.close()
+
+
+def test_writes_outside_its_directory(reward, workdir, tmp_path):
+    targets = [tmp_path / "escaped", workdir / "escaped", os.path.expanduser("~/forge-sandbox-escaped")]
+    if reward.sandbox.level == "process":
+        if os.geteuid() != 0:
+            pytest.skip(
+                "process isolation as the same user cannot protect the user's files (docs/rewards.md)"
+            )
+        # As root it runs as a uid of its own: what only root may write stays safe, but
+        # world-writable places like /tmp do not (docs/rewards.md).
+    else:
+        targets.append("/tmp/forge-escaped")
+    program = (
+        "def ok():\n"
+        "    wrote = False\n"
+        f"    for path in {[str(t) for t in targets]!r}:\n"
+        "        try:\n"
+        "            open(path, 'w').write('x')\n"
+        "            wrote = True\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    return wrote\n"
+    )
+    contained(reward, workdir, program)
+    assert not [t for t in targets if os.path.exists(t)]
+
+
+def test_reads_outside_its_directory(reward, workdir, tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("s3cret")
+    secret.chmod(0o600)
+    if os.geteuid() != 0 and reward.sandbox.level == "process":
+        pytest.skip("process isolation as the same user cannot hide the user's files (docs/rewards.md)")
+    program = f"def ok():\n    return open({str(secret)!r}).read() == 's3cret'\n"
+    contained(reward, workdir, program)
+
+
+def test_killing_the_parent_and_the_process_group(reward, workdir):
+    program = "import os, signal\nos.killpg(0, signal.SIGKILL)\n"
+    contained(reward, workdir, program)
+    contained(
+        reward,
+        workdir,
+        "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\ndef ok():\n    return False\n",
+    )
+    if os.geteuid() == 0 or reward.sandbox.level == "namespace":
+        # As root the program has a uid of its own; in a PID namespace it sees only itself.
+        contained(
+            reward, workdir, "import os, signal\nos.kill(-1, signal.SIGKILL)\ndef ok():\n    return False\n"
+        )
+
+
+def test_huge_output(reward, workdir):
+    program = "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n"
+    contained(reward, workdir, program)
+
+
+def test_exit_before_the_tests(reward, workdir):
+    assert contained(reward, workdir, "import os\nos._exit(0)\n")["error"] == 1.0
+    assert contained(reward, workdir, "import sys\nsys.exit(0)\n")["error"] == 1.0
+
+
+def test_fake_results(reward, workdir):
+    program = "for i in range(5):\n    print('pass', i)\nprint('done')\nimport os\nos._exit(0)\n"
+    contained(reward, workdir, program)
+
+
+def test_recursion_bomb(reward, workdir):
+    contained(reward, workdir, "def f(n):\n    return f(n + 1)\nf(0)\n")
+    program = "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return f(n + 1)\nf(0)\n"
+    contained(reward, workdir, program)
+
+
+def test_no_stray_processes_after_the_suite(reward, workdir):
+    """Last in the file: whatever ran before, nothing of it is left."""
+    wait_until(lambda: not sandbox_processes(workdir), 10, "no sandbox process left")
+    assert os.listdir(workdir) == []

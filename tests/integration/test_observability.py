@@ -1,0 +1,105 @@
+"""Seeing a real run: `forge run`'s progress lines without a terminal, `--quiet`, and
+`forge report` on the run it made (tiny model, hf generator, local scheduler)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from ..unit.test_report import embedded_data
+from .test_run_e2e import SMALL, forge, metrics
+
+pytestmark = pytest.mark.integration
+
+STEPS = 3
+RUN = [*SMALL, "--steps", str(STEPS), "--set", "loop.eval_every=2"]
+
+
+def tracker_env() -> dict[str, str]:
+    """The tracker plugins load through entry points; an environment installed before they
+    existed (`make setup` re-installs when pyproject.toml changes) gets them by import path."""
+    from importlib.metadata import entry_points
+
+    names = {ep.name for ep in entry_points(group="forgerl")}
+    missing = [f"forgerl_plugins.trackers.{n}" for n in ("tensorboard",) if n not in names]
+    return {"FORGE_PLUGINS": ",".join(missing)} if missing else {}
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> tuple[Path, str]:
+    out = tmp_path_factory.mktemp("observed") / "run"
+    proc = forge("run", *RUN, "--output", str(out), env=tracker_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stderr
+
+
+def test_progress_lines_from_the_start_without_a_terminal(tiny_run):
+    run_dir, stderr = tiny_run
+    said = [line for line in stderr.splitlines() if line.startswith("forge: ")]
+    steps = [i for i, line in enumerate(said) if line.startswith("forge: step ")]
+    assert len(steps) == STEPS, stderr
+    before = said[: steps[0]]
+    # Before step 1: what started, and each phase of the start-up, in order.
+    order = ["started trainer", "importing torch", "preparing model tiny", "building trainer fsdp",
+             "starting generator hf", "evaluating the base model", "training: steps 1 to 3"]
+    at = [next((i for i, line in enumerate(before) if needle in line), None) for needle in order]
+    assert None not in at and at == sorted(at), (order, at, before)
+    assert all(re.match(r"forge: \[\d+:\d\d\] trainer-0: ", line) for line in before[1:]), before
+    rows = metrics(run_dir)
+    for line, row in zip((said[i] for i in steps), rows):
+        assert line.startswith(f"forge: step {row['step']}/{STEPS}  reward {row['reward/mean']:.3f}"), line
+        assert "s/step  ETA " in line
+    assert f"accuracy {rows[1]['eval/accuracy']:.3f}" in said[steps[1]]
+    recorded = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert {e["stage"] for e in recorded} >= {"worker", "model", "trainer", "generator", "eval", "loop"}
+
+
+def test_quiet_prints_no_progress(tmp_path):
+    out = tmp_path / "run"
+    proc = forge("run", *SMALL, "--steps", "1", "--quiet", "--set", "loop.eval_at_start=false",
+                 "--output", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not [line for line in proc.stderr.splitlines() if line.startswith(("forge: [", "forge: step"))]
+    assert "forge: run completed" in proc.stderr
+    assert (out / "events.jsonl").is_file()  # still recorded, only not shown
+
+
+def test_report_of_the_run_plots_its_metrics(tiny_run, tmp_path):
+    run_dir, _ = tiny_run
+    html = tmp_path / "report.html"
+    proc = forge("report", str(run_dir), "--output", str(html))
+    assert proc.returncode == 0, proc.stderr
+    data = embedded_data(html.read_text())
+    (run,) = data["runs"]
+    assert run["status"] == "completed"
+    rows = metrics(run_dir)
+    for panel, key in [("reward", "reward/mean"), ("grad_norm", "grad_norm"), ("entropy", "entropy"),
+                       ("logprob_gap", "logprob_gap/mean"), ("completion_length", "completion/mean_tokens"),
+                       ("staleness", "staleness/mean"), ("accuracy", "eval/accuracy")]:
+        plotted = run["panels"][panel][key]
+        expected = [r for r in rows if r.get(key) is not None]
+        assert plotted["step"] == [r["step"] for r in expected], key
+        assert plotted["value"] == [r[key] for r in expected], key
+    assert run["eval_accuracy_start"] == json.loads((run_dir / "summary.json").read_text())["eval_accuracy_start"]
+
+
+def test_tensorboard_by_default_or_a_note_why_not(tiny_run):
+    run_dir, stderr = tiny_run
+    try:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    except ImportError:
+        assert "tensorboard: skipped: tensorboard is not installed (pip install 'forgerl[tensorboard]'" in stderr
+        assert not (run_dir / "tensorboard").exists()
+        return
+    assert f"tensorboard: writing {run_dir / 'tensorboard'}" in stderr
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    rows = metrics(run_dir)
+    for key in ("reward/mean", "grad_norm", "eval/accuracy"):
+        points = [(e.step, e.value) for e in acc.Scalars(key)]
+        expected = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        assert [p[0] for p in points] == [e[0] for e in expected], key
+        assert [p[1] for p in points] == pytest.approx([e[1] for e in expected], rel=1e-6), key
