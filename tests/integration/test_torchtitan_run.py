@@ -1,6 +1,7 @@
 """`forge run --trainer torchtitan` end to end, as a user runs it: the tiny model, the local
 scheduler, real trainer ranks, the hf (and, where installed, vllm) generator fed the
-weights the trainer exports, checkpoints and `--resume` after SIGKILL."""
+weights the trainer exports over the shm and nccl transports, checkpoints and `--resume`
+after SIGKILL."""
 
 from __future__ import annotations
 
@@ -48,11 +49,11 @@ def deterministic(row: dict) -> dict:
     return {k: v for k, v in row.items() if not k.startswith(("time/", "throughput/"))}
 
 
-@pytest.mark.parametrize("ranks", [1, 2])
-def test_three_steps_with_the_hf_generator(tmp_path: Path, ranks: int) -> None:
+@pytest.mark.parametrize(("ranks", "transport"), [(1, "shm"), (2, "nccl")])
+def test_three_steps_with_the_hf_generator(tmp_path: Path, ranks: int, transport: str) -> None:
     out = tmp_path / "run"
-    proc = forge("run", *SMALL, "--generator", "hf", "--steps", "3", "--set", f"trainer.ranks={ranks}",
-                 "--output", str(out))
+    proc = forge("run", *SMALL, "--generator", "hf", "--transport", transport, "--steps", "3",
+                 "--set", f"trainer.ranks={ranks}", "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2, 3] and [r["policy_version"] for r in rows] == [1, 2, 3]
