@@ -69,6 +69,34 @@ def llama_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def qwen3_model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 (q/k norms, explicit head_dim) with the tiny model's tokenizer;
+    its norm weights are perturbed so that the q/k norms do something."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    folder = tmp_path_factory.mktemp("qwen3")
+    shutil.copytree(tiny_model_dir, folder, dirs_exist_ok=True)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    tiny = json.loads((tiny_model_dir / "config.json").read_text())
+    config = Qwen3Config(
+        vocab_size=tiny["vocab_size"], hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
+        tie_word_embeddings=True, eos_token_id=tiny["eos_token_id"], pad_token_id=tiny["pad_token_id"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.normal_(0.0, 0.1, generator=gen)
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.1)
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
 def wide_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """4 heads over 2 key/value heads, with biases: what tensor parallelism over 2 ranks splits."""
     return _with_random_biases(_tiny(tmp_path_factory, hidden_size=128), tmp_path_factory.mktemp("wide"))
@@ -104,11 +132,10 @@ def test_forge_plugins_list_shows_it_available() -> None:
 # ----------------------------------------------------------------- cross-backend parity
 
 
-@pytest.mark.parametrize("arch", ["qwen2-biased", "llama"])
-def test_same_logprobs_loss_and_update_as_fsdp_on_one_rank(
-    arch: str, biased_model_dir: Path, llama_model_dir: Path, tmp_path: Path
-) -> None:
-    model_dir = biased_model_dir if arch == "qwen2-biased" else llama_model_dir
+@pytest.mark.parametrize("arch", ["qwen2-biased", "llama", "qwen3"])
+def test_same_logprobs_loss_and_update_as_fsdp_on_one_rank(arch: str, request: pytest.FixtureRequest, tmp_path: Path) -> None:
+    fixture = {"qwen2-biased": "biased_model_dir", "llama": "llama_model_dir", "qwen3": "qwen3_model_dir"}[arch]
+    model_dir = request.getfixturevalue(fixture)
     batch = _batch(model_dir, rows=4, seed=3)
     results = {}
     for kind in ("torchtitan", "fsdp"):
