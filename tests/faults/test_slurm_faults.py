@@ -33,8 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from ..helpers.requires import slurm_unavailable
 from ..helpers.timing import scaled, wait_until
-from ..integration.test_slurm import _slurm_answer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slurm, pytest.mark.slow]
 
@@ -65,7 +65,7 @@ RUN = [
 
 @pytest.fixture(scope="module", autouse=True)
 def _slurm() -> None:
-    why = _slurm_answer()
+    why = slurm_unavailable()
     if why is not None:
         msg = f"no Slurm running here ({why}); start one with scripts/slurm/start-local-slurm.sh"
         if os.environ.get("FORGE_REQUIRE_SLURM") == "1":
