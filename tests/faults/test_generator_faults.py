@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.hold_at_step import hold_env, marker, release
 from tests.helpers.timing import scaled, wait_until
 
 pytestmark = [
@@ -62,14 +63,16 @@ def test_a_hung_generator_server_is_replaced_and_the_run_completes(tmp_path: Pat
         "--set", "logging.progress=false",
         "--output", str(out),
     ]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=hold_env(1))
     stopped = None
     try:
-        # After step 1 (weights version 1 served), before step 2: stop the only server.
-        wait_until(lambda: _rows(out) or proc.poll() is not None, 2 * SERVER_WAIT, "step 1 of the run")
-        assert proc.poll() is None, f"the run ended before step 2: {proc.stderr.read()[-3000:]}"
+        # Held after step 1 (weights version 1 served), before step 2: stop the only server.
+        wait_until(lambda: marker(out, 1).exists() or proc.poll() is not None, 2 * SERVER_WAIT, "step 1 of the run")
+        assert proc.poll() is None, f"the run ended at step 1: {proc.stderr.read()[-3000:]}"
         stopped = json.loads((out / "generators" / "vllm-0.json").read_text())["pid"]
         os.kill(stopped, signal.SIGSTOP)
+        release(out, 1)
         _, stderr = proc.communicate(timeout=scaled(3 * SERVER_WAIT))
     finally:
         if proc.poll() is None:

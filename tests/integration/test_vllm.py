@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from tests.helpers import hold_at_step
 from tests.helpers.timing import scaled, wait_until
 
 pytestmark = [
@@ -538,19 +539,20 @@ def test_forge_run_end_to_end_survives_a_killed_replica(tmp_path: Path):
         "--set", "logging.progress=false",
         "--output", str(out),
     ]  # fmt: skip
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=hold_at_step.hold_env(1))
     killed = None
     try:
-        metrics = out / "metrics.jsonl"
         wait_until(
-            lambda: proc.poll() is not None or (metrics.exists() and metrics.read_text().strip()),
+            lambda: proc.poll() is not None or hold_at_step.marker(out, 1).exists(),
             2 * SERVER_WAIT,
             "step 1 of the run (or its end)",
             interval=0.2,
         )
         if proc.poll() is None:
             killed = json.loads((out / "generators" / "vllm-1.json").read_text())["pid"]
-            os.kill(killed, signal.SIGKILL)  # mid-run: after step 1, before step 2
+            os.kill(killed, signal.SIGKILL)  # mid-run: held after step 1, before step 2
+            hold_at_step.release(out, 1)
         _, stderr = proc.communicate(timeout=scaled(SERVER_WAIT))
     finally:
         if proc.poll() is None:

@@ -1,0 +1,47 @@
+"""A plugin that holds a run at one step, so a test can kill it there.
+
+Tests that kill a run "after its second checkpoint" must not race the run: on a fast
+machine the tiny model finishes all its steps between two polls. Loaded through
+``FORGE_PLUGINS=tests.helpers.hold_at_step`` with ``FORGE_TEST_HOLD_AT_STEP=N``, the
+``forge_step_end`` hook of step N (called once step N's row is written and, when due,
+its checkpoint saved) writes ``held-at-step-N`` in the run directory (:func:`marker`) and
+then blocks on rank 0, which drives the loop, until the test kills the run or writes
+``release-step-N`` (:func:`release`). :func:`hold_env` builds that environment.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from forgerl.hookspecs import hookimpl
+
+
+def hold_env(step: int) -> dict[str, str]:
+    """The environment of a `forge run` that holds at ``step`` (the repo on its path)."""
+    repo = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "FORGE_PLUGINS": __name__, "FORGE_TEST_HOLD_AT_STEP": str(step)}
+
+
+def marker(run_dir: Path, step: int) -> Path:
+    return run_dir / f"held-at-step-{step}"
+
+
+def release(run_dir: Path, step: int) -> None:
+    (run_dir / f"release-step-{step}").write_text("")
+
+
+@hookimpl
+def forge_step_end(step: int, metrics: Mapping[str, Any], run_dir: Path) -> None:
+    raw = os.environ.get("FORGE_TEST_HOLD_AT_STEP")
+    if raw is None or step != int(raw):
+        return
+    run_dir = Path(run_dir)
+    marker(run_dir, step).write_text(str(os.getpid()))
+    released = run_dir / f"release-step-{step}"
+    while not released.exists():  # or the test's SIGKILL
+        time.sleep(0.05)
