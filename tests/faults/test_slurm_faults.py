@@ -33,6 +33,7 @@ from pathlib import Path
 
 import pytest
 
+from ..helpers import hold_at_step
 from ..helpers.requires import slurm_unavailable
 from ..helpers.timing import scaled, wait_until
 
@@ -78,13 +79,15 @@ def env(tmp: Path, gate: Path | None) -> dict[str, str]:
     out = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p),
-        "FORGE_PLUGINS": "tests.helpers.step_gate",
+        "FORGE_PLUGINS": "tests.helpers.step_gate,tests.helpers.hold_at_step",
         # The scheduler's job-id index: the test's, not the user's.
         "XDG_STATE_HOME": str(tmp / "state"),
     }
     out.pop("FORGE_TEST_GATE", None)
+    out.pop("FORGE_TEST_HOLD_AT_STEP", None)
     if gate is not None:
         out["FORGE_TEST_GATE"] = str(gate)
+        out["FORGE_TEST_HOLD_AT_STEP"] = "1"  # see Run.hold_a_step
     return out
 
 
@@ -168,11 +171,14 @@ class Run:
         """After step 1's row, hold the rollouts of the next step to be scored and wait
         until the trainer is inside the held step (see tests/helpers/step_gate.py);
         returns K, the steps finished and checkpointed: step K+1 is the one held."""
-        wait_until(lambda: rows(self.out)[:1] or not self.alive(), 300, "step 1's metrics row")
+        # The run holds itself after step 1 (tests/helpers/hold_at_step.py) until the gate
+        # is closed: on a fast machine the remaining steps would otherwise finish first.
+        wait_until(lambda: hold_at_step.marker(self.out, 1).exists() or not self.alive(), 300, "step 1's end")
         assert self.alive(), self.proc.communicate()[1][-3000:]
         self.job_id = job_id_of(self.out)
         assert self.job_id, read(self.out / "submission.json")
         (self.gate / "hold").touch()
+        hold_at_step.release(self.out, 1)
 
         def inside_held_step() -> bool:
             k = len(rows(self.out))
