@@ -99,12 +99,12 @@ def test_a_tampered_trainer_checkpoint_is_refused_and_runs_nothing(tiny_model_di
 
     from forgerl.errors import CheckpointUnusable
 
-    from ..helpers import fsdp_worker as worker
+    from ..helpers import trainer_worker as worker
 
     marker = tmp_path / "MARKER"
     trainer = worker.make_trainer(tiny_model_dir, tmp_path, micro_batch_size=2)
     try:
-        trainer.train_step(worker.on_policy(trainer, worker.make_batch(3, 512, 0, seed=4)))
+        trainer.train_step(worker.on_policy(trainer, worker.make_batch(tiny_model_dir, rows=3, seed=4)))
         good = tmp_path / "good"
         trainer.save(good)
 

@@ -12,8 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests.helpers import fsdp_worker  # noqa: E402
-from tests.helpers import torchtitan_worker as worker  # noqa: E402
+from tests.helpers import trainer_worker as worker  # noqa: E402
 from tests.helpers.requires import require_torchtitan  # noqa: E402
 from tests.helpers.timing import scaled  # noqa: E402
 
@@ -33,17 +32,16 @@ def _needs_torchtitan() -> None:
 
 
 def test_same_logprobs_and_update_as_fsdp_on_cuda(tiny_model_dir: Path, tmp_path: Path) -> None:
-    config = json.loads((tiny_model_dir / "config.json").read_text())
-    batch = fsdp_worker.make_batch(4, config["vocab_size"], config["pad_token_id"], seed=3)
+    batch = worker.make_batch(tiny_model_dir, rows=4, seed=3)
     trainers = {}
     try:
         for kind in ("torchtitan", "fsdp"):
-            trainers[kind] = worker.make_trainer(kind, tiny_model_dir, tmp_path, 2, {}, backend="nccl")
+            trainers[kind] = worker.make_trainer(tiny_model_dir, tmp_path, 2, kind=kind, backend="nccl")
             assert trainers[kind].device.type == "cuda", trainers[kind].device
         logprobs = {kind: t.logprobs(batch) for kind, t in trainers.items()}
-        stepped = fsdp_worker.on_policy(trainers["fsdp"], batch)
+        stepped = worker.on_policy(trainers["fsdp"], batch)
         metrics = {kind: t.train_step(stepped) for kind, t in trainers.items()}
-        weights = {kind: {k: v.clone() for k, v in t.export_weights(1).tensors.items()} for kind, t in trainers.items()}
+        weights = {kind: worker.weights(t, 1) for kind, t in trainers.items()}
     finally:
         for trainer in reversed(trainers.values()):
             trainer.close()

@@ -8,14 +8,13 @@ obvious way (one forward over the whole batch, full-vocabulary ``log_softmax``, 
 no-grad forward for the old policy, ``clip_grad_norm_``, the per-tensor AdamW loop) and
 through ``train_step``; per-token logprobs, loss, metrics and the updated policy must agree
 to fp32 precision. 2 ranks (FSDP) against 1 are compared in
-tests/integration/test_fsdp_trainer.py::test_two_gloo_ranks_match_one_rank.
+tests/integration/test_trainers.py::test_two_gloo_ranks_match_fsdp_on_one_rank.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.helpers import fsdp_worker as worker  # noqa: E402
+from tests.helpers import trainer_worker as worker  # noqa: E402
 
 RTOL = 1e-5
 
@@ -86,10 +85,9 @@ class PlainGRPO:
     ids=["grpo", "old+kl", "gspo"],
 )
 def test_train_step_matches_a_plain_grpo_step(tiny_model_dir: Path, tmp_path: Path, algorithm: dict) -> None:
-    config = json.loads((tiny_model_dir / "config.json").read_text())
     # 7 rows of varied length in micro-batches of 3: rows are regrouped by length, the
     # last micro-batch is short, and every micro-batch is cut to its own length.
-    batch = worker.make_batch(7, config["vocab_size"], config["pad_token_id"], seed=11, length=20)
+    batch = worker.make_batch(tiny_model_dir, rows=7, seed=11, length=20)
     trainer = worker.make_trainer(tiny_model_dir, tmp_path, micro_batch_size=3, algorithm=algorithm)
     try:
         assert trainer._select_head, "the tiny Qwen2 must take the LM-head-at-loss-positions path"

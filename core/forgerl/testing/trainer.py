@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -53,16 +52,15 @@ import pytest
 from forgerl.testing.registry import backend_under_test, registry_for
 from forgerl.testing.timing import hard_limit, scaled, wait_until
 from forgerl.testing.trainer_support import (
+    beside_two_ranks,
     compared_metrics,
     finite_number,
-    free_port,
     live_children,
     make_batch,
     max_difference,
     merged,
     moved_beyond_decay,
     on_policy,
-    rank_env,
     rank_scenario,
     reference_model,
     relative_step_difference,
@@ -70,7 +68,6 @@ from forgerl.testing.trainer_support import (
     run_context,
     snapshot_one_rank,
     temperature_of,
-    wait_process,
 )
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -327,8 +324,6 @@ class TrainerContract:
     def test_two_ranks_take_the_same_step_as_one(self, model_dir: Path, tmp_path: Path) -> None:
         if not self.two_ranks:
             pytest.skip(f"{type(self).__name__}.two_ranks is False: the trainer is checked on one rank only")
-        import torch
-
         backend_under_test("trainer", self.backend, self.plugins, required=self.required)
         out = tmp_path / "two-ranks"
         (out / "checkpoint").mkdir(parents=True)
@@ -343,41 +338,17 @@ class TrainerContract:
             "out": str(out),
         }
         (out / "spec.json").write_text(json.dumps(spec))
-        port = free_port()
-        logs = [open(out / f"rank{r}.log", "w+") for r in range(2)]  # noqa: SIM115 - closed below
-        ranks = [
-            subprocess.Popen(
-                [sys.executable, "-m", "forgerl.testing.trainer_rank", str(out / "spec.json")],
-                env=rank_env(r, 2, port),
-                stdout=logs[r],
-                stderr=subprocess.STDOUT,
-            )
-            for r in range(2)
-        ]
-        try:
-            # One rank meanwhile, in this process, on one thread like each rank (another
-            # thread count sums in another order: ~1e-6 differences).
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
+
+        def one_rank() -> dict[str, Any]:
             (tmp_path / "one-rank").mkdir()
+            trainer = self.build(model_dir, tmp_path / "one-rank")
             try:
-                trainer = self.build(model_dir, tmp_path / "one-rank")
-                try:
-                    one = rank_scenario(trainer, model_dir, tmp_path / "one-rank", temperature_of(spec["config"]))
-                finally:
-                    trainer.close()
+                return rank_scenario(trainer, model_dir, tmp_path / "one-rank", temperature_of(spec["config"]))
             finally:
-                torch.set_num_threads(threads)
-            codes = [wait_process(p, scaled(300)) for p in ranks]
-        finally:
-            for p in ranks:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-            for f in logs:
-                f.close()
-        for r, code in enumerate(codes):
-            assert code == 0, f"rank {r} of 2 failed (exit {code}):\n{(out / f'rank{r}.log').read_text()[-4000:]}"
+                trainer.close()
+
+        command = [sys.executable, "-m", "forgerl.testing.trainer_rank", str(out / "spec.json")]
+        one = beside_two_ranks(command, out, one_rank, scaled(300))
         self._compare_ranks(one, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)], out)
 
     def _compare_ranks(self, one: dict[str, Any], two: list[dict[str, Any]], out: Path) -> None:

@@ -15,15 +15,17 @@ import math
 import os
 import socket
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from forgerl.interfaces import RunContext, Trainer
     from forgerl.types import TrainBatch
+
+T = TypeVar("T")
 
 #: Metric keys that measure time or speed: a resumed trainer may differ there.
 TIMING_PREFIXES = ("time/", "throughput/", "perf/")
@@ -70,10 +72,13 @@ def temperature_of(config: Mapping[str, Any]) -> float:
 # ------------------------------------------------------------------------ batches
 
 
-def make_batch(model_dir: Path, rows: int, seed: int, length: int = 16, zero_advantages: bool = False) -> TrainBatch:
+def make_batch(
+    model_dir: Path, rows: int, seed: int, length: int = 16, zero_advantages: bool = False, pad_id: int = -100
+) -> TrainBatch:
     """A right-padded batch of prompt + completion rows of varied lengths (as the loop lays
     one out), advantages of both signs (or all zero), behaviour logprobs still zero (set
-    them with :func:`on_policy`). Padding ids are -100, as the loop may leave them."""
+    them with :func:`on_policy`). Padding ids are ``pad_id``: -100 by default, as the loop
+    may leave them."""
     import torch
 
     from forgerl.types import TrainBatch
@@ -81,7 +86,7 @@ def make_batch(model_dir: Path, rows: int, seed: int, length: int = 16, zero_adv
     config = json.loads((Path(model_dir) / "config.json").read_text())
     vocab = int(config["vocab_size"])
     gen = torch.Generator().manual_seed(seed)
-    input_ids = torch.full((rows, length), -100, dtype=torch.long)
+    input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
     attention = torch.zeros(rows, length, dtype=torch.long)
     loss_mask = torch.zeros(rows, length, dtype=torch.float32)
     for i in range(rows):
@@ -114,10 +119,10 @@ def reference_model(model_dir: Path) -> Any:
     return model.eval()  # type: ignore[no-untyped-call]  # transformers' PreTrainedModel.eval is unannotated
 
 
-def reference_logprobs(model: Any, batch: TrainBatch, temperature: float) -> torch.Tensor:
+def next_token_logprobs(model: Any, batch: TrainBatch, temperature: float) -> torch.Tensor:
     """``[B, T]``: at position ``t`` the logprob of token ``t`` under ``log_softmax(logits /
     T)`` of a plain forward pass (the logits at ``t - 1`` predict token ``t``); 0 at
-    position 0 and wherever the loss mask is 0."""
+    position 0 and wherever the attention mask is 0 (what a trainer's ``logprobs`` gives)."""
     import torch
 
     attention = batch.attention_mask
@@ -127,7 +132,15 @@ def reference_logprobs(model: Any, batch: TrainBatch, temperature: float) -> tor
     logp = torch.log_softmax(logits / temperature, dim=-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     out[:, 1:] = logp
-    return torch.where(batch.loss_mask != 0, out, 0.0)
+    return torch.where(attention != 0, out, 0.0)
+
+
+def reference_logprobs(model: Any, batch: TrainBatch, temperature: float) -> torch.Tensor:
+    """:func:`next_token_logprobs`, 0 also wherever the loss mask is 0 (the behaviour
+    logprobs of a batch, which cover completion tokens only)."""
+    import torch
+
+    return torch.where(batch.loss_mask != 0, next_token_logprobs(model, batch, temperature), 0.0)
 
 
 def on_policy(batch: TrainBatch, model: Any, temperature: float) -> TrainBatch:
@@ -306,3 +319,38 @@ def wait_process(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
         return proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         return None
+
+
+def beside_two_ranks(command: list[str], logs: Path, one_rank: Callable[[], T], timeout: float) -> T:
+    """Start ``command`` as ranks 0 and 1 of a two-rank launch (each with the environment a
+    scheduler gives it, :func:`rank_env`, and its output in ``logs/rank<r>.log``), run
+    ``one_rank()`` meanwhile in this process, on one thread like each rank (another thread
+    count sums in another order: ~1e-6 differences), then wait up to ``timeout`` seconds
+    for the ranks. Returns what ``one_rank`` returned; a rank that fails or does not end
+    in time fails the check with the end of its log."""
+    import torch
+
+    port = free_port()
+    files = [open(logs / f"rank{r}.log", "w+") for r in range(2)]  # noqa: SIM115 - closed below
+    ranks = [
+        subprocess.Popen(command, env=rank_env(r, 2, port), stdout=files[r], stderr=subprocess.STDOUT)
+        for r in range(2)
+    ]
+    try:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            result = one_rank()
+        finally:
+            torch.set_num_threads(threads)
+        codes = [wait_process(p, timeout) for p in ranks]
+    finally:
+        for p in ranks:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in files:
+            f.close()
+    for r, code in enumerate(codes):
+        assert code == 0, f"rank {r} of 2 failed (exit {code}):\n{(logs / f'rank{r}.log').read_text()[-4000:]}"
+    return result

@@ -1,16 +1,25 @@
-"""What every tracker plugin shares: one open tracker per run directory, the scalars of a
-metrics row, and a tracker that cannot start or write being skipped (with a note in the
-run's progress and log) instead of stopping the run."""
+"""What every tracker plugin shares: the run hooks, one open tracker per run directory, the
+scalars of a metrics row, and a tracker that cannot start or write being skipped (with a
+note in the run's progress and log) instead of stopping the run.
+
+A tracker module subclasses :class:`Tracker` with how it opens, writes and closes a run,
+and binds its instance's hooks as the module's own (pluggy registers the module the entry
+point names)::
+
+    _tracker = MyTracker()
+    forge_run_start, forge_step_end, forge_run_end = _tracker.run_hooks()
+"""
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from forgerl import events
+from forgerl.hookspecs import hookimpl
 
 log = logging.getLogger("forgerl.trackers")
 
@@ -52,8 +61,14 @@ class Tracker:
     def close(self, handle: Any, summary: Mapping[str, Any]) -> None:
         raise NotImplementedError
 
-    # -- the hooks call these
-    def start(self, config: Any, run_dir: Path) -> None:
+    # -- the run hooks
+    def run_hooks(self) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
+        """``forge_run_start``, ``forge_step_end``, ``forge_run_end`` of this tracker, in
+        that order, for its module to bind under those names."""
+        return self.forge_run_start, self.forge_step_end, self.forge_run_end
+
+    @hookimpl
+    def forge_run_start(self, config: Any, run_dir: Path) -> None:
         if not self.enabled(config):
             return
         try:
@@ -71,7 +86,8 @@ class Tracker:
     def where(self, run_dir: Path) -> str:
         return "writing"
 
-    def step(self, step: int, metrics: Mapping[str, Any], run_dir: Path) -> None:
+    @hookimpl
+    def forge_step_end(self, step: int, metrics: Mapping[str, Any], run_dir: Path) -> None:
         handle = self.open_runs.get(run_dir)
         if handle is None:
             return
@@ -81,7 +97,8 @@ class Tracker:
             self.open_runs.pop(run_dir, None)
             self._skip(run_dir, f"stopped after a failed write at step {step}: {type(exc).__name__}: {exc}", exc)
 
-    def end(self, summary: Mapping[str, Any], run_dir: Path) -> None:
+    @hookimpl
+    def forge_run_end(self, summary: Mapping[str, Any], run_dir: Path) -> None:
         handle = self.open_runs.pop(run_dir, None)
         if handle is None:
             return

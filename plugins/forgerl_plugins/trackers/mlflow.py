@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forgerl.hookspecs import hookimpl
 from forgerl_plugins.trackers.common import Tracker
 
 LOG_DIR = "mlruns"
@@ -92,17 +91,4 @@ class MLflow(Tracker):
 
 _tracker = MLflow()
 
-
-@hookimpl
-def forge_run_start(config: Any, run_dir: Path) -> None:
-    _tracker.start(config, run_dir)
-
-
-@hookimpl
-def forge_step_end(step: int, metrics: Mapping[str, float], run_dir: Path) -> None:
-    _tracker.step(step, metrics, run_dir)
-
-
-@hookimpl
-def forge_run_end(summary: Mapping[str, Any], run_dir: Path) -> None:
-    _tracker.end(summary, run_dir)
+forge_run_start, forge_step_end, forge_run_end = _tracker.run_hooks()
