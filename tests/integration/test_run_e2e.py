@@ -1,5 +1,5 @@
 """`forge run` end to end, as a user runs it: real subprocesses, the tiny model, the local
-scheduler, hf generator, fsdp trainer on gloo ranks, shm transport."""
+scheduler, hf generator, fsdp trainer on gloo ranks (torchtitan too for `--resume`), shm transport."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from ..helpers.hold_at_step import hold_env, marker
+from ..helpers.requires import require_torchtitan
 from ..helpers.timing import scaled, wait_until
 from ..unit.fakedist import make_dist
 
@@ -79,9 +80,12 @@ def test_two_ranks_on_gloo(tmp_path, staleness):
         assert max(r["logprob_gap/max"] for r in rows) < 1e-3
 
 
-def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path):
-    common = [*SMALL, "--steps", "4", "--set", "checkpoint.every=1", "--set", "loop.max_staleness=1",
-              "--set", "loop.eval_every=2"]
+@pytest.mark.parametrize("trainer", ["fsdp", "torchtitan"])
+def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, trainer):
+    if trainer == "torchtitan":
+        require_torchtitan()
+    common = [*SMALL, "--trainer", trainer, "--steps", "4", "--set", "checkpoint.every=1",
+              "--set", "loop.max_staleness=1", "--set", "loop.eval_every=2"]
     whole = tmp_path / "whole"
     proc = forge("run", *common, "--output", str(whole))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,23 +1,20 @@
 """`forge run --trainer torchtitan` end to end, as a user runs it: the tiny model, the local
 scheduler, real trainer ranks, the hf (and, where installed, vllm) generator fed the
-weights the trainer exports over the shm and nccl transports, checkpoints and `--resume`
-after SIGKILL."""
+weights the trainer exports over the shm and nccl transports. (`--resume` after SIGKILL:
+test_run_e2e, parametrized by trainer.)"""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers.hold_at_step import hold_env, marker
 from tests.helpers.requires import require_torchtitan
-from tests.helpers.timing import scaled, wait_until
+from tests.helpers.timing import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -66,36 +63,6 @@ def test_three_steps_with_the_hf_generator(tmp_path: Path, ranks: int, transport
     first = sorted((out / "logs").glob("trainer*"))[0]
     assert f"trainer torchtitan on {ranks} rank(s)" in first.read_text()
     assert json.loads((out / "summary.json").read_text())["status"] == "completed"
-
-
-def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path: Path) -> None:
-    common = [*SMALL, "--generator", "hf", "--steps", "4", "--set", "checkpoint.every=1",
-              "--set", "loop.max_staleness=1", "--set", "loop.eval_every=2"]
-    whole = tmp_path / "whole"
-    proc = forge("run", *common, "--output", str(whole))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-
-    cut = tmp_path / "cut"
-    front = subprocess.Popen([*FORGE, "run", *common, "--output", str(cut)], env=hold_env(2),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        # Held at step 2, once its checkpoint is saved: no race with a fast machine.
-        wait_until(lambda: marker(cut, 2).exists(), 240, "the run to reach its second checkpoint", interval=0.2)
-        for process in json.loads((cut / "job.json").read_text())["processes"]:
-            os.kill(process["pid"], signal.SIGKILL)  # a crash, not a clean exit
-        front.wait(timeout=scaled(60))
-    finally:
-        if front.poll() is None:
-            front.kill()
-    assert front.returncode != 0
-    assert [r["step"] for r in metrics(cut)] == [1, 2]
-
-    proc = forge("run", "--resume", str(cut))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    resumed, reference = metrics(cut), metrics(whole)
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    for a, b in zip(resumed, reference):
-        assert deterministic(a) == pytest.approx(deterministic(b), rel=1e-6, abs=1e-7), a["step"]
 
 
 def test_a_model_it_cannot_express_stops_the_run_with_exit_2(tiny_model_dir: Path, tmp_path: Path) -> None:
