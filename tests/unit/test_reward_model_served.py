@@ -257,3 +257,13 @@ def test_one_label_values(classifier_dir, options, logits, want):
     assert reward.value(logits) == pytest.approx(want)
     with pytest.raises(RewardError, match="2 logits for a model of 1 labels"):
         reward.value([0.0, 1.0])
+
+
+def test_two_different_roles_of_one_name_are_refused():
+    from forgerl.runs import _add_role
+    from forgerl.types import RoleSpec
+
+    first = RoleSpec(name="reward-model-x", command=("a",))
+    assert _add_role([first], RoleSpec(name="reward-model-x", command=("a",)), "rewards.1") == [first]
+    with pytest.raises(ConfigError, match="rewards.1 needs a server role named 'reward-model-x'"):
+        _add_role([first], RoleSpec(name="reward-model-x", command=("b",)), "rewards.1")
