@@ -224,9 +224,23 @@ class TrainerBackend(Backend):
 
 @dataclass(frozen=True)
 class RewardBackend(Backend):
-    """``factory(options) -> Reward``."""
+    """``factory(options) -> Reward``.
+
+    ``roles`` (optional) is ``roles(options, *, context: RunContext) -> list[RoleSpec]``,
+    as for a generator: server processes the scheduler starts beside the trainer (e.g. a
+    vLLM server for a large reward model). Roles of the same name from several rewards
+    must be identical, and are started once (two rewards may share a server).
+    """
 
     kind: ClassVar[str] = "reward"
+    roles: Callable[..., Any] | str | None = None
+
+    def server_roles(self, options: Options, *, context: RunContext) -> list[RoleSpec]:
+        """The server roles this reward needs with ``options`` (often none)."""
+        if self.roles is None:
+            return []
+        validated = self.validate_options(options)
+        return list(self._call(self.roles, "roles", "reward roles", validated, {"context": context}))
 
     def build(self, options: Options) -> Reward:
         from forgerl.interfaces import Reward

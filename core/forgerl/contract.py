@@ -16,7 +16,7 @@ scheduler   ``factory(options) -> Scheduler``
 model       ``factory(options, *, cache_dir: Path) -> Path``
 ==========  ====================================================================
 
-A generator's optional ``roles`` callable is called as
+A generator's or a reward's optional ``roles`` callable is called as
 ``roles(options, *, context: RunContext) -> list[RoleSpec]``. A transport's ``context``
 is None when it is built outside a run (a receiver in a generator's worker process, a
 benchmark): it then learns where the sender is from :meth:`Transport.receiver_spec`.
@@ -81,6 +81,7 @@ class ModelFactory(Protocol):
 SIGNATURES: dict[str, str] = {
     "generator": "factory(options, *, context: RunContext, transport: Transport) -> Generator",
     "generator roles": "roles(options, *, context: RunContext) -> list[RoleSpec]",
+    "reward roles": "roles(options, *, context: RunContext) -> list[RoleSpec]",
     "trainer": "factory(options, *, context: RunContext) -> Trainer",
     "transport": "factory(options, *, context: RunContext | None) -> Transport",
     "task": "factory(options, *, seed: int) -> Task",
@@ -95,7 +96,7 @@ def check_factory(
 ) -> None:
     """Raise :class:`BackendContractError` when ``factory`` cannot be called as
     ``factory(options, **runtime)``, the call :data:`SIGNATURES` gives for ``what`` (a kind,
-    or "generator roles"). ``label`` names the backend and its plugin in the message; ``ref``
+    or "generator roles", "reward roles"). ``label`` names the backend and its plugin in the message; ``ref``
     is how the record names the factory. A factory whose signature Python cannot read (a
     builtin) is called as is."""
     try:

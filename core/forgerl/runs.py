@@ -158,8 +158,9 @@ def worker_command(run_dir: Path) -> tuple[str, ...]:
 
 def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
     """The JobSpec of a run: trainer ranks (primary; rank 0 drives the loop) plus any
-    server roles the generator needs (e.g. vLLM replicas)."""
-    from forgerl.backends import GeneratorBackend
+    server roles the generator (e.g. vLLM replicas) and the rewards (e.g. a served reward
+    model) need."""
+    from forgerl.backends import GeneratorBackend, RewardBackend
     from forgerl.interfaces import RunContext
 
     roles: list[RoleSpec] = [
@@ -172,10 +173,15 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
             primary=True,
         )
     ]
+    context = RunContext(config=config, run_dir=run_dir)
     gen_backend = registry.get("generator", config.generator.name)
     if isinstance(gen_backend, GeneratorBackend):  # always: the registry checks record types
-        context = RunContext(config=config, run_dir=run_dir)
         roles += gen_backend.server_roles(config.generator.options, context=context)
+    for index, choice in enumerate(config.rewards):
+        reward_backend = registry.get("reward", choice.name)
+        if isinstance(reward_backend, RewardBackend):
+            for role in reward_backend.server_roles(choice.options, context=context):
+                roles = _add_role(roles, role, f"rewards.{index}")
     env = {"PYTHONUNBUFFERED": "1"}
     # OpenMP threads that spin while waiting turn a busy CPU into a 10x slowdown when a
     # run's processes and threads share cores (measured here: a 16x576x1536 matmul on 2
@@ -184,3 +190,16 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
     if registry.plugin_refs:
         env["FORGE_PLUGINS"] = ",".join(registry.plugin_refs)
     return JobSpec(name=f"forge-{run_dir.name}", run_dir=str(run_dir), roles=tuple(roles), env=env)
+
+
+def _add_role(roles: list[RoleSpec], role: RoleSpec, owner: str) -> list[RoleSpec]:
+    """``roles`` plus ``role``; a role already there under the same name is shared when it
+    is the same role (two rewards served by one server), refused otherwise."""
+    for existing in roles:
+        if existing.name == role.name:
+            if existing == role:
+                return roles
+            raise ConfigError(
+                f"{owner} needs a server role named {role.name!r}, which another part of the run already uses"
+            )
+    return [*roles, role]

@@ -107,3 +107,18 @@ def test_an_unknown_or_unavailable_isolation_is_refused_at_build(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(ConfigError, match="isolation 'bwrap' is not available"):
         reward(isolation="bwrap")
+
+
+def test_bwrap_hides_the_hosts_tmp_and_binds_back_what_the_program_needs(tmp_path):
+    """The bwrap level's mounts, in bubblewrap's order (later mounts cover earlier ones):
+    its programs run only where bwrap is installed (tests/integration/test_code_sandbox.py)."""
+    from forgerl_plugins.rewards.sandbox import bwrap_prefix
+
+    box = tmp_path / "box"
+    argv = bwrap_prefix(box, "/usr/bin/python3")
+    assert argv[-1] == "--" and "--unshare-all" in argv and "--die-with-parent" in argv
+    mounts = [tuple(argv[i : i + 3]) for i, a in enumerate(argv) if a in ("--ro-bind", "--bind")]
+    assert mounts == [("--ro-bind", "/", "/"), ("--bind", str(box), str(box))]
+    assert argv.index("--tmpfs") < argv.index("--bind"), "the box is bound into the fresh /tmp, not hidden by it"
+    in_tmp = bwrap_prefix(box, "/tmp/venv-base/bin/python3")
+    assert ("--ro-bind", "/tmp/venv-base", "/tmp/venv-base") in zip(in_tmp, in_tmp[1:], in_tmp[2:], strict=False)

@@ -39,7 +39,9 @@ def forge_rewards():
             name="reward_model",
             factory="forgerl_plugins.rewards.reward_model:RewardModelReward",
             options="forgerl_plugins.rewards.options:RewardModelOptions",
-            description="a Hugging Face sequence-classification model scores each sample (in-process)",
+            roles="forgerl_plugins.rewards.reward_server:roles",
+            description="a Hugging Face sequence-classification model scores each sample "
+            "(in-process, or served by vLLM)",
             requires=("torch", "transformers"),
         ),
     ]

@@ -1,5 +1,5 @@
 """The ``reward_model`` reward: a Hugging Face sequence-classification model scores
-(prompt, completion), in the trainer's process.
+(prompt, completion), in the trainer's process or through a vLLM pooling server.
 
 The sample is rendered with the tokenizer's chat template (the prompt's messages, then the
 completion as the assistant's turn) or, without a template, as prompt + completion; long
@@ -10,15 +10,21 @@ Samples that arrive together (a step's scoring round) are batched: each ``ascore
 queues its text, and one forward pass on a worker thread scores up to ``batch_size`` of
 them, so the event loop never blocks on the model. Scores of a sample alone are
 bit-for-bit reproducible; in a batch, padding may change the last bits.
+
+Served (``server: vllm``, or ``url``), the forward pass is one ``/classify`` request of
+the same token ids (:mod:`.reward_model_client`); rendering, truncation and the
+activation stay here, so both ways score alike.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import weakref
 from typing import Any, cast
 
+from forgerl.errors import ConfigError, RewardError
 from forgerl.interfaces import Reward
 from forgerl.types import RewardInput
 from forgerl_plugins.rewards import RewardModelOptions
@@ -26,34 +32,46 @@ from forgerl_plugins.rewards import RewardModelOptions
 
 class RewardModelReward(Reward):
     def __init__(self, options: RewardModelOptions):
-        import torch
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer
 
         self.options = options
-        self.torch = torch
-        self.device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(options.model)
         self.tokenizer.truncation_side = "left"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        config = AutoConfig.from_pretrained(options.model)
+        self.num_labels = int(config.num_labels)
+        if options.label is not None and not 0 <= options.label < self.num_labels:
+            raise ConfigError(
+                f"reward_model: label {options.label} but the model has {self.num_labels} labels"
+            )
+        positions = getattr(config, "max_position_embeddings", None) or options.max_length
+        self.max_length = min(options.max_length, int(positions))
+        self.model: Any = None
+        self.client: Any = None
+        if options.server != "none" or options.url is not None:
+            from .reward_model_client import ServedClassifier
+
+            self.client = ServedClassifier(options)  # the run's server: waits until it is ready
+        else:
+            self._load_model()
+        self._model_lock = threading.Lock()
+        self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Queue] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    def _load_model(self) -> None:
+        import torch
+        from transformers import AutoModelForSequenceClassification
+
+        options = self.options
+        self.torch = torch
+        self.device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = getattr(torch, options.dtype) if options.dtype else None
         self.model = AutoModelForSequenceClassification.from_pretrained(options.model, torch_dtype=dtype)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model.to(self.device).eval()
-        self.num_labels = int(self.model.config.num_labels)
-        if options.label is not None and not 0 <= options.label < self.num_labels:
-            from forgerl.errors import ConfigError
-
-            raise ConfigError(
-                f"reward_model: label {options.label} but the model has {self.num_labels} labels"
-            )
-        positions = getattr(self.model.config, "max_position_embeddings", None) or options.max_length
-        self.max_length = min(options.max_length, int(positions))
-        self._model_lock = threading.Lock()
-        self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Queue] = (
-            weakref.WeakKeyDictionary()
-        )
 
     # ------------------------------------------------------------------ scoring
 
@@ -105,22 +123,35 @@ class RewardModelReward(Reward):
 
     def forward(self, texts: list[str]) -> list[float]:
         """Scores of ``texts`` in one forward pass (blocking)."""
+        rows = self._served_logits(texts) if self.client is not None else self._local_logits(texts)
+        return [self.value(row) for row in rows]
+
+    def _local_logits(self, texts: list[str]) -> list[list[float]]:
         torch = self.torch
         batch = self.tokenizer(
             texts, return_tensors="pt", padding=True, truncation=True, max_length=self.max_length
         ).to(self.device)
         with self._model_lock, torch.inference_mode():
             logits = self.model(**batch).logits.float()
+        return cast(list[list[float]], logits.cpu().tolist())
+
+    def _served_logits(self, texts: list[str]) -> list[list[float]]:
+        ids = self.tokenizer(texts, truncation=True, max_length=self.max_length)["input_ids"]
+        return cast(list[list[float]], self.client.logits([list(map(int, row)) for row in ids]))
+
+    def value(self, logits: list[float]) -> float:
+        """The score from one sample's logits, as the options say."""
+        if len(logits) != self.num_labels:
+            raise RewardError(f"reward_model: {len(logits)} logits for a model of {self.num_labels} labels")
+        activation = self.options.activation
         if self.num_labels == 1:
-            values = logits[:, 0]
-            if self.options.activation == "sigmoid":
-                values = torch.sigmoid(values)
-        else:
-            label = self.num_labels - 1 if self.options.label is None else self.options.label
-            values = (
-                logits[:, label] if self.options.activation == "none" else torch.softmax(logits, -1)[:, label]
-            )
-        return [float(v) for v in values.cpu()]
+            return _sigmoid(logits[0]) if activation == "sigmoid" else float(logits[0])
+        label = self.num_labels - 1 if self.options.label is None else self.options.label
+        if activation == "none":
+            return float(logits[label])
+        top = max(logits)
+        exps = [math.exp(v - top) for v in logits]
+        return exps[label] / sum(exps)
 
 
 class _Queue:
@@ -128,6 +159,14 @@ class _Queue:
         self.pending: list[tuple[str, asyncio.Future[float]]] = []
         self.flushing = False
         self.task: asyncio.Future[None] | None = None
+
+
+def _sigmoid(x: float) -> float:
+    # Either branch keeps exp's argument at most 0: no overflow for any logit.
+    if x >= 0:
+        return 1.0 / (1.0 + math.exp(-x))
+    z = math.exp(x)
+    return z / (1.0 + z)
 
 
 def _clean(text: Any) -> str:

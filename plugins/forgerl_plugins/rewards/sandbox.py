@@ -185,9 +185,7 @@ class Sandbox:
                 os.chown(path, uid, uid)
         argv = [interpreter, "-I", "-S", "-B", "main.py"]
         if level == "bwrap":
-            argv = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-                    "--ro-bind", "/", "/", "--bind", str(box), str(box), "--proc", "/proc", "--dev", "/dev",
-                    "--chdir", str(box), "--", *argv]  # fmt: skip
+            argv = [*bwrap_prefix(box, self.python), *argv]
         env = {
             "HOME": home,
             "TMPDIR": home,
@@ -271,6 +269,20 @@ class Sandbox:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def bwrap_prefix(box: Path, python: str) -> list[str]:
+    """bubblewrap's command line before the program's: every namespace new, ``/``
+    read-only, a fresh ``/tmp`` (the host's hidden, as at the namespace level) with the
+    program's directory bound back read-write, and the interpreter's prefix bound back
+    read-only when it lives under ``/tmp`` (a virtual environment there)."""
+    binds = ["--ro-bind", "/", "/", "--tmpfs", "/tmp"]
+    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
+    if prefix == "/tmp" or prefix.startswith("/tmp/"):
+        binds += ["--ro-bind", prefix, prefix]
+    binds += ["--bind", str(box), str(box)]
+    return [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
+            *binds, "--proc", "/proc", "--dev", "/dev", "--chdir", str(box), "--"]  # fmt: skip
 
 
 @contextlib.contextmanager
