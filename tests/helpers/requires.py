@@ -1,7 +1,7 @@
 """The one rule for tests that need an optional backend's package: skip with the install
-line, unless the environment says the package must be there (CI sets FORGE_REQUIRE_RDMA=1
-and FORGE_REQUIRE_TORCHTITAN=1, so a broken Mooncake or TorchTitan install fails the run
-instead of quietly skipping its tests)."""
+line, unless the environment says the package must be there (CI sets FORGE_REQUIRE_RDMA=1,
+FORGE_REQUIRE_TORCHTITAN=1 and FORGE_REQUIRE_TRACKERS=1, so a broken Mooncake, TorchTitan or
+tracker install fails the run instead of quietly skipping its tests)."""
 
 from __future__ import annotations
 
@@ -49,4 +49,15 @@ def require_torchtitan() -> None:
     reason = "the torchtitan trainer needs TorchTitan: scripts/setup.sh installs it (see docs/trainers.md)"
     if os.environ.get("FORGE_REQUIRE_TORCHTITAN") == "1":
         pytest.fail(f"FORGE_REQUIRE_TORCHTITAN=1 but {reason}")
+    pytest.skip(reason)
+
+
+def require_tracker(module: str, install: str) -> None:
+    """Skip (or, under FORGE_REQUIRE_TRACKERS=1, fail) a test that needs a tracker's library
+    (tensorboard, wandb, mlflow: scripts/setup.sh installs all three)."""
+    if importlib.util.find_spec(module) is not None:
+        return
+    reason = f"{module} is not installed ({install}; scripts/setup.sh installs it)"
+    if os.environ.get("FORGE_REQUIRE_TRACKERS") == "1":
+        pytest.fail(f"FORGE_REQUIRE_TRACKERS=1 but {reason}")
     pytest.skip(reason)

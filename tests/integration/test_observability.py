@@ -1,5 +1,6 @@
-"""Seeing a real run: `forge run`'s progress lines without a terminal, `--quiet`, and
-`forge report` on the run it made (tiny model, hf generator, local scheduler)."""
+"""Seeing a real run: `forge run`'s progress lines without a terminal, `--quiet`,
+`forge report` on the run it made (tiny model, hf generator, local scheduler), and the
+three trackers (tensorboard, wandb offline, MLflow's file store) holding its metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -9,29 +10,35 @@ from pathlib import Path
 
 import pytest
 
+from forgerl_plugins.trackers.common import scalars
+from tests.helpers.requires import require_tracker
+
 from ..unit.test_report import embedded_data
 from .test_run_e2e import SMALL, forge, metrics
 
 pytestmark = pytest.mark.integration
 
 STEPS = 3
-RUN = [*SMALL, "--steps", str(STEPS), "--set", "loop.eval_every=2"]
+RUN = [*SMALL, "--steps", str(STEPS), "--set", "loop.eval_every=2",
+       "--set", "logging.wandb.enabled=true", "--set", "logging.mlflow.enabled=true"]
 
 
-def tracker_env() -> dict[str, str]:
+def tracker_env(home: Path) -> dict[str, str]:
     """The tracker plugins load through entry points; an environment installed before they
-    existed (`make setup` re-installs when pyproject.toml changes) gets them by import path."""
+    existed (`make setup` re-installs when pyproject.toml changes) gets them by import path.
+    wandb keeps its settings and caches in ``home``, not the user's."""
     from importlib.metadata import entry_points
 
     names = {ep.name for ep in entry_points(group="forgerl")}
-    missing = [f"forgerl_plugins.trackers.{n}" for n in ("tensorboard",) if n not in names]
-    return {"FORGE_PLUGINS": ",".join(missing)} if missing else {}
+    missing = [f"forgerl_plugins.trackers.{n}" for n in ("tensorboard", "wandb", "mlflow") if n not in names]
+    env = {var: str(home / var.lower()) for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")}
+    return {**env, "FORGE_PLUGINS": ",".join(missing)} if missing else env
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory) -> tuple[Path, str]:
     out = tmp_path_factory.mktemp("observed") / "run"
-    proc = forge("run", *RUN, "--output", str(out), env=tracker_env())
+    proc = forge("run", *RUN, "--output", str(out), env=tracker_env(out.parent / "home"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc.stderr
 
@@ -103,3 +110,45 @@ def test_tensorboard_by_default_or_a_note_why_not(tiny_run):
         expected = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         assert [p[0] for p in points] == [e[0] for e in expected], key
         assert [p[1] for p in points] == pytest.approx([e[1] for e in expected], rel=1e-6), key
+
+
+def test_wandb_offline_run_holds_every_row_of_metrics_jsonl(tiny_run):
+    """The W&B tracker on trainer rank 0 of a real run (a worker process that leaves with
+    os._exit): the offline run file has one history row per step with the step's numbers,
+    and a clean exit."""
+    require_tracker("wandb", "pip install 'forgerl[wandb]'")
+    from tests.helpers.wandb_log import exit_code, history
+
+    run_dir, stderr = tiny_run
+    assert f"wandb: writing {run_dir / 'wandb'}" in stderr
+    (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    logged, rows = history(log), metrics(run_dir)
+    assert [r["_step"] for r in logged] == [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for got, row in zip(logged, rows):
+        assert {k: v for k, v in got.items() if not k.startswith("_")} == pytest.approx(scalars(row)), row["step"]
+    assert exit_code(log) == 0
+
+
+def test_mlflow_file_store_holds_every_row_of_metrics_jsonl(tiny_run, monkeypatch):
+    require_tracker("mlflow", "pip install 'forgerl[mlflow]'")
+    from mlflow.tracking import MlflowClient
+
+    # What a user reading the store sets too (docs/observability.md): MLflow 3 refuses a
+    # file store unless told that one is wanted.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+
+    run_dir, stderr = tiny_run
+    uri = (run_dir / "mlruns").resolve().as_uri()
+    assert f"mlflow: writing {uri}" in stderr
+    client = MlflowClient(tracking_uri=uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("forgerl").experiment_id])
+    assert run.info.status == "FINISHED" and run.data.params["loop.steps"] == str(STEPS)
+    expected: dict[str, list[tuple[int, float]]] = {}
+    for row in metrics(run_dir):
+        for key, value in scalars(row).items():
+            expected.setdefault(key.replace("/", "."), []).append((row["step"], value))
+    assert set(run.data.metrics) == set(expected)
+    for key, points in expected.items():
+        got = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
+        assert [s for s, _ in got] == [s for s, _ in points], key
+        assert [v for _, v in got] == pytest.approx([v for _, v in points]), key
