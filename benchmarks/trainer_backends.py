@@ -113,7 +113,8 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = model_folder(args.model, Path(tmp))
-        options = {"lr": 1e-6, **parse_options(args.option)}
+        # fp32 unless --option autocast_bf16=... says otherwise (the trainers' default is "auto").
+        options = {"lr": 1e-6, "autocast_bf16": False, **parse_options(args.option)}
         # Built one after the other: two model loads at once would time each other.
         workers = {b: Worker(b, model_dir, Path(tmp) / b, options) for b in BACKENDS}
         steps: dict[str, list[dict[str, float]]] = {b: [] for b in BACKENDS}

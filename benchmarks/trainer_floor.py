@@ -227,7 +227,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = model_folder(args.model, Path(tmp))
-        options = {"lr": 1e-6, **parse_options(args.option)}
+        # fp32 unless --option autocast_bf16=... says otherwise: the bare step it is held to is fp32.
+        options = {"lr": 1e-6, "autocast_bf16": False, **parse_options(args.option)}
         trainer = make_trainer(model_dir, Path(tmp) / "run", options)
         try:
             batch = grpo_batch(model_dir)

@@ -72,9 +72,9 @@ def main() -> None:
                         help="held-out problems (greedy), the same for both")
     parser.add_argument("--trl-gradient-checkpointing", action="store_true",
                         help="TRL's own default (recompute activations); off by default, as in forgerl")
-    parser.add_argument("--precision", default="fp32", choices=("auto", "fp32", "bf16"),
-                        help="both systems in fp32 (forgerl's default) or both under bf16 autocast (fp32 "
-                             "master weights); auto: bf16 where the CPU has native bf16 (avx512_bf16/AMX)")
+    parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
+                        help="both systems in fp32 or both under bf16 autocast (fp32 master weights); auto "
+                             "(forgerl's default): bf16 where the CPU has native bf16 (avx512_bf16/AMX)")
     parser.add_argument("--keep", action="store_true", help="keep the run folders (printed at the end)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     args = parser.parse_args()

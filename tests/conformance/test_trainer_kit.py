@@ -18,7 +18,7 @@ from forgerl.testing import TrainerContract
 
 class TestFSDPTrainerKit(TrainerContract):
     backend = "fsdp"
-    options = {"lr": 1e-3, "micro_batch_size": 2}
+    options = {"lr": 1e-3, "micro_batch_size": 2, "autocast_bf16": False}
     two_ranks = True
 
     @pytest.mark.integration
@@ -29,7 +29,7 @@ class TestFSDPTrainerKit(TrainerContract):
 
 class TestTorchTitanTrainerKit(TrainerContract):
     backend = "torchtitan"
-    options = {"lr": 1e-3, "micro_batch_size": 2}
+    options = {"lr": 1e-3, "micro_batch_size": 2, "autocast_bf16": False}
     required = os.environ.get("FORGE_REQUIRE_TORCHTITAN") == "1"
     two_ranks = True
 

@@ -108,7 +108,8 @@ def make_trainer(
 
     config = run_config({"algorithm": algorithm or {}}, TEMPERATURE)
     context = run_context(model_dir, run_dir, config, rank, world_size)
-    options = {"lr": 1e-4, "micro_batch_size": micro_batch_size, **options}
+    # fp32 whatever the CPU: these tests compare trainers and reference steps to 1e-5.
+    options = {"lr": 1e-4, "micro_batch_size": micro_batch_size, "autocast_bf16": False, **options}
     return registry_for().require("trainer", kind).build(options, context=context)
 
 

@@ -157,23 +157,34 @@ def test_micro_batch_size_does_not_change_the_update(tiny_model_dir: Path, tmp_p
 
 @integration
 @pytest.mark.parametrize("native", [True, False], ids=["native-bf16", "no-native-bf16"])
-def test_auto_bf16_autocast_follows_the_hardware(
+def test_auto_bf16_autocast_follows_the_hardware_and_sets_the_ratio(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, native: bool
 ) -> None:
     """bf16 autocast pays off only where the device computes bf16 natively (1.9x faster
-    with AMX, 3x slower without): "auto" decides from the hardware. The default is off."""
+    with AMX, 3x slower without): "auto", the default, decides from the hardware. Under
+    autocast the importance ratio is taken against the trainer's own logprobs (algorithm
+    ratio "auto"): an fp32 sampler's logprobs, a few percent away, must not trip the clip."""
     from forgerl_plugins.trainers.fsdp import FSDPTrainerOptions
     from forgerl_plugins.trainers.shared import base as trainer_base
 
-    assert FSDPTrainerOptions().autocast_bf16 is False
+    assert FSDPTrainerOptions().autocast_bf16 == "auto"
     monkeypatch.setattr(trainer_base, "native_bf16", lambda device: native)
     trainer = worker.make_trainer(tiny_model_dir, tmp_path, micro_batch_size=2, autocast_bf16="auto")
     try:
         with trainer._autocast():
             product = torch.ones(4, 4) @ torch.ones(4, 4)
+        batch = worker.on_policy(trainer, worker.make_batch(tiny_model_dir, rows=3, seed=8))
+        # A sampler whose logprobs are 0.5 nats below the trainer's: ratios of e^0.5 = 1.65.
+        skewed = dataclasses.replace(batch, behaviour_logprobs=(batch.behaviour_logprobs - 0.5) * batch.loss_mask)
+        metrics = trainer.train_step(skewed)
     finally:
         trainer.close()
     assert (product.dtype == torch.bfloat16) is native, product.dtype
+    assert trainer.algorithm.ratio == ("old" if native else "behaviour")
+    if native:
+        assert metrics["ratio/mean"] == pytest.approx(1.0) and metrics["clip/high_frac"] == 0.0, metrics
+    else:
+        assert metrics["ratio/mean"] > 1.5 and metrics["clip/high_frac"] > 0, metrics
 
 
 @integration

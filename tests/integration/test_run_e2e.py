@@ -30,6 +30,9 @@ BASE = [
     "--set", "loop.sampling.max_tokens=12",
     "--set", "loop.eval_size=4",
     "--set", "trainer.options.lr=1e-3",
+    # fp32 on every CPU (the default bf16 autocast on native-bf16 hardware would put the
+    # trainer a few percent from the sampler): the gap checks below compare fp32 to fp32.
+    "--set", "trainer.options.autocast_bf16=false",
 ]
 SMALL = [*BASE, "--reward", "format", "--set", "rewards.0.options.pattern=\\d"]
 CONTRACT_KEYS = {

@@ -537,6 +537,7 @@ def test_forge_run_end_to_end_survives_a_killed_replica(tmp_path: Path):
         "--set", "generator.options.replicas=2", "--set", "generator.options.kv_cache_gb=0.25",
         "--set", "generator.options.health_interval=0.5",
         "--set", "logging.progress=false",
+        "--set", "trainer.options.autocast_bf16=false",  # fp32 like the sampler: the gap check
         "--output", str(out),
     ]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,

@@ -49,7 +49,7 @@ def test_preset_gives_documented_settings(preset):
     cfg = make(preset=preset)
     assert {k: getattr(cfg, k) for k in EXPECTED[preset]} == EXPECTED[preset]
     # System keys are never touched by a preset.
-    assert (cfg.std_eps, cfg.dual_clip, cfg.ratio, cfg.tis_cap) == (1e-6, None, "behaviour", None)
+    assert (cfg.std_eps, cfg.dual_clip, cfg.ratio, cfg.tis_cap) == (1e-6, None, "auto", None)
 
 
 def test_presets_cover_exactly_the_preset_keys():
@@ -125,6 +125,17 @@ def test_constant_norm_needs_its_constant():
     with pytest.raises(ValidationError, match="loss_norm_constant"):
         AlgorithmConfig(preset="dr_grpo")
     assert AlgorithmConfig(preset="dr_grpo", loss_norm_constant=512).loss_norm_constant == 512
+
+
+def test_the_auto_ratio_follows_the_trainers_precision():
+    # bf16 autocast puts the trainer's logprobs a few percent from an fp32 sampler's: the
+    # ratio is then taken against the trainer's own, or the clip would fire on rounding.
+    assert AlgorithmConfig().effective_ratio(trainer_bf16=True) == "old"
+    assert AlgorithmConfig().effective_ratio(trainer_bf16=False) == "behaviour"
+    assert AlgorithmConfig().effective_ratio() == "behaviour"  # policy_loss called directly
+    for explicit in ("old", "behaviour"):
+        for bf16 in (True, False):
+            assert AlgorithmConfig(ratio=explicit).effective_ratio(trainer_bf16=bf16) == explicit
 
 
 def test_tis_needs_old_ratio():

@@ -181,12 +181,14 @@ class AlgorithmConfig(OptionsModel):
         None, gt=1.0,
         description="Dual-clip constant c > 1: for negative advantages the objective is bounded below by c * A.",
     )
-    ratio: Literal["behaviour", "old"] = Field(
-        "behaviour",
+    ratio: Literal["auto", "behaviour", "old"] = Field(
+        "auto",
         description=(
             "Denominator of the importance ratio: the sampler's logprobs returned by the "
-            "generator ('behaviour', no extra forward pass) or logprobs recomputed by the "
-            "trainer before the update ('old')."
+            "generator ('behaviour', no extra forward pass), or the trainer's own logprobs "
+            "before the update ('old'). 'auto': 'old' when the trainer computes in bf16 "
+            "autocast (its logprobs then differ from an fp32 sampler's by a few percent per "
+            "token, and the clip would fire on rounding, not on policy change), else 'behaviour'."
         ),
     )
     tis_cap: float | None = Field(
@@ -263,6 +265,13 @@ class AlgorithmConfig(OptionsModel):
                 "ratio='old' (with ratio='behaviour' the ratio already uses the sampler's logprobs)"
             )
         return self
+
+    def effective_ratio(self, trainer_bf16: bool = False) -> Literal["behaviour", "old"]:
+        """The ratio's denominator for a trainer that computes in bf16 autocast or not
+        (``ratio='auto'``, see the field)."""
+        if self.ratio == "auto":
+            return "old" if trainer_bf16 else "behaviour"
+        return self.ratio
 
     def explicit_overrides(self) -> dict[str, Any]:
         """Preset keys whose value differs from what the preset alone would give."""

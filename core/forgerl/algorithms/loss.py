@@ -206,7 +206,7 @@ def policy_loss(
 
     ``logprobs``: current policy, with grad. ``old_logprobs``: recomputed by the trainer
     before the update (needed when ``config.ratio == "old"``). ``behaviour_logprobs``:
-    the sampler's (needed when ``config.ratio == "behaviour"`` or ``tis_cap`` is set; if
+    the sampler's (needed when ``config.ratio`` is ``"behaviour"`` or ``"auto"``, or ``tis_cap`` is set; if
     given, the ``logprob_gap/*`` metrics are always reported). ``advantages``: ``[B]`` per
     sequence or ``[B, T]`` per token. ``ref_logprobs``: reference model (needed when
     ``kl_coef > 0``). ``entropy``: per-token entropy, only logged. ``global_count``: see
@@ -216,7 +216,9 @@ def policy_loss(
     _check_shapes(logprobs, mask, advantages, old_logprobs=old_logprobs,
                   behaviour_logprobs=behaviour_logprobs, ref_logprobs=ref_logprobs, entropy=entropy)
     m = mask != 0
-    if config.ratio == "behaviour":
+    # 'auto' is resolved by the trainer, which knows its precision (AlgorithmConfig.ratio);
+    # a config that reaches here unresolved means a trainer computing like the sampler.
+    if config.effective_ratio() == "behaviour":
         if behaviour_logprobs is None:
             raise ValueError("ratio='behaviour' needs behaviour_logprobs (the sampler's), got None")
         base = behaviour_logprobs.detach()

@@ -76,7 +76,15 @@ class ShardedTrainer(Trainer, abc.ABC):
                 "compute capability 8.0+): expect it slower than float32, not faster",
                 self.device,
             )
-        log.info("trainer computes in %s on %s", "bf16 autocast" if self.autocast_bf16 else "float32", self.device)
+        ratio = self.algorithm.effective_ratio(trainer_bf16=bool(self.autocast_bf16))
+        if ratio != self.algorithm.ratio:
+            self.algorithm = self.algorithm.model_copy(update={"ratio": ratio})
+        log.info(
+            "trainer computes in %s on %s; importance ratio against the %s logprobs",
+            "bf16 autocast" if self.autocast_bf16 else "float32",
+            self.device,
+            "trainer's own" if ratio == "old" else "sampler's",
+        )
         self._owns_process_group = init_distributed(options.backend, context, self.device)
         self._closed = False
         self.model: Any = None
@@ -238,7 +246,7 @@ class ShardedTrainer(Trainer, abc.ABC):
                 )
             # Parameters change only at optimizer.step(), after the last micro-batch: the
             # "old" policy is the current one, and its logprobs are this forward's own.
-            old = logprobs.detach() if alg.ratio == "old" else None
+            old = logprobs.detach() if alg.ratio == "old" else None  # resolved in __init__
             with record_function("forge.loss"):
                 loss, metrics = policy_loss(
                     logprobs,
