@@ -10,9 +10,13 @@ tiny model at hidden size 128 (vLLM's CPU attention needs heads at least 32 wide
   :meth:`SharedVLLM.site`, building its generators in that run;
 - OpenAI-compatible clients (contrib's ``openai`` generator: its kit, and forge runs in
   tests/integration/test_contrib_openai.py) take :meth:`SharedVLLM.openai_endpoint`: the
-  API root, the server's API key and the model folder it serves. The kit's weight updates
-  change the served weights; the endpoint is handed out only once the server is back on
-  the model folder's (version 0), which the ``vllm`` generator reloads into it.
+  API root, the server's API key and the model folder it serves;
+- tests of the server itself (tests/integration/test_vllm_security.py: every route wants
+  the run's key) take :meth:`SharedVLLM.endpoint`, the role's endpoint file.
+
+The kit's weight updates change the served weights; an endpoint is handed out only once
+the server is back on the model folder's (version 0), which the ``vllm`` generator
+reloads into it (tests/integration/test_shared_vllm.py checks that).
 
 A test that needs a server of its own (one it kills, a replica count, other options)
 starts its own, as before. Modules that request ``shared_vllm`` run last in the session,
@@ -86,9 +90,10 @@ class SharedVLLM:
             self._stack = stack
         return self._site
 
-    def openai_endpoint(self) -> OpenAIEndpoint:
-        """The server's OpenAI API, serving the model folder's weights (version 0)."""
-        from forgerl_plugins.generators.vllm.replica import read_endpoint, url_host
+    def endpoint(self) -> dict[str, Any]:
+        """The replica's endpoint file (host, port, api_key, model: the served name, pids),
+        once the server serves the model folder's weights (version 0) again."""
+        from forgerl_plugins.generators.vllm.replica import read_endpoint
         from forgerl_plugins.generators.vllm.server import endpoint_file
 
         site = self.site()
@@ -103,7 +108,16 @@ class SharedVLLM:
             )
         data = read_endpoint(endpoint_file(site.run_dir, 0))
         assert data is not None and data.get("api_key"), f"no endpoint file in {site.run_dir}"
-        return OpenAIEndpoint(f"http://{url_host(data['host'])}:{data['port']}/v1", str(data["api_key"]), site.model_dir)
+        return data
+
+    def openai_endpoint(self) -> OpenAIEndpoint:
+        """The server's OpenAI API, serving the model folder's weights (version 0)."""
+        from forgerl_plugins.generators.vllm.replica import url_host
+
+        data = self.endpoint()
+        return OpenAIEndpoint(
+            f"http://{url_host(data['host'])}:{data['port']}/v1", str(data["api_key"]), self.site().model_dir
+        )
 
     def close(self) -> None:
         if self._stack is not None:
