@@ -1,10 +1,10 @@
 """The built-in generators pass the Generator kit of forgerl.testing (forgerl/testing/generator.py),
 run as a third-party generator runs it: by naming the backend.
 
-``hf`` runs in this process on the kit's tiny model. ``vllm`` runs in servers its roles
-start (the kit starts them once for the class with the local scheduler, as ``forge run``
-does); vLLM's CPU attention kernels need heads at least 32 wide, hence a hidden size of
-128 (4 heads of 32).
+``hf`` runs in this process on the kit's tiny model. ``vllm`` runs in the server its role
+starts (with the local scheduler, as ``forge run`` does): the session's shared one
+(tests/helpers/shared_vllm.py), started once; vLLM's CPU attention kernels need heads at
+least 32 wide, hence a hidden size of 128 (4 heads of 32).
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import pytest
 
 from forgerl.testing import GeneratorContract
 
-from ..helpers.timing import scaled
+from ..helpers.shared_vllm import TINY_MODEL_OPTIONS, VLLM_OPTIONS
 
 pytestmark = pytest.mark.integration
-
-SERVER_WAIT_S = 420.0  # start-up (and resync) of a vLLM server on a busy two-core machine
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -42,12 +40,12 @@ class TestHFGenerator(GeneratorContract):
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install 'forgerl[vllm]')")
 class TestVLLMGenerator(GeneratorContract):
     backend = "vllm"
-    tiny_model_options = {"hidden_size": 128}
-    options = {
-        "replicas": 1,
-        "kv_cache_gb": 0.25,
-        "health_interval": 0.5,
-        # Patience, not what is tested here: scaled, so a loaded machine is no "hang".
-        "liveness_timeout": scaled(60),
-        "startup_timeout": scaled(SERVER_WAIT_S),
-    }
+    tiny_model_options = TINY_MODEL_OPTIONS
+    options = VLLM_OPTIONS
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def generator_site(cls, shared_vllm):
+        # The session's server (tests/helpers/shared_vllm.py), which OpenAI-compatible
+        # clients use too: the same role, model and options as the kit's own would be.
+        return shared_vllm.site()

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.contrib_install import pip_install_copy
 from tests.helpers.timing import scaled
 
 pytestmark = pytest.mark.integration
@@ -20,16 +20,8 @@ FORGE = [sys.executable, "-m", "forgerl.cli"]
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """pip-install contrib/countdown into a separate folder (not the shared venv)."""
-    target = tmp_path_factory.mktemp("site")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(ROOT / "contrib" / "countdown")],
-        capture_output=True, text=True, timeout=scaled(300),
-    )
-    assert proc.returncode == 0, proc.stderr
-    env = {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    return env
+    """pip-install (a copy of) contrib/countdown into a separate folder (not the shared venv)."""
+    return pip_install_copy(ROOT / "contrib" / "countdown", tmp_path_factory.mktemp("install"))
 
 
 def test_listed_by_forge_plugins_list(installed):

@@ -1,17 +1,18 @@
 """The contrib ``openai`` generator plugin, installed with pip like a user's plugin, trains
-through ``forge run`` against a real OpenAI-compatible server (vLLM serving the tiny model)."""
+through ``forge run`` against a real OpenAI-compatible server: the session's vLLM server
+(tests/helpers/shared_vllm.py) serving the tiny model."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.contrib_install import pip_install_copy
 from tests.helpers.timing import scaled
 
 pytestmark = [
@@ -23,42 +24,19 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "contrib" / "openai_compat"
 FORGE = [sys.executable, "-m", "forgerl.cli"]
-SERVER_WAIT_S = 420.0
-
-
-def _server_helper():
-    """The plugin's own test helper that starts vLLM's OpenAI server (one copy of it)."""
-    spec = importlib.util.spec_from_file_location(
-        "openai_compat_server", PLUGIN / "tests" / "openai_server.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    """pip-install contrib/openai_compat into a separate folder (not the shared venv)."""
-    target = tmp_path_factory.mktemp("site")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(PLUGIN)],
-        capture_output=True, text=True, timeout=scaled(300),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    return {**os.environ, "PYTHONPATH": f"{target}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    """pip-install (a copy of) contrib/openai_compat into a separate folder (not the shared venv)."""
+    return pip_install_copy(PLUGIN, tmp_path_factory.mktemp("install"))
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """(model folder, API root): the tiny model at hidden size 128 (vLLM's CPU attention needs
-    heads at least 32 wide), served by vLLM; the run trains the same folder."""
-    from forgerl.testing.generator_support import tiny_model
-
-    model = tiny_model(tmp_path_factory.mktemp("model"), {"hidden_size": 128})
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    with _server_helper().vllm_openai_server(model, log, scaled(SERVER_WAIT_S)) as base_url:
-        yield model, base_url
+def served(shared_vllm):
+    """The session's vLLM server (tests/helpers/shared_vllm.py) at the tiny model's own
+    weights: the run trains the folder it serves, and its key goes in OPENAI_API_KEY."""
+    return shared_vllm.openai_endpoint()
 
 
 def test_listed_by_forge_plugins_list(installed):
@@ -71,14 +49,14 @@ def test_listed_by_forge_plugins_list(installed):
 
 
 def test_forge_run_trains_on_the_servers_completions(installed, served, tmp_path):
-    model, base_url = served
+    model, base_url = served.model_dir, served.base_url
     out = tmp_path / "run"
     proc = subprocess.run(
         [*FORGE, "run", "--model", str(model), "--generator", "openai", "--steps", "3", "--output", str(out),
          "--set", f"generator.options.base_url={base_url}",
          "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=4", "--set", "loop.sampling.max_tokens=8",
          "--set", "loop.eval_size=2", "--set", "logging.progress=false"],
-        capture_output=True, text=True, env=installed, timeout=scaled(600),
+        capture_output=True, text=True, env={**installed, "OPENAI_API_KEY": served.api_key}, timeout=scaled(600),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The loop says it once in the trainer's log (logs/trainer-0.log) ...

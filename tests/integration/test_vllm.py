@@ -431,7 +431,7 @@ def _requests_held_until(gen, release_after: Callable[[str, int], bool]):
     try:
         yield held, release
     finally:
-        gen._loop.call_soon_threadsafe(release.set)
+        gen._io.loop.call_soon_threadsafe(release.set)
         del gen._client.complete, gen._client.admin, gen._update_replica
 
 

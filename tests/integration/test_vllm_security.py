@@ -4,8 +4,9 @@ The servers run in vLLM's dev mode (weight updates go through ``/collective_rpc`
 ``/pause``, ``/resume``, ``/reset_prefix_cache``), and vLLM's own ``--api-key`` check
 guards only ``/v1``-style paths. The plugin's middleware (plugins/forgerl_plugins/generators/vllm/auth.py)
 guards every path. The first tests drive the middleware with plain ASGI messages; the
-rest start one real server through the plugin's server role, exactly as a run does, and
-call every route it serves without the key, with a wrong key and with the right one.
+rest call every route of one real server, started through the plugin's server role exactly
+as a run does (the session's shared one: tests/helpers/shared_vllm.py), without the key,
+with a wrong key and with the right one.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -21,14 +21,13 @@ from typing import Any
 
 import pytest
 
-from tests.helpers.timing import scaled, wait_until
+from tests.helpers.timing import scaled
 
 pytestmark = [pytest.mark.integration]
 
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install 'forgerl[vllm]')"
 )
-SERVER_WAIT = 420.0  # start-up of a vLLM server on a busy two-core machine
 #: The dev-mode admin routes found open before the middleware (and the two /v1 ones).
 MUST_BE_GUARDED = {
     ("POST", "/collective_rpc"),
@@ -137,66 +136,11 @@ def test_the_key_travels_in_the_environment_and_the_middleware_on_the_command_li
 
 
 @pytest.fixture(scope="module")
-def endpoint(tmp_path_factory: pytest.TempPathFactory):
-    """One replica started by the local scheduler from the plugin's role, as in a run;
-    yields its endpoint file's contents (host, port, key)."""
-    from forgerl import runs
-    from forgerl.config import build_config, resolve
-    from forgerl.interfaces import RunContext
-    from forgerl.plugins import build_registry
-    from forgerl.types import JobSpec
-    from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
-    from forgerl_plugins.generators.vllm.server import endpoint_file, log_file, roles
-    from forgerl_plugins.models import TinyModelOptions
-    from forgerl_plugins.models.tiny import build_tiny_model
-    from forgerl_plugins.schedulers.local import LocalSchedulerOptions
-    from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
-
-    models = tmp_path_factory.mktemp("models")
-    model_dir = build_tiny_model(TinyModelOptions(hidden_size=128), cache_dir=models)
-    run_dir = tmp_path_factory.mktemp("vllm-security-run")
-    config = resolve(
-        build_config(
-            flags={"model": str(model_dir), "generator": "vllm"},
-            sets=[
-                "generator.options.replicas=1",
-                "generator.options.kv_cache_gb=0.25",
-                f"generator.options.startup_timeout={scaled(SERVER_WAIT)}",
-            ],
-        ),
-        build_registry(),
-    )
-    runs.write_config(run_dir, config)
-    options = VLLMGeneratorOptions.model_validate(config.generator.options)
-    ctx = RunContext(config=config, run_dir=run_dir)
-    job = JobSpec("vllm-security", str(run_dir), tuple(roles(options, context=ctx)))
-    scheduler = LocalScheduler(LocalSchedulerOptions(stop_timeout=10))
-    started = threading.Event()
-
-    def supervise() -> None:
-        # The scheduler's children die with the thread that started them.
-        handle = scheduler.submit(job)
-        started.set()
-        scheduler.wait(handle)
-
-    thread = threading.Thread(target=supervise, name="vllm-security-scheduler", daemon=True)
-    thread.start()
-    try:
-        wait_until(started.is_set, 30, "the local scheduler to start the server role")
-
-        def published() -> dict[str, Any] | None:
-            try:
-                data = json.loads(endpoint_file(run_dir, 0).read_text())
-            except (OSError, ValueError):
-                return None
-            if data.get("error"):
-                pytest.fail(f"the vLLM server failed to start: {data['error']}; log: {log_file(run_dir, 0)}")
-            return data
-
-        yield wait_until(published, SERVER_WAIT, "the vLLM server to publish its endpoint", interval=0.5)
-    finally:
-        scheduler.cancel(str(run_dir))
-        thread.join(scaled(60))
+def endpoint(shared_vllm):
+    """The session's vLLM server (tests/helpers/shared_vllm.py): one replica the local
+    scheduler started from the plugin's role, as in a run. Its endpoint file's contents
+    (host, port, key), once it serves the model folder's weights."""
+    return shared_vllm.endpoint()
 
 
 def _request(
@@ -265,11 +209,13 @@ def test_the_right_key_is_let_through(endpoint):
             {"model": endpoint["model"], "prompt": [1, 2, 3], "max_tokens": 1, "temperature": 0},
         ),
     ]
-    for method, path, body in calls:
-        status, raw = _request(endpoint, method, path, key, body=body)
-        assert status == 200, f"{method} {path} with the key: HTTP {status} {raw[:200]!r}"
+    # All of them, then the verdict: the server is shared, and a failure must not leave it paused.
+    answers = [(method, path, *_request(endpoint, method, path, key, body=body)) for method, path, body in calls]
+    refused = [f"{m} {p}: HTTP {status} {raw[:200]!r}" for m, p, status, raw in answers if status != 200]
+    assert not refused, f"refused with the key: {refused}"
     status, raw = _request(endpoint, "POST", "/collective_rpc", key, body={"method": "forge_policy_version"})
-    assert [int(v) for v in json.loads(raw)["results"]] == [0], f"a fresh server holds version 0: {raw!r}"
+    assert status == 200, f"/collective_rpc with the key: HTTP {status}"
+    assert [int(v) for v in json.loads(raw)["results"]] == [0], f"the model folder's weights are version 0: {raw!r}"
 
 
 @needs_vllm

@@ -1,13 +1,11 @@
 """The ``openai`` generator passes forgerl's Generator kit (forgerl.testing) against a real
-OpenAI-compatible server: vLLM serving the kit's tiny model (hidden size 128: vLLM's CPU
-attention needs heads at least 32 wide), started once for the class."""
+OpenAI-compatible server: vLLM serving the kit's tiny model (conftest.py's ``openai_server``)."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
-from openai_server import vllm_openai_server
 
 from forgerl.testing import GeneratorContract
 from forgerl.testing.timing import scaled
@@ -18,17 +16,25 @@ pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed"),
 ]
 
-SERVER_WAIT_S = 420.0  # a vLLM server's start-up on a busy two-core machine
+KEY_ENV = "OPENAI_API_KEY"  # the generator's default api_key_env
 
 
 class TestOpenAIGenerator(GeneratorContract):
     backend = "openai"
     plugins = ("forgerl_openai_compat.plugin",)
-    tiny_model_options = {"hidden_size": 128}
 
     @pytest.fixture(scope="class")
     @classmethod
-    def generator_options(cls, generator_model, tmp_path_factory):
-        log = tmp_path_factory.mktemp("vllm") / "server.log"
-        with vllm_openai_server(generator_model, log, scaled(SERVER_WAIT_S)) as base_url:
-            yield {"base_url": base_url, "request_timeout": scaled(120)}
+    def generator_model(cls, openai_server):
+        return openai_server.model_dir  # the weights the server serves: the kit's reference
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def generator_options(cls, openai_server):
+        # The generator reads its key from the environment when it is built, in this process.
+        with pytest.MonkeyPatch.context() as env:
+            if openai_server.api_key is None:
+                env.delenv(KEY_ENV, raising=False)
+            else:
+                env.setenv(KEY_ENV, openai_server.api_key)
+            yield {"base_url": openai_server.base_url, "request_timeout": scaled(120)}

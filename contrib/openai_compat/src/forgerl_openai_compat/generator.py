@@ -6,9 +6,10 @@ generator only talks to it. It cannot load new weights into it, so it declares
 the start of a run that every rollout comes from the initial weights (training is
 off-policy), and trains on all of its samples. Every completion reports version 0.
 
-All HTTP runs on one event loop in a thread of this object: ``generate`` may be awaited
-from any event loop (the rollout thread's, ``asyncio.run`` in evaluation) and shares one
-connection pool, bounded by ``max_concurrency``.
+All HTTP runs on one event loop in a thread of this object (forgerl's
+:class:`~forgerl.loop_thread.LoopThread`): ``generate`` may be awaited from any event loop
+(the rollout thread's, ``asyncio.run`` in evaluation) and shares one connection pool,
+bounded by ``max_concurrency``.
 """
 
 from __future__ import annotations
@@ -16,12 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
-from collections.abc import Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
 from forgerl.errors import ConfigError, GeneratorError, GeneratorUnreachable
 from forgerl.interfaces import Generator, RunContext, Transport
+from forgerl.loop_thread import LoopThread
 from forgerl.types import Completion, GenerationRequest
 
 from .completions import parse_completions, request_body
@@ -33,7 +34,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .options import OpenAICompatOptions
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 #: The only weights it serves: the server's, which the run counts as its initial version.
 SERVED_VERSION = 0
@@ -58,19 +58,13 @@ class OpenAICompatGenerator(Generator):
             logging.getLogger("httpx").setLevel(logging.WARNING)
         self._closed = False
         self._client: httpx.AsyncClient | None = None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="forge-openai-http", daemon=True)
-        self._thread.start()
+        self._io = LoopThread("forge-openai-http")
         try:
-            self.model = self._call(self._start(), timeout=CONNECT_TIMEOUT + options.request_timeout)
+            self.model = self._io.call(self._start(), timeout=CONNECT_TIMEOUT + options.request_timeout)
         except BaseException:
             self.close()
             raise
         log.info("openai generator: model %r at %s", self.model, self.url)
-
-    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the generator's loop from another thread and wait for it."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
 
     async def _start(self) -> str:
         import httpx
@@ -116,17 +110,7 @@ class OpenAICompatGenerator(Generator):
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
         if self._closed:
             raise GeneratorError("the openai generator is closed")
-        future = asyncio.run_coroutine_threadsafe(self._generate_all(list(requests)), self._loop)
-        return await asyncio.wrap_future(future)
-
-    async def _generate_all(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
-        tasks = [asyncio.ensure_future(self._one(r)) for r in requests]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
+        return await self._io.map(self._one, requests)
 
     async def _one(self, request: GenerationRequest) -> list[Completion]:
         import httpx
@@ -171,17 +155,8 @@ class OpenAICompatGenerator(Generator):
         if self._closed:
             return
         self._closed = True
-        if self._thread.is_alive():
-            client = self._client
-            if client is not None:
-                try:
-                    self._call(client.aclose(), timeout=CONNECT_TIMEOUT)
-                except Exception:  # closing anyway
-                    log.debug("openai: closing the HTTP client failed", exc_info=True)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=CONNECT_TIMEOUT)
-        if not self._loop.is_running():
-            self._loop.close()
+        client = self._client
+        self._io.close(client.aclose() if client is not None else None, timeout=CONNECT_TIMEOUT)
 
 
 def _message(resp: httpx.Response) -> str:

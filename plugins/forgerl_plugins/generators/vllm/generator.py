@@ -18,9 +18,10 @@ files their launchers write (:mod:`.server`), then:
   hung) takes no traffic until it answers again; a restarted one (a new endpoint file) is
   brought to the current version before it takes traffic.
 
-All HTTP runs on one event loop in a thread of this object: ``generate`` may be awaited
-from any event loop (the rollout thread's, ``asyncio.run`` in evaluation) and shares one
-connection pool and one view of the replicas.
+All HTTP runs on one event loop in a thread of this object
+(:class:`forgerl.loop_thread.LoopThread`): ``generate`` may be awaited from any event loop
+(the rollout thread's, ``asyncio.run`` in evaluation) and shares one connection pool and
+one view of the replicas.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
 import time
 from collections.abc import Coroutine, Sequence
 from pathlib import Path
@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from forgerl.errors import GeneratorError, GeneratorUnreachable
 from forgerl.interfaces import Generator, RunContext, Transport
+from forgerl.loop_thread import LoopThread
 from forgerl.types import Completion, GenerationRequest, GeneratorHealth
 
 from .client import ReplicaClient
@@ -78,9 +79,7 @@ class VLLMGenerator(ReplicaWatch, WeightUpdates, Generator):
         self._replicas = [Replica(i, log_file(self.run_dir, i)) for i in range(options.replicas)]
         #: Results of the last weight load per replica (for benchmarks and logs).
         self.last_update: dict[str, Any] = {}
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="forge-vllm-http", daemon=True)
-        self._thread.start()
+        self._io = LoopThread("forge-vllm-http")
         self._monitor: asyncio.Task | None = None
         try:
             self._call(self._start())
@@ -92,7 +91,7 @@ class VLLMGenerator(ReplicaWatch, WeightUpdates, Generator):
 
     def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coro`` on the generator's loop from another thread and wait for it."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return self._io.call(coro, timeout)
 
     async def _start(self) -> None:
         self._client = ReplicaClient(
@@ -126,17 +125,7 @@ class VLLMGenerator(ReplicaWatch, WeightUpdates, Generator):
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
         if self._closed:
             raise GeneratorError("the vllm generator is closed")
-        future = asyncio.run_coroutine_threadsafe(self._generate_all(list(requests)), self._loop)
-        return await asyncio.wrap_future(future)
-
-    async def _generate_all(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
-        tasks = [asyncio.ensure_future(self._one(r)) for r in requests]
-        try:
-            return list(await asyncio.gather(*tasks))
-        except BaseException:
-            for t in tasks:
-                t.cancel()
-            raise
+        return await self._io.map(self._one, requests)
 
     async def _one(self, request: GenerationRequest) -> list[Completion]:
         import httpx
@@ -256,12 +245,4 @@ class VLLMGenerator(ReplicaWatch, WeightUpdates, Generator):
             if client is not None:
                 await client.aclose()
 
-        if self._thread.is_alive():
-            try:
-                self._call(shutdown(), timeout=10)
-            except Exception:
-                log.debug("vllm: shutdown of the HTTP client failed", exc_info=True)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
-        if not self._loop.is_running():
-            self._loop.close()
+        self._io.close(shutdown(), timeout=10)
