@@ -87,6 +87,10 @@ class SGLangGenerator(SGLangWeightUpdates, ReplicaPool):
     async def _introduce(self, r: Replica) -> None:
         if not r.probed:
             await self._client.weight_version(r)
+            # A generator closed in the middle of an update (or one that died) may have
+            # left the server paused: it would queue our requests for ever. Resuming a
+            # server that is not paused does nothing.
+            await self._client.admin(r, "/continue_generation", json={})
 
     async def _send(self, r: Replica, request: GenerationRequest, version: int) -> list[Completion]:
         async def one(i: int) -> Completion:
