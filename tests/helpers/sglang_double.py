@@ -238,7 +238,12 @@ class Engine:
         return count
 
     def join(self, req: InitWeightsUpdateGroupReqInput) -> None:
-        from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
+        from torch.distributed.distributed_c10d import (
+            Backend,
+            PrefixStore,
+            _new_process_group_helper,
+            rendezvous,
+        )
 
         wait = timedelta(seconds=120)
         rank = req.rank_offset  # one worker (tp 1 on CPU)
