@@ -387,9 +387,7 @@ def build_app(engine: Engine, api_key: str | None) -> Any:
     return app
 
 
-def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sglang_double (NOT SGLang)")
     # SGLang's flag names (its ServerArgs fields); anything else is refused.
     parser.add_argument("--model-path", required=True)
@@ -403,7 +401,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mem-fraction-static", type=float, default=None)
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--sampling-backend", default=None)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = parser().parse_args(argv)
     engine = Engine(args.model_path, args.weight_version)
     uvicorn.run(build_app(engine, args.api_key), host=args.host, port=args.port, log_level="warning")
 
