@@ -64,12 +64,15 @@ def cluster(tmp_path_factory):
         yield site
 
 
-def _calls(generator, index: int) -> list[dict]:
+def _calls(generator, index: int) -> list[dict] | None:
+    """The admin calls replica ``index`` received (the double's own record); None on a real
+    SGLang server (tests/gpu reuses these tests), which keeps no such record."""
     import httpx
 
     info = generator.replica_info()[index]
     headers = generator._replicas[index].headers
-    return httpx.get(info["url"] + "/double/calls", headers=headers, timeout=30).json()
+    resp = httpx.get(info["url"] + "/double/calls", headers=headers, timeout=30)
+    return resp.json() if resp.status_code == 200 else None
 
 
 def _in_flight_update(site, policy: str, version: int):
@@ -118,6 +121,8 @@ def test_requests_in_flight_during_an_update(cluster, policy):
         # Drained first: each completion reports the weights it was made by (old or new).
         assert {c.policy_version for c in flat} <= {version - 1, version}
     for replica_calls in calls:
+        if replica_calls is None:
+            continue  # real SGLang: what it was asked is not recorded
         paths = [c["path"] for c in replica_calls]
         last = len(paths) - 1 - paths[::-1].index("/pause_generation")
         pause = replica_calls[last]
@@ -156,7 +161,9 @@ def test_a_killed_replica_fails_over_restarts_and_rejoins_at_the_current_weights
             "the killed replica back in service",
         )
         assert gen.replica_info()[1]["version"] == 30
-        loads = [c for c in _calls(gen, 1) if c["path"] == "/update_weights_from_disk"]
-        assert loads and loads[-1]["weight_version"] == "30"
+        calls = _calls(gen, 1)
+        if calls is not None:
+            loads = [c for c in calls if c["path"] == "/update_weights_from_disk"]
+            assert loads and loads[-1]["weight_version"] == "30"
         again = asyncio.run(gen.generate(requests))
         assert all(cs[0].policy_version == 30 for cs in again)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -259,6 +260,8 @@ class ReplicaPool(ReplicaWatch, WeightUpdates, Generator):
         async def shutdown() -> None:
             if self._monitor is not None:
                 self._monitor.cancel()
+                with contextlib.suppress(BaseException):  # its CancelledError, awaited here
+                    await self._monitor
             client = getattr(self, "_client", None)
             if client is not None:
                 await client.aclose()
