@@ -204,6 +204,8 @@ def test_the_backend_is_registered_and_says_how_to_install_sglang():
 
     record = build_registry().get("generator", "sglang")
     assert record.implemented and record.roles and record.factory
-    assert f"sglang {SGLANG_VERSION}" in record.info["install"]
+    assert f"SGLang {SGLANG_VERSION}" in record.info["install"]
     if importlib.util.find_spec("sglang") is None:
-        assert record.unavailable_reason() == "needs sglang: pip install 'forgerl[sglang]'"
+        assert record.unavailable_reason() == (
+            f"needs sglang: pip install 'forgerl[sglang]' (SGLang {SGLANG_VERSION}; CUDA GPUs only)"
+        )

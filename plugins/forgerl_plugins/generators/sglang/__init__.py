@@ -27,7 +27,9 @@ def forge_generators():
             description="SGLang servers (replicas, weight updates, failover; GPU only)",
             requires=("sglang",),
             extra="sglang",
-            info={"install": f"pip install 'forgerl[sglang]' (sglang {SGLANG_VERSION}; needs CUDA GPUs)"},
+            # SGLang has no CPU build: say so before anyone installs 11 GB for nothing.
+            install_hint=f"pip install 'forgerl[sglang]' (SGLang {SGLANG_VERSION}; CUDA GPUs only)",
+            info={"install": f"pip install 'forgerl[sglang]' (SGLang {SGLANG_VERSION}; CUDA GPUs only)"},
         )
     ]
 
