@@ -162,4 +162,3 @@ class SGLangWeightUpdates(WeightUpdates):
         # Named only once every bucket is in: a replica that failed half-way still reports
         # the old name (and is reloaded before it serves again).
         await self._client.load(r, "/update_weight_version", payloads.weight_version_body(version), timeout)
-        await self._client.admin(r, "/flush_cache")
