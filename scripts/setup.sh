@@ -44,6 +44,12 @@ if [ "${FORGE_SKIP_VLLM:-0}" != "1" ]; then
     fi
 fi
 
+# SGLang for the `sglang` generator: GPU machines only (it has no CPU build), and only on
+# request (FORGE_WITH_SGLANG=1): its CUDA wheels are large. Pinned in the extra (0.5.23).
+if [ "$GPU" = "1" ] && [ "${FORGE_WITH_SGLANG:-0}" = "1" ]; then
+    $PIP install --quiet --disable-pip-version-check -e ".[sglang]"
+fi
+
 # TorchTitan for the `torchtitan` trainer (the `torchtitan` extra), without its declared
 # dependencies: torchdata would bring its own torch, and datasets, wandb and tensorboard
 # serve TorchTitan's pretraining Trainer, which forgerl does not use. What its models,

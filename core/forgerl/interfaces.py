@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from forgerl.errors import SchedulerError
+from forgerl.errors import SchedulerError, TransportError
 from forgerl.types import (
     Completion,
     GenerationRequest,
@@ -204,6 +204,96 @@ class TransportReceiver(Closeable, abc.ABC):
         of waiting for one that has already gone by. Does not block for long."""
 
 
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor an engine is about to receive: its Hugging Face name, its dtype as torch
+    names it without the ``torch.`` prefix (``bfloat16``), and its shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+class EngineReceiver(Closeable, abc.ABC):
+    """A receiver whose engine takes the weights itself (SGLang loads a folder, or joins a
+    process group and receives broadcasts, through its own HTTP API).
+
+    The generator holds this handle in the process it was built in (trainer rank 0, beside
+    the sender: it is built from the transport object the generator was given) and tells
+    its engine what to do; the transport moves the bytes. One handle per engine instance:
+    a restarted engine gets a new one. Which kinds a transport builds is
+    :attr:`Transport.engine_receivers`; the two kinds are :class:`FilesEngineReceiver` and
+    :class:`BroadcastEngineReceiver`. The transport contract holds for them as for
+    :class:`TransportReceiver` (never partial, timeouts everywhere; ``send`` names an
+    engine receiver that did not take a version, for a transport that waits for its
+    receivers).
+    """
+
+    #: ``"files"`` or ``"broadcast"``.
+    kind: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def latest_version(self) -> int | None:
+        """The newest version the sender has made available, or None (as
+        :meth:`TransportReceiver.latest_version`)."""
+
+
+class FilesEngineReceiver(EngineReceiver):
+    """An engine that loads a folder of safetensors files (SGLang's
+    ``/update_weights_from_disk``)."""
+
+    kind: ClassVar[str] = "files"
+
+    @abc.abstractmethod
+    def stage(self, version: int, timeout: float | None = None) -> Path:
+        """Wait for ``version`` and return a folder that holds exactly it: safetensors files
+        under Hugging Face names, complete, and nothing else an engine would load. Valid
+        until :meth:`release` of that version or :meth:`close`. Raises TransportTimeout
+        when it does not arrive in time, TransportError when it is gone."""
+
+    @abc.abstractmethod
+    def release(self, version: int) -> None:
+        """The engine has loaded ``version``: its folder may go."""
+
+
+class BroadcastEngineReceiver(EngineReceiver):
+    """An engine whose ``ranks`` workers join a ``torch.distributed`` group in which the
+    sender is rank 0, and receive each tensor by broadcast (SGLang's
+    ``/init_weights_update_group`` and ``/update_weights_from_distributed``).
+
+    The group is this handle's alone (one engine instance), built as
+    ``torch.distributed``'s ``rendezvous`` at ``tcp://master_address:master_port`` and a
+    ``PrefixStore`` named ``group_name``, the way SGLang's ``init_custom_process_group``
+    builds it on its side.
+    """
+
+    kind: ClassVar[str] = "broadcast"
+
+    @abc.abstractmethod
+    def group(self) -> dict[str, Any]:
+        """Where and how the engine joins: ``master_address``, ``master_port``,
+        ``world_size`` (1 + the engine's ranks), ``rank_offset`` (1: the sender is 0),
+        ``group_name`` and ``backend`` (``nccl`` or ``gloo``)."""
+
+    @abc.abstractmethod
+    def connect(self, timeout: float | None = None) -> None:
+        """Join the group as rank 0; returns once the engine's ranks have joined too (the
+        caller asks the engine to join at the same time, from another thread). Raises
+        TransportTimeout when they do not within ``timeout``."""
+
+    @abc.abstractmethod
+    def receive(self, version: int, timeout: float | None = None) -> Iterator[list[TensorSpec]]:
+        """The buckets of ``version``, in broadcast order, once the sender has sent it.
+
+        Each bucket is broadcast on the group from the moment it is yielded: the caller
+        tells the engine to receive exactly those tensors (names, dtypes, shapes, in
+        that order) and asks for the next bucket once the engine has them; asking waits
+        for the bucket's broadcast and raises what it raised. Leaving the loop early
+        breaks the group (the engine must join a new handle's group), and the sender
+        learns that this receiver did not take the version. After the last bucket the
+        version counts as delivered."""
+
+
 class Transport(Closeable, abc.ABC):
     """Builds the two halves. Must be reconstructible in another process from the same
     options and :meth:`receiver_spec` (a JSON-able dict). :meth:`close` releases what
@@ -219,6 +309,20 @@ class Transport(Closeable, abc.ABC):
     def receiver_spec(self) -> dict[str, Any]:
         """What a receiver in another process needs to connect (addresses, paths)."""
         return {}
+
+    #: The kinds of :class:`EngineReceiver` that :meth:`engine_receiver` builds
+    #: (``"files"``, ``"broadcast"``); empty: engines that load weights themselves cannot
+    #: use this transport.
+    engine_receivers: ClassVar[tuple[str, ...]] = ()
+
+    def engine_receiver(self, worker_id: str, kind: str, *, ranks: int = 1) -> EngineReceiver:
+        """A receiver of ``kind`` (one of :attr:`engine_receivers`) for one engine instance
+        with ``ranks`` workers, on the transport object the generator was given (trainer
+        rank 0, where the sender is). Raises TransportError for a kind it does not build."""
+        raise TransportError(
+            f"the {type(self).__name__} transport cannot feed an engine that loads weights itself "
+            f"(asked for {kind!r}; it builds {list(self.engine_receivers) or 'none'})"
+        )
 
 
 class Scheduler(abc.ABC):

@@ -93,7 +93,7 @@ class SharedVLLM:
     def endpoint(self) -> dict[str, Any]:
         """The replica's endpoint file (host, port, api_key, model: the served name, pids),
         once the server serves the model folder's weights (version 0) again."""
-        from forgerl_plugins.generators.vllm.replica import read_endpoint
+        from forgerl_plugins.generators.common.replica import read_endpoint
         from forgerl_plugins.generators.vllm.server import endpoint_file
 
         site = self.site()
@@ -112,7 +112,7 @@ class SharedVLLM:
 
     def openai_endpoint(self) -> OpenAIEndpoint:
         """The server's OpenAI API, serving the model folder's weights (version 0)."""
-        from forgerl_plugins.generators.vllm.replica import url_host
+        from forgerl_plugins.generators.common.replica import url_host
 
         data = self.endpoint()
         return OpenAIEndpoint(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -81,8 +82,11 @@ def test_unknown_backend_lists_installed():
     assert_one_line_error(forge("run", "--trainer", "nope", "--dry-run"), "no trainer 'nope'", "fsdp", "forge plugins list")
 
 
-def test_unimplemented_backend_says_so():
-    assert_one_line_error(forge("run", "--generator", "sglang", "--dry-run"), "sglang", "not implemented yet")
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
+def test_a_backend_missing_its_package_says_how_to_install_it():
+    assert_one_line_error(
+        forge("run", "--generator", "sglang", "--dry-run"), "sglang", "pip install 'forgerl[sglang]'"
+    )
 
 
 def test_debug_shows_the_traceback():
@@ -130,7 +134,8 @@ def test_plugins_list_json_reports_availability():
     by_name = {r["name"]: r for r in rows}
     assert by_name["hf"]["distribution"] == "forgerl"
     sglang = by_name["sglang"]["backends"][0]
-    assert sglang["available"] is False and sglang["reason"] == "not implemented yet"
+    if importlib.util.find_spec("sglang") is None:
+        assert sglang["available"] is False and "pip install 'forgerl[sglang]'" in sglang["reason"]
     assert by_name["local"]["backends"][0]["available"] is True
 
 

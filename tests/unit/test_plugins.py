@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 
 import pytest
@@ -242,11 +243,20 @@ def test_unknown_backend_lists_installed_ones():
     assert {"hf", "sglang", "vllm"} <= set(listed) and listed == sorted(listed), message
 
 
-def test_unavailable_backend_says_why():
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang is installed here")
+def test_unavailable_backend_says_why_and_how_to_install_it():
     reg = build_registry()
-    assert reg.get("generator", "sglang").unavailable_reason() == "not implemented yet"
-    with pytest.raises(BackendUnavailable, match="sglang.*not implemented yet"):
+    why = reg.get("generator", "sglang").unavailable_reason()
+    assert why == "needs sglang: pip install 'forgerl[sglang]' (SGLang 0.5.23; CUDA GPUs only)"
+    with pytest.raises(BackendUnavailable, match=r"sglang.*pip install 'forgerl\[sglang\]'"):
         reg.require("generator", "sglang")
+
+
+def test_an_unimplemented_backend_says_so():
+    from forgerl.backends import GeneratorBackend
+
+    record = GeneratorBackend(name="later", factory=None, implemented=False)
+    assert record.unavailable_reason() == "not implemented yet"
 
 
 def test_missing_extra_names_the_extra(site):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from forgerl_plugins.generators.vllm import liveness
+from forgerl_plugins.generators.common import liveness
 from forgerl_plugins.generators.vllm.server import free_port, healthy
 from tests.helpers.timing import wait_until
 

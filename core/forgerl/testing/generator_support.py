@@ -81,11 +81,14 @@ class GeneratorSite:
     # ------------------------------------------------------------- generators
 
     def context(self, transport_dir: Path) -> RunContext:
-        """The RunContext of one generator: the site's config, its transport in ``transport_dir``."""
+        """The RunContext of one generator: the site's config, its transport in ``transport_dir``
+        (the shm transport's directory; another transport, named by the kit's ``settings``,
+        keeps its own options)."""
         from forgerl.interfaces import RunContext
 
         config = self.config.model_copy(deep=True)
-        config.transport.options = {**config.transport.options, "directory": str(transport_dir)}
+        if config.transport.name == "shm":
+            config.transport.options = {**config.transport.options, "directory": str(transport_dir)}
         return RunContext(config=config, run_dir=self.run_dir, model_path=self.model_dir)
 
     @contextlib.contextmanager

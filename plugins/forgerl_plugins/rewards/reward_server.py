@@ -37,16 +37,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from forgerl import events
-from forgerl_plugins.generators.vllm import liveness
+from forgerl_plugins.generators.common import liveness
+from forgerl_plugins.generators.common.launcher import connect_host, free_port, healthy, write_endpoint
 from forgerl_plugins.generators.vllm.auth import KEY_ENV, MIDDLEWARE
-from forgerl_plugins.generators.vllm.server import (
-    connect_host,
-    engine_arg_flags,
-    free_port,
-    healthy,
-    is_cpu_build,
-    write_endpoint,
-)
+from forgerl_plugins.generators.vllm.server import engine_arg_flags, is_cpu_build
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext

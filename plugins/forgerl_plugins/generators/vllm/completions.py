@@ -11,18 +11,16 @@ from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import GeneratorError
 from forgerl.types import Completion, FinishReason, GenerationRequest
+from forgerl_plugins.generators.common.client import error_message
+from forgerl_plugins.generators.common.pool import ReplicaFailed
+from forgerl_plugins.generators.common.replica import Replica
 
-from .client import error_message
-from .replica import Replica
+__all__ = ["ReplicaFailed", "parse_completions", "request_body"]
 
 if TYPE_CHECKING:  # pragma: no cover
     import httpx
 
 FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
-class ReplicaFailed(Exception):
-    """The replica answered, but not with a usable result (5xx, 401, aborted)."""
 
 
 def request_body(request: GenerationRequest, r: Replica, *, send_seed: bool) -> dict[str, Any]:

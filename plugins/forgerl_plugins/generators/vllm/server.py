@@ -5,15 +5,10 @@
     python -m forgerl_plugins.generators.vllm.server --run-dir RUN_DIR
 
 Each copy (its replica index comes from ``FORGE_REPLICA``, which every scheduler sets)
-resolves the run's model exactly as the trainer does, picks a free port, starts vLLM's
-OpenAI server as its child, waits until it answers ``/health`` and then publishes the
-endpoint in ``<run_dir>/generators/vllm-<replica>.json`` (host, port, API key, pids),
-atomically. The trainer finds the servers through these files: no fixed ports, and a
-restarted replica announces itself with a new ``instance`` id.
-
-The launcher exits with the server's exit status (128+N when a signal killed it), so the
-scheduler sees a dead server as a dead replica and restarts it. It imports neither vLLM
-nor torch: it only spawns them.
+resolves the run's model exactly as the trainer does and runs vLLM's OpenAI server through
+the launcher all server generators share (:mod:`..common.launcher`: free port, health,
+first request, the endpoint file ``<run_dir>/generators/vllm-<replica>.json``, liveness,
+exit status). It imports neither vLLM nor torch: it only spawns them.
 """
 
 from __future__ import annotations
@@ -23,20 +18,25 @@ import json
 import os
 import re
 import secrets
-import signal
-import socket
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl import events
+from forgerl_plugins.generators.common import launcher
+from forgerl_plugins.generators.common.launcher import (  # noqa: F401 - the launcher's helpers, as tests use them
+    ServerPlan,
+    connect_host,
+    free_port,
+    healthy,
+    serve,
+    write_endpoint,
+)
 
-from . import cpu_cores, liveness
+from . import cpu_cores
 from .auth import KEY_ENV, MIDDLEWARE
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,7 +45,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from forgerl_plugins.generators.vllm.options import VLLMGeneratorOptions
 
 ROLE = "vllm"
-ENDPOINT_DIR = "generators"
 #: The name under which every replica serves the policy (requests name it as "model").
 SERVED_MODEL_NAME = "forge-policy"
 WORKER_EXTENSION = "forgerl_plugins.generators.vllm.worker_extension.ForgeWorkerExtension"
@@ -67,12 +66,12 @@ _TORCHRUN_VARS = (
 
 
 def endpoint_file(run_dir: Path, replica: int) -> Path:
-    return Path(run_dir) / ENDPOINT_DIR / f"{ROLE}-{replica}.json"
+    return launcher.endpoint_file(run_dir, ROLE, replica)
 
 
 def log_file(run_dir: Path, replica: int) -> Path:
     """Where the local scheduler writes the replica's output (``logs/<role>-<replica>.log``)."""
-    return Path(run_dir) / "logs" / f"{ROLE}-{replica}.log"
+    return launcher.log_file(run_dir, ROLE, replica)
 
 
 def is_cpu_build() -> bool:
@@ -203,57 +202,6 @@ def server_env(options: VLLMGeneratorOptions, api_key: str) -> dict[str, str]:
 # ----------------------------------------------------------------------- the launcher
 
 
-def free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def connect_host(bind_host: str) -> str:
-    """The address clients use for a server bound to ``bind_host``."""
-    if bind_host in ("0.0.0.0", "::", ""):
-        return socket.getfqdn()
-    return bind_host
-
-
-def healthy(url: str, timeout: float = 5.0, api_key: str | None = None) -> bool:
-    """The server answers ``/health`` (with our key: every path of our servers needs it)."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    request = urllib.request.Request(url + "/health", headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as r:
-            return r.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
-        return False
-
-
-def write_endpoint(path: Path, data: dict[str, Any]) -> None:
-    """Atomically, readable by the owner only (it holds the API key)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the launcher dies, so no server outlives its replica."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _say(message: str) -> None:
-    print(f"forge vllm launcher: {message}", flush=True)
-
-
 def launch(run_dir: Path, replica: int) -> int:
     import yaml
 
@@ -265,9 +213,8 @@ def launch(run_dir: Path, replica: int) -> int:
 
     config = validate_config(yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text()), source=str(run_dir))
     options = VLLMGeneratorOptions.model_validate(config.generator.options)
-    endpoint = endpoint_file(run_dir, replica)
     # A file left by the previous instance of this replica points at a dead server.
-    endpoint.unlink(missing_ok=True)
+    endpoint_file(run_dir, replica).unlink(missing_ok=True)
     # Events say who they come from (vllm-<replica>): the messages need not.
     with events.phase(f"preparing model {config.model.name}", stage="model",
                       key=f"model:{config.model.name}", run_dir=run_dir):
@@ -276,92 +223,36 @@ def launch(run_dir: Path, replica: int) -> int:
     env = server_env(options, api_key)
     if is_cpu_build():
         env.update(cpu_cores.binding_env(config.loop.max_staleness, options.env, os.environ))
-
-    child: subprocess.Popen | None = None
-    stopping: list[int] = []
-
-    def forward(signum: int, frame: object) -> None:
-        stopping.append(signum)
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-
     starting = events.phase(
         "starting the vLLM server", detail="loading the model, then one first request",
         stage="server", key=f"vllm-start:{config.model.name}:{'cpu' if is_cpu_build() else 'gpu'}",
         run_dir=run_dir, log=log_file(run_dir, replica),
     )
-    for attempt in range(3):
-        port = free_port(options.host)
-        command = server_command(options, model_dir, config.model.dtype, port)
-        _say(f"replica {replica}: starting vLLM on {options.host}:{port} for {model_dir}")
-        child = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)  # noqa: PLW1509
-        url = f"http://{connect_host(options.host)}:{port}"
-        deadline = time.monotonic() + options.startup_timeout
-        while child.poll() is None and not stopping and time.monotonic() < deadline:
-            if healthy(url, api_key=api_key):
-                break
-            time.sleep(0.5)
-        if stopping:
-            return _wait(child, endpoint)
-        if child.poll() is None and time.monotonic() >= deadline:
-            _stop(child)
-            return _failed(endpoint, f"vLLM was not healthy after {options.startup_timeout:g} s")
-        if child.poll() is not None:
-            # Someone took the port between our probe and vLLM's bind: try another.
-            if attempt < 2 and not _port_free(options.host, port):
-                _say(f"replica {replica}: port {port} was taken; retrying on another")
-                continue
-            return _failed(
-                endpoint, f"vLLM exited with status {_exit_status(child.returncode)} before it was healthy"
-            )
-        break
-    assert child is not None
-    # Healthy is not enough: some models load and then fail at the first forward pass
-    # (e.g. a head size the CPU attention kernels lack). One token tells.
-    problem = first_request(url, api_key)
-    if problem is not None:
-        _stop(child)
-        head = re.search(r"Unsupported CPU attention configuration: head_dim=(\d+)", problem)
-        if head:  # say what to do first: the scheduler shows only the start of this line
-            return _failed(
-                endpoint,
-                f"vLLM's CPU attention has no kernels for this model's {head.group(1)}-wide heads (it needs "
-                f"32 or more): serve a model with wider heads, or use --generator hf ({problem})",
-            )
-        return _failed(endpoint, f"vLLM failed its first request ({problem})")
-    write_endpoint(
-        endpoint,
-        {
-            "replica": replica,
-            "instance": uuid.uuid4().hex,
-            "host": connect_host(options.host),
-            "port": port,
-            "api_key": api_key,
-            "model": SERVED_MODEL_NAME,
-            "pid": child.pid,
-            "launcher_pid": os.getpid(),
-            "started": time.time(),
-        },
+    plan = ServerPlan(
+        role=ROLE,
+        engine="vLLM",
+        host=options.host,
+        startup_timeout=options.startup_timeout,
+        health_interval=options.health_interval,
+        liveness_timeout=options.liveness_timeout,
+        command=lambda port: server_command(options, model_dir, config.model.dtype, port),
+        env=env,
+        api_key=api_key,
+        first_request=first_request,
+        explain=explain_first_failure,
+        endpoint={"model": SERVED_MODEL_NAME},
     )
-    _say(f"replica {replica}: healthy at {url} (pid {child.pid}); endpoint in {endpoint}")
-    starting.done()
-    try:
-        hung = liveness.watch(
-            child,
-            lambda timeout: healthy(url, timeout, api_key),
-            interval=options.health_interval,
-            timeout=options.liveness_timeout,
-            stopping=lambda: bool(stopping),
+    return serve(plan, run_dir, replica, starting)
+
+
+def explain_first_failure(problem: str) -> str:
+    head = re.search(r"Unsupported CPU attention configuration: head_dim=(\d+)", problem)
+    if head:  # say what to do first: the scheduler shows only the start of this line
+        return (
+            f"vLLM's CPU attention has no kernels for this model's {head.group(1)}-wide heads (it needs "
+            f"32 or more): serve a model with wider heads, or use --generator hf ({problem})"
         )
-    finally:
-        endpoint.unlink(missing_ok=True)
-    if hung:
-        _say(f"replica {replica}: {hung}")
-        return 1  # a failure: the scheduler restarts the replica
-    return _exit_status(child.returncode)
+    return f"vLLM failed its first request ({problem})"
 
 
 def first_request(url: str, api_key: str, timeout: float = 120.0) -> str | None:
@@ -398,50 +289,6 @@ def _engine_error() -> str:
         if re.match(r"^[A-Za-z_.]*(Error|Exception): ", text):
             return text[:300]
     return ""
-
-
-def _failed(endpoint: Path, why: str) -> int:
-    """Tell the generator (it fails at once with this message) and exit non-zero."""
-    _say(why)
-    write_endpoint(endpoint, {"error": why, "launcher_pid": os.getpid(), "time": time.time()})
-    run_dir = endpoint.parent.parent
-    replica = endpoint.stem.rsplit("-", 1)[-1]
-    events.announce(why, stage="server", state="failed", run_dir=run_dir,
-                    log=log_file(run_dir, int(replica)) if replica.isdigit() else None)
-    return 1
-
-
-def _stop(child: subprocess.Popen, grace: float = 15.0) -> None:
-    """SIGTERM first: vLLM's API server then stops its engine processes too."""
-    child.terminate()
-    try:
-        child.wait(grace)
-    except subprocess.TimeoutExpired:
-        child.kill()
-        child.wait()
-
-
-def _port_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-            return True
-        except OSError:
-            return False
-
-
-def _wait(child: subprocess.Popen, endpoint: Path) -> int:
-    try:
-        code = child.wait()
-    finally:
-        endpoint.unlink(missing_ok=True)
-    return _exit_status(code)
-
-
-def _exit_status(code: int) -> int:
-    # Popen reports death by signal N as -N; a shell reports 128+N.
-    return 128 - code if code < 0 else code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ from forgerl_plugins.transports.common.endpoints import StoreSender
 from forgerl_plugins.transports.common.layout import Layout
 from forgerl_plugins.transports.common.membership import LATEST, SENDER_CLOSED, Member
 from forgerl_plugins.transports.nccl import groups
+from forgerl_plugins.transports.nccl.engine import EngineBoard
 from forgerl_plugins.transports.nccl.protocol import (
     META,
     NAMESPACE,
@@ -77,6 +78,8 @@ class NcclSender(StoreSender):
     name = "nccl"
     namespace = NAMESPACE
     member_class = _Member
+    #: Set by the transport object: engines that receive broadcasts themselves (.engine).
+    engines: EngineBoard | None = None
 
     def __init__(
         self,
@@ -116,6 +119,8 @@ class NcclSender(StoreSender):
             # Receivers that registered before this call are owed this version.
             self._handle_events(self._ctl, deadline)
             delivery = _Delivery(version, deadline, [m for m in self._members.values() if m.failed is None])
+            # Engines that receive broadcasts themselves take it through the board (.engine).
+            engines = self.engines.publish(version, tensors) if self.engines is not None else []
             self._delivery = delivery
             self.last_version = version
             self._cond.notify_all()
@@ -129,6 +134,8 @@ class NcclSender(StoreSender):
             missing = [m for m in delivery.targets if not m.failed and m.delivered != version]
             for m in missing:
                 m.failed = f"did not take version {version} within {deadline.seconds:g} s"
+        board = self.engines
+        engine_errors = board.wait(version, engines, time.monotonic() + deadline.remaining()) if board and engines else []
         self.last_send_seconds = time.perf_counter() - start
         self.last_send_bytes = layout.nbytes
         if self._closed:
@@ -136,6 +143,8 @@ class NcclSender(StoreSender):
         if failed or missing:
             msg = membership.undelivered(version, delivery.targets, failed + missing)
             raise (TransportError if failed else TransportTimeout)(msg)
+        if engine_errors:
+            raise TransportTimeout(f"nccl: weights version {version} did not reach every engine: {'; '.join(engine_errors)}")
         log.debug(
             "nccl: version %d (%.1f MiB) reached %d receiver(s)",
             version,

@@ -38,8 +38,11 @@ fsdp trainer's ``export_weights`` returns fresh tensors.
 
 from __future__ import annotations
 
-from forgerl.interfaces import Transport
+from typing import Any
+
+from forgerl.interfaces import EngineReceiver, Transport
 from forgerl_plugins.transports.common.hosting import StoreHostedTransport
+from forgerl_plugins.transports.nccl.engine import EngineBoard, NcclBroadcastEngineReceiver
 from forgerl_plugins.transports.nccl.protocol import NAMESPACE
 from forgerl_plugins.transports.nccl.receiver import NcclReceiver
 from forgerl_plugins.transports.nccl.sender import NcclSender
@@ -57,3 +60,23 @@ class NcclTransport(StoreHostedTransport, Transport):
 
     sender_class = NcclSender
     receiver_class = NcclReceiver
+
+    engine_receivers = ("broadcast",)
+
+    def __init__(self, options: Any, *, context: Any = None) -> None:
+        super().__init__(options, context=context)
+        self._engines = EngineBoard()
+
+    def sender(self) -> NcclSender:
+        sender = super().sender()
+        sender.engines = self._engines
+        return sender
+
+    def engine_receiver(self, worker_id: str, kind: str, *, ranks: int = 1) -> EngineReceiver:
+        """``broadcast``: a group of the engine's own with this process's sender (:mod:`.engine`)."""
+        if kind != "broadcast":
+            return super().engine_receiver(worker_id, kind, ranks=ranks)
+        return NcclBroadcastEngineReceiver(
+            self._engines, worker_id, ranks, self.options.backend, self.store_host,
+            self.options.bucket_mb * 2**20, self.default_timeout(),
+        )  # fmt: skip

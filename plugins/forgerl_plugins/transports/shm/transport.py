@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import TransportError, TransportTimeout
-from forgerl.interfaces import RunContext, Transport, TransportReceiver, TransportSender
+from forgerl.interfaces import EngineReceiver, RunContext, Transport, TransportReceiver, TransportSender
 from forgerl.types import WeightSet
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -381,6 +381,16 @@ class ShmTransport(Transport):
 
     def receiver_spec(self) -> dict[str, Any]:
         return {"directory": str(self.directory)}
+
+    engine_receivers = ("files",)
+
+    def engine_receiver(self, worker_id: str, kind: str, *, ranks: int = 1) -> EngineReceiver:
+        """``files``: each version staged alone in a folder (:mod:`.engine`)."""
+        if kind != "files":
+            return super().engine_receiver(worker_id, kind, ranks=ranks)
+        from .engine import ShmFilesEngineReceiver
+
+        return ShmFilesEngineReceiver(self.receiver(worker_id))
 
     def close(self) -> None:
         """Remove a directory this instance created (the sender's close does the same)."""

@@ -1,4 +1,4 @@
-"""A launcher's watch over its running vLLM server: a hung server is killed like a dead one.
+"""A launcher's watch over its running server (vLLM, SGLang): a hung server is killed like a dead one.
 
 A server that stops answering (SIGSTOP, a deadlocked event loop, a wedged engine) is
 worse than a crashed one: its process exists, so nothing restarts it, and the requests
@@ -8,8 +8,9 @@ tell and act: when ``/health`` has not answered for ``timeout`` seconds it kills
 server's whole process tree, and exits non-zero like a crash; the scheduler restarts the
 replica and the generator brings the new server to the current weights before it serves.
 
-``/health`` answers from vLLM's API server without touching the engine's workers, so a
-long weight load or a long batch does not make a live server look hung.
+``/health`` answers from the server's HTTP process without touching the engine's workers
+(vLLM; SGLang by default), so a long weight load or a long batch does not make a live
+server look hung.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""What the vllm generator knows about one replica, and how it finds the replica's server.
+"""What a server generator (vllm, sglang) knows about one replica, and how it finds the
+replica's server.
 
-Each replica's launcher (:mod:`.server`) writes an endpoint file when its server is up
+Each replica's launcher (:mod:`.launcher`) writes an endpoint file when its server is up
 (host, port, API key, model, pid, and an ``instance`` id that changes on every restart)
 and removes it when the server exits; a start-up failure is written there as ``error``.
 """
@@ -29,6 +30,7 @@ class Replica:
 
     index: int
     log: Path
+    engine: str = "generator"  # who speaks in log messages ("vllm", "sglang")
     instance: str | None = None  # changes when the replica restarts
     url: str = ""
     headers: dict[str, str] = field(default_factory=dict)
@@ -40,7 +42,7 @@ class Replica:
     version: int | None = None  # weights it serves; None: unknown (not asked yet, or a load failed half-way)
     probed: bool = False  # its workers were asked which version they hold
     # Updates that aborted its requests. A request that overlapped one is resubmitted even
-    # if it finished: vLLM queues a request that reaches it while paused and runs it after
+    # if it finished: a paused server may queue a request that reaches it and run it after
     # the resume, on the new weights, so its answer cannot say which weights made it.
     aborts: int = 0
     outstanding: int = 0
@@ -80,7 +82,7 @@ class Replica:
     def take_out(self, why: str) -> None:
         """No traffic until it answers health checks again."""
         if self.up:
-            log.warning("vllm: taking replica %d out of service: %s", self.index, why)
+            log.warning("%s: taking replica %d out of service: %s", self.engine, self.index, why)
         self.up = False
         self.failures = HEALTH_FAILURES
         self.last_error = why

@@ -1,4 +1,4 @@
-"""Finding the vllm generator's replicas and watching them: health checks, failover, restarts.
+"""Finding a server generator's replicas and watching them: health checks, failover, restarts.
 
 A replica that fails (killed, hung: no answer to ``/health``) takes no traffic until it
 answers again; a restarted one (a new endpoint file) is brought to the current weights
@@ -18,26 +18,29 @@ from typing import TYPE_CHECKING, Any
 from forgerl import events
 from forgerl.errors import GeneratorUnreachable
 
-from .client import ReplicaClient
 from .replica import HEALTH_FAILURES, Replica, last_line, process_start_time, read_endpoint
-from .server import endpoint_file
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .options import VLLMGeneratorOptions
+    from .client import HealthClient
 
 log = logging.getLogger(__name__)
 
 
 class ReplicaWatch:
-    """First contact and the watcher, mixed into :class:`~.generator.VLLMGenerator`
-    (whose state below they read and change, on its event loop)."""
+    """First contact and the watcher, mixed into :class:`~.pool.ReplicaPool` (whose state
+    below they read and change, on its event loop). ``_introduce`` is the engine's: what
+    to ask a replica that answers for the first time (model info, the weights it holds)."""
 
-    options: VLLMGeneratorOptions
+    options: Any  # the engine's options: startup_timeout, health_interval
     run_dir: Path
+    engine: str  # "vllm": in log messages
+    label: str  # "vLLM": in errors
+    _endpoint_file: Callable[[int], Path]
+    _introduce: Callable[[Replica], Coroutine[Any, Any, None]]
     _closed: bool
     _version: int
     _replicas: list[Replica]
-    _client: ReplicaClient
+    _client: HealthClient
     _update_lock: asyncio.Lock
     _notify: Callable[[], Coroutine[Any, Any, None]]
     _resync: Callable[[Replica], Coroutine[Any, Any, None]]
@@ -49,21 +52,20 @@ class ReplicaWatch:
         # that are gone: a report of failure counts only if written since this job began;
         # an endpoint only once the server behind it answers with its key.
         not_before = process_start_time() - 60.0
-        events.announce(f"waiting for vLLM replica {r.index} to answer /health (up to "
+        events.announce(f"waiting for {self.label} replica {r.index} to answer /health (up to "
                         f"{self.options.startup_timeout:g} s)", stage="generator", run_dir=self.run_dir, log=r.log)
         while True:
-            data = read_endpoint(endpoint_file(self.run_dir, r.index))
+            data = read_endpoint(self._endpoint_file(r.index))
             if data is not None and data.get("error"):
                 if float(data.get("time", 0)) >= not_before:
                     raise GeneratorUnreachable(
-                        f"vLLM replica {r.index} failed to start: {data['error']}; log: {r.log}"
+                        f"{self.label} replica {r.index} failed to start: {data['error']}; log: {r.log}"
                     )
             elif data is not None:
                 r.attach(data)
                 try:
                     if await self._client.healthy(r):
-                        await self._client.fetch_model_info(r)
-                        await self._client.probe_version(r)
+                        await self._introduce(r)
                         r.up = True
                         return
                 except httpx.HTTPError as exc:  # e.g. 401: another server has that port now
@@ -74,7 +76,7 @@ class ReplicaWatch:
                 if r.last_error:  # it runs, but does not answer us as it should (e.g. 401)
                     said = f" (it answered: {r.last_error}){said}"
                 raise GeneratorUnreachable(
-                    f"vLLM replica {r.index} did not become healthy within "
+                    f"{self.label} replica {r.index} did not become healthy within "
                     f"{self.options.startup_timeout:g} s{said}; see its log {r.log}"
                 )
             await asyncio.sleep(0.5)
@@ -97,15 +99,15 @@ class ReplicaWatch:
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.exception("vllm: replica watcher failed; continuing")
+                log.exception("%s: replica watcher failed; continuing", self.engine)
             await asyncio.sleep(self.options.health_interval)
 
     async def _check(self, r: Replica) -> None:
         import httpx
 
-        data = read_endpoint(endpoint_file(self.run_dir, r.index))
+        data = read_endpoint(self._endpoint_file(r.index))
         if data is not None and not data.get("error") and data.get("instance") != r.instance:
-            log.info("vllm: replica %d (re)started at %s:%s", r.index, data.get("host"), data.get("port"))
+            log.info("%s: replica %d (re)started at %s:%s", self.engine, r.index, data.get("host"), data.get("port"))
             r.attach(data)
         elif data is None and r.up and r.updating is False:
             # The launcher removes its file when its server exits.
@@ -116,14 +118,11 @@ class ReplicaWatch:
         if await self._client.healthy(r):
             if not r.up:
                 try:
-                    if r.max_model_len is None:
-                        await self._client.fetch_model_info(r)
-                    if not r.probed:
-                        await self._client.probe_version(r)
+                    await self._introduce(r)
                 except httpx.HTTPError as exc:
                     r.last_error = f"{type(exc).__name__}: {exc}"
                     return
-                log.info("vllm: replica %d answers at %s (weights version %s)", r.index, r.url, r.version)
+                log.info("%s: replica %d answers at %s (weights version %s)", self.engine, r.index, r.url, r.version)
                 r.last_error = ""
             r.up = True
         elif r.failures >= HEALTH_FAILURES and r.up:

@@ -1,0 +1,200 @@
+"""The server role of the ``sglang`` generator: one launcher process per replica.
+
+``roles(options, *, context)`` tells the scheduler to run ``replicas`` copies of::
+
+    python -m forgerl_plugins.generators.sglang.server --run-dir RUN_DIR
+
+Each copy (its replica index comes from ``FORGE_REPLICA``) resolves the run's model exactly
+as the trainer does and runs ``python -m sglang.launch_server`` through the launcher all
+server generators share (:mod:`..common.launcher`: free port, ``/health``, one first
+``/generate``, the endpoint file ``<run_dir>/generators/sglang-<replica>.json``, liveness,
+exit status). It imports neither SGLang nor torch: it only spawns them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import sys
+import urllib.error
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from forgerl import events
+from forgerl_plugins.generators.common import launcher
+
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.interfaces import RunContext
+    from forgerl.types import RoleSpec
+    from forgerl_plugins.generators.sglang.options import SGLangGeneratorOptions
+
+ROLE = "sglang"
+#: The weight version a fresh server reports (``--weight-version``): the model folder's.
+INITIAL_VERSION = "0"
+# torch.distributed rendezvous variables of the trainer ranks: SGLang forms its own groups.
+_TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+)
+#: SGLang returns logprobs before temperature scaling when this is set; the trainer's
+#: contract is log_softmax(logits / T) (SGLang's default), so the servers never see it.
+_UNSCALED_LOGPROBS_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+
+
+def endpoint_file(run_dir: Path, replica: int) -> Path:
+    return launcher.endpoint_file(run_dir, ROLE, replica)
+
+
+def log_file(run_dir: Path, replica: int) -> Path:
+    return launcher.log_file(run_dir, ROLE, replica)
+
+
+def roles(options: SGLangGeneratorOptions, *, context: RunContext) -> list[RoleSpec]:
+    """The server role the scheduler starts beside the trainer."""
+    from forgerl.types import Resources, RoleSpec
+
+    return [
+        RoleSpec(
+            name=ROLE,
+            command=(
+                sys.executable,
+                "-m",
+                "forgerl_plugins.generators.sglang.server",
+                "--run-dir",
+                str(context.run_dir),
+            ),
+            replicas=options.replicas,
+            resources=Resources(cpus=1, gpus=options.tensor_parallel_size),
+            max_restarts=options.max_restarts,
+        )
+    ]
+
+
+def server_command(
+    options: SGLangGeneratorOptions, model_dir: Path, model_dtype: str, port: int, api_key: str
+) -> list[str]:
+    """``sglang.launch_server`` for ``model_dir`` on ``options.host:port`` with our options."""
+    dtype = model_dtype if options.dtype == "auto" else options.dtype
+    launch = list(options.launch_command or [sys.executable, "-m", "sglang.launch_server"])
+    args = [
+        *launch,
+        "--model-path", str(model_dir),
+        "--host", options.host,
+        "--port", str(port),
+        "--dtype", dtype,
+        "--tp-size", str(options.tensor_parallel_size),
+        # SGLang reads its key only from the command line; the server binds to loopback by
+        # default, and the endpoint file (0600) is where clients learn it.
+        "--api-key", api_key,
+        "--weight-version", INITIAL_VERSION,
+        # The launcher sends its own first request; SGLang's warm-up would only add time.
+        "--skip-server-warmup",
+    ]  # fmt: skip
+    if options.mem_fraction_static is not None:
+        args += ["--mem-fraction-static", str(options.mem_fraction_static)]
+    if options.context_length is not None:
+        args += ["--context-length", str(options.context_length)]
+    args += server_arg_flags(options.server_args)  # last: the user's own say wins
+    return args
+
+
+def server_arg_flags(server_args: dict[str, Any]) -> list[str]:
+    """``{chunked_prefill_size: 4096, enable_metrics: true}`` → ``--chunked-prefill-size 4096
+    --enable-metrics`` (SGLang's flags are its ServerArgs fields; booleans are bare flags)."""
+    out: list[str] = []
+    for key, value in server_args.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def server_env(options: SGLangGeneratorOptions) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and k != _UNSCALED_LOGPROBS_ENV}
+    env.update(options.env)
+    env.pop(_UNSCALED_LOGPROBS_ENV, None)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def first_request(url: str, api_key: str, timeout: float = 120.0) -> str | None:
+    """None when a one-token ``/generate`` with logprobs works, else what went wrong."""
+    body = {
+        "input_ids": [0],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_logprob": True,
+    }
+    try:
+        launcher.post_json(url + "/generate", body, api_key, timeout)
+        return None
+    except urllib.error.HTTPError as exc:
+        return f"HTTP {exc.code}: {exc.reason}"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
+def launch(run_dir: Path, replica: int) -> int:
+    import yaml
+
+    from forgerl import runs
+    from forgerl.config import validate_config
+    from forgerl.models import resolve_model
+    from forgerl.plugins import build_registry
+    from forgerl_plugins.generators.sglang.options import SGLangGeneratorOptions
+
+    config = validate_config(yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text()), source=str(run_dir))
+    options = SGLangGeneratorOptions.model_validate(config.generator.options)
+    # A file left by the previous instance of this replica points at a dead server.
+    endpoint_file(run_dir, replica).unlink(missing_ok=True)
+    with events.phase(f"preparing model {config.model.name}", stage="model",
+                      key=f"model:{config.model.name}", run_dir=run_dir):  # fmt: skip
+        model_dir = resolve_model(config.model, build_registry())
+    api_key = secrets.token_urlsafe(24)
+    starting = events.phase(
+        "starting the SGLang server", detail="loading the model, then one first request",
+        stage="server", key=f"sglang-start:{config.model.name}", run_dir=run_dir, log=log_file(run_dir, replica),
+    )  # fmt: skip
+    plan = launcher.ServerPlan(
+        role=ROLE,
+        engine="SGLang",
+        host=options.host,
+        startup_timeout=options.startup_timeout,
+        health_interval=options.health_interval,
+        liveness_timeout=options.liveness_timeout,
+        command=lambda port: server_command(options, model_dir, config.model.dtype, port, api_key),
+        env=server_env(options),
+        api_key=api_key,
+        first_request=first_request,
+        endpoint={"model_path": str(model_dir)},
+    )
+    return launcher.serve(plan, run_dir, replica, starting)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="forgerl_plugins.generators.sglang.server")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument(
+        "--replica", type=int, default=None, help="replica index (default: $FORGE_REPLICA, else 0)"
+    )
+    args = parser.parse_args(argv)
+    replica = args.replica if args.replica is not None else int(os.environ.get("FORGE_REPLICA", "0"))
+    return launch(args.run_dir.resolve(), replica)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,416 @@
+"""A TEST DOUBLE of an SGLang server, for machines without a GPU (SGLang has no CPU build).
+
+It is not SGLang. It stands in for ``python -m sglang.launch_server`` so that the sglang
+generator's launcher, client, weight updates and failover can be driven on CPU:
+
+* its command line takes the flags the launcher passes, under SGLang's names, and refuses
+  any other (argparse: exit status 2);
+* its request models carry the field names of ``sglang.srt.managers.io_struct`` (SGLang
+  0.5.23) and refuse unknown fields (HTTP 422), so a payload that SGLang would not know
+  fails here; where the ``sglang`` package imports, every body is also validated against
+  SGLang's own request classes;
+* it serves /generate, /health, /model_info, /update_weights_from_disk,
+  /init_weights_update_group, /update_weights_from_distributed, /update_weight_version,
+  /pause_generation, /continue_generation, /abort_request and /flush_cache; every route
+  but /health needs the API key (as SGLang with --api-key);
+* it computes tokens and logprobs with the model in transformers (fp32, CPU): logprobs are
+  ``log_softmax(logits / T)`` of the sampled token, as SGLang's default sampler returns;
+* weight updates really load: safetensors of a folder, or tensors received by broadcast
+  in a group built as SGLang's ``init_custom_process_group`` builds it (gloo here).
+
+What it cannot prove: that SGLang itself behaves like this (its scheduling, its pause and
+abort semantics, its NCCL groups, its numerics). ``GET /double/calls`` (the double's own
+route) lists the admin calls received, in order, for tests.
+
+Run: ``python tests/helpers/sglang_double.py --model-path DIR --port P --api-key K ...``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Base(Strict):  # io_struct.BaseReq
+    rid: str | None = None
+    http_worker_ipc: str | None = None
+
+
+class SamplingParams(Strict):  # sglang.srt.sampling.sampling_params.SamplingParams (what we use)
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: str | list[str] | None = None
+    skip_special_tokens: bool = True
+    sampling_seed: int | None = None
+    n: int = 1
+
+
+class GenerateReqInput(Strict):
+    rid: str | None = None
+    input_ids: list[int]
+    sampling_params: SamplingParams
+    return_logprob: bool | None = None
+    logprob_start_len: int | None = None
+    stream: bool = False
+
+
+class UpdateWeightFromDiskReqInput(Base):
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    is_async: bool = False
+    torch_empty_cache: bool = False
+    keep_pause: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    flush_cache: bool = True
+    manifest: dict[str, Any] | None = None
+
+
+class InitWeightsUpdateGroupReqInput(Base):
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"
+
+
+class UpdateWeightsFromDistributedReqInput(Base):
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+
+class UpdateWeightVersionReqInput(Base):
+    new_version: str
+    abort_all_requests: bool = True
+
+
+class PauseGenerationReqInput(Base):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+class ContinueGenerationReqInput(Base):
+    torch_empty_cache: bool = True
+
+
+class AbortReq(Base):
+    abort_all: bool = False
+    finished_reason: dict[str, Any] | None = None
+    abort_message: str | None = None
+
+
+def sglang_check(name: str, body: dict[str, Any]) -> None:
+    """Validate ``body`` against SGLang's own request class ``name``, where SGLang imports."""
+    try:
+        from pydantic import TypeAdapter
+        from sglang.srt.managers import io_struct  # type: ignore[import-not-found]
+    except Exception:  # noqa: BLE001 - not installed (or not importable without CUDA)
+        return
+    TypeAdapter(getattr(io_struct, name)).validate_python(body)
+
+
+class Engine:
+    """The model, its weights' version, and pause/abort state."""
+
+    def __init__(self, model_path: str, version: str) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        torch.set_num_threads(1)
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        eos: set[int] = set()
+        try:
+            value = GenerationConfig.from_pretrained(model_path).eos_token_id
+        except OSError:
+            value = None
+        for v in (value, self.tokenizer.eos_token_id):
+            eos.update([v] if isinstance(v, int) else (v or []))
+        self.eos = eos
+        self.model_path = model_path
+        self.version = version
+        self.lock = threading.Lock()  # one forward pass (or weight load) at a time
+        self.running = threading.Event()  # cleared while paused
+        self.running.set()
+        self.aborted: set[str] = set()
+        self.abort_all_epoch = 0
+        self.groups: dict[str, Any] = {}
+        self.calls: list[dict[str, Any]] = []
+
+    def generate(self, req: GenerateReqInput) -> dict[str, Any]:
+        import torch
+
+        s = req.sampling_params
+        gen = torch.Generator()
+        gen.manual_seed(s.sampling_seed if s.sampling_seed is not None else int.from_bytes(__import__("os").urandom(4)))
+        ids = torch.tensor([req.input_ids])
+        past = None
+        out: list[tuple[float, int, None]] = []
+        finish: dict[str, Any] = {"type": "length", "length": s.max_new_tokens}
+        epoch = self.abort_all_epoch
+        version = None
+        while len(out) < s.max_new_tokens:
+            self.running.wait()
+            if self.abort_all_epoch != epoch or (req.rid and req.rid in self.aborted):
+                finish = {"type": "abort", "message": "aborted", "status_code": 400}
+                break
+            with self.lock:
+                if version is None:
+                    version = self.version
+                elif version != self.version:  # SGLang pauses before it loads; a double only checks
+                    finish = {"type": "abort", "message": "weights changed mid-request"}
+                    break
+                with torch.no_grad():
+                    result = self.model(ids, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            logits = result.logits[0, -1].float()
+            if s.temperature <= 0:
+                tok = int(torch.argmax(logits))
+                logprob = float(torch.log_softmax(logits, -1)[tok])
+            else:
+                logprobs = torch.log_softmax(logits / s.temperature, -1)
+                probs = logprobs.exp()
+                if s.top_k > 0:
+                    cut = torch.topk(probs, min(s.top_k, probs.numel())).values[-1]
+                    probs = torch.where(probs >= cut, probs, torch.zeros_like(probs))
+                if s.top_p < 1:
+                    sorted_p, order = torch.sort(probs, descending=True)
+                    keep = torch.cumsum(sorted_p, 0) - sorted_p < s.top_p
+                    mask = torch.zeros_like(probs, dtype=torch.bool)
+                    mask[order[keep]] = True
+                    probs = torch.where(mask, probs, torch.zeros_like(probs))
+                tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+                logprob = float(logprobs[tok])
+            out.append((logprob, tok, None))
+            ids = torch.tensor([[tok]])
+            if tok in self.eos:
+                finish = {"type": "stop", "matched": tok}
+                break
+        tokens = [t for _, t, _ in out]
+        return {
+            "text": self.tokenizer.decode(tokens, skip_special_tokens=s.skip_special_tokens),
+            "output_ids": tokens,
+            "meta_info": {
+                "id": req.rid,
+                "finish_reason": finish,
+                "prompt_tokens": len(req.input_ids),
+                "completion_tokens": len(tokens),
+                "weight_version": version if version is not None else self.version,
+                "output_token_logprobs": [list(t) for t in out] if req.return_logprob else None,
+            },
+        }
+
+    def load(self, named: Any, version: str | None) -> int:
+        # state_dict, not named_parameters: a tied lm_head.weight is listed there too.
+        params = self.model.state_dict(keep_vars=True)
+        count = 0
+        with self.lock:
+            for name, tensor in named:
+                if name not in params:
+                    raise ValueError(f"unknown parameter {name!r}")
+                params[name].data.copy_(tensor.to(params[name].dtype))
+                count += 1
+            if version is not None:
+                self.version = version
+        return count
+
+    def join(self, req: InitWeightsUpdateGroupReqInput) -> None:
+        from torch.distributed.distributed_c10d import (
+            Backend,
+            PrefixStore,
+            _new_process_group_helper,
+            rendezvous,
+        )
+
+        wait = timedelta(seconds=120)
+        rank = req.rank_offset  # one worker (tp 1 on CPU)
+        store, rank, world = next(rendezvous(f"tcp://{req.master_address}:{req.master_port}", rank, req.world_size, timeout=wait))
+        store.set_timeout(wait)
+        made = _new_process_group_helper(
+            world, rank, [], Backend("gloo"), PrefixStore(req.group_name, store), group_name=req.group_name, timeout=wait
+        )
+        self.groups[req.group_name] = made[0] if isinstance(made, tuple) else made
+
+    def receive(self, req: UpdateWeightsFromDistributedReqInput) -> int:
+        import torch
+        import torch.distributed as dist
+
+        pg = self.groups[req.group_name]
+        received = []
+        for name, dtype, shape in zip(req.names, req.dtypes, req.shapes):
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            pg.broadcast([t], opts).wait()
+            received.append((name, t))
+        return self.load(received, req.weight_version)
+
+
+def build_app(engine: Engine, api_key: str | None) -> Any:
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, Response
+
+    app = FastAPI()
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next: Any) -> Any:
+        if api_key and not request.url.path.startswith("/health"):
+            got = request.headers.get("authorization", "")
+            if not hmac.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return await call_next(request)
+
+    def record(path: str, body: BaseModel) -> None:
+        engine.calls.append({"path": path, **body.model_dump(exclude_none=True)})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/model_info")
+    async def model_info() -> dict[str, Any]:
+        return {"model_path": engine.model_path, "weight_version": engine.version, "is_generation": True}
+
+    @app.get("/double/calls")
+    async def calls() -> list[dict[str, Any]]:
+        return engine.calls
+
+    @app.post("/generate")
+    async def generate(req: GenerateReqInput) -> Any:
+        sglang_check("GenerateReqInput", req.model_dump(exclude_none=True))
+        return await asyncio.to_thread(engine.generate, req)
+
+    def answer(ok: bool, message: str) -> JSONResponse:
+        return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
+
+    @app.post("/update_weights_from_disk")
+    async def from_disk(req: UpdateWeightFromDiskReqInput) -> JSONResponse:
+        record("/update_weights_from_disk", req)
+        sglang_check("UpdateWeightFromDiskReqInput", req.model_dump(exclude_none=True))
+
+        def load() -> int:
+            from safetensors.torch import load_file
+
+            files = sorted(Path(req.model_path).glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no safetensors in {req.model_path}")
+            named = [kv for f in files for kv in load_file(str(f)).items()]
+            return engine.load(named, req.weight_version)
+
+        try:
+            n = await asyncio.to_thread(load)
+        except Exception as exc:  # noqa: BLE001 - reported like SGLang: success false
+            return answer(False, f"{type(exc).__name__}: {exc}")
+        return answer(True, f"loaded {n} tensors")
+
+    @app.post("/init_weights_update_group")
+    async def init_group(req: InitWeightsUpdateGroupReqInput) -> JSONResponse:
+        record("/init_weights_update_group", req)
+        sglang_check("InitWeightsUpdateGroupReqInput", req.model_dump(exclude_none=True))
+        try:
+            await asyncio.to_thread(engine.join, req)
+        except Exception as exc:  # noqa: BLE001
+            return answer(False, f"{type(exc).__name__}: {exc}")
+        return answer(True, "joined")
+
+    @app.post("/update_weights_from_distributed")
+    async def from_distributed(req: UpdateWeightsFromDistributedReqInput) -> JSONResponse:
+        record("/update_weights_from_distributed", req)
+        sglang_check("UpdateWeightsFromDistributedReqInput", req.model_dump(exclude_none=True))
+        try:
+            n = await asyncio.to_thread(engine.receive, req)
+        except Exception as exc:  # noqa: BLE001
+            return answer(False, f"{type(exc).__name__}: {exc}")
+        return answer(True, f"received {n} tensors")
+
+    @app.post("/update_weight_version")
+    async def weight_version(req: UpdateWeightVersionReqInput) -> JSONResponse:
+        record("/update_weight_version", req)
+        sglang_check("UpdateWeightVersionReqInput", req.model_dump(exclude_none=True))
+        engine.version = req.new_version
+        return JSONResponse({"success": True, "new_version": req.new_version})
+
+    @app.post("/pause_generation")
+    async def pause(req: PauseGenerationReqInput) -> dict[str, str]:
+        record("/pause_generation", req)
+        sglang_check("PauseGenerationReqInput", req.model_dump(exclude_none=True))
+        if req.mode == "abort":
+            engine.abort_all_epoch += 1
+        engine.running.clear()
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def resume(req: ContinueGenerationReqInput) -> dict[str, str]:
+        record("/continue_generation", req)
+        sglang_check("ContinueGenerationReqInput", req.model_dump(exclude_none=True))
+        engine.running.set()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/abort_request")
+    async def abort(req: AbortReq) -> Response:
+        record("/abort_request", req)
+        sglang_check("AbortReq", req.model_dump(exclude_none=True))
+        if req.abort_all:
+            engine.abort_all_epoch += 1
+        elif req.rid:
+            engine.aborted.add(req.rid)
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush() -> Response:
+        engine.calls.append({"path": "/flush_cache"})
+        return Response(content="Cache flushed.\n", status_code=200)
+
+    return app
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sglang_double (NOT SGLang)")
+    # SGLang's flag names (its ServerArgs fields); anything else is refused.
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--skip-server-warmup", action="store_true")
+    parser.add_argument("--mem-fraction-static", type=float, default=None)
+    parser.add_argument("--context-length", type=int, default=None)
+    parser.add_argument("--sampling-backend", default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = parser().parse_args(argv)
+    engine = Engine(args.model_path, args.weight_version)
+    uvicorn.run(build_app(engine, args.api_key), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

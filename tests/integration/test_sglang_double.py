@@ -1,0 +1,206 @@
+"""The sglang generator, end to end on CPU, against the SGLang test double
+(tests/helpers/sglang_double.py): the real role, launcher, client, weight updates and
+failover; a double instead of SGLang (no CPU build exists).
+
+What this proves: the plugin's command line, payloads and answers fit the double's
+SGLang-shaped API (its request models use SGLang's field names and refuse others); the
+generator passes the Generator kit against it (the double samples with the model in
+transformers, so logprobs, versions and weight updates are checked for real); the
+transport's engine receivers deliver whole versions (shm: a staged folder; nccl: a group
+built as SGLang builds it, over gloo). What it cannot prove: that SGLang itself answers
+the same way. tests/gpu/test_sglang_cuda.py runs against real SGLang servers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from forgerl.testing import GeneratorContract
+
+from ..helpers.sglang_double_plugin import DOUBLE_COMMAND
+from ..helpers.timing import scaled
+
+pytestmark = pytest.mark.integration
+
+PLUGIN = "tests.helpers.sglang_double_plugin"
+
+
+def _options(**more):
+    return {
+        "replicas": 1,
+        "launch_command": DOUBLE_COMMAND,
+        "send_seed": True,  # the double honours sampling_seed (SGLang: with sampling_backend pytorch)
+        "health_interval": 0.5,
+        "liveness_timeout": scaled(60),
+        "startup_timeout": scaled(240),
+        **more,
+    }
+
+
+class TestSGLangGeneratorOverShm(GeneratorContract):
+    backend = "sglang_double"
+    plugins = (PLUGIN,)
+    options = _options()
+
+
+class TestSGLangGeneratorOverNcclAbortPolicy(GeneratorContract):
+    backend = "sglang_double"
+    plugins = (PLUGIN,)
+    options = _options(update_policy="abort")
+    settings = ("transport.name=nccl", "transport.options={}")
+
+
+# ------------------------------------------------- update policies and failover, 2 replicas
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Two replicas of the double behind the real launcher, started by the local scheduler."""
+    from forgerl.testing.generator_support import open_site, tiny_model
+
+    model = tiny_model(tmp_path_factory.mktemp("model"), {}, ())
+    options = _options(replicas=2, max_restarts=2, request_timeout=scaled(120))
+    with open_site("sglang_double", options, (PLUGIN,), model, tmp_path_factory.mktemp("run"), ()) as site:
+        yield site
+
+
+def _calls(generator, index: int) -> list[dict] | None:
+    """The admin calls replica ``index`` received (the double's own record); None on a real
+    SGLang server (tests/gpu reuses these tests), which keeps no such record."""
+    import httpx
+
+    info = generator.replica_info()[index]
+    headers = generator._replicas[index].headers
+    resp = httpx.get(info["url"] + "/double/calls", headers=headers, timeout=30)
+    return resp.json() if resp.status_code == 200 else None
+
+
+def _in_flight_update(site, policy: str, version: int):
+    """Long requests in flight while ``version`` is loaded under ``policy``: their completions,
+    and the generator."""
+    import asyncio
+    import threading
+
+    from forgerl.testing.generator_support import push
+    from forgerl.types import GenerationRequest, SamplingParams
+
+    site.options["update_policy"] = policy
+    with site.open() as opened:
+        gen = opened.generator
+        for v in range(1, version):
+            push(opened, v, site.new_weights(v), scaled(60))
+        requests = [
+            GenerationRequest(f"{policy}-{i}", site.random_prompt(i, 16), 2, SamplingParams(max_tokens=48, seed=i))
+            for i in range(4)
+        ]
+        results: list = []
+        running = threading.Thread(target=lambda: results.append(asyncio.run(gen.generate(requests))))
+        running.start()
+        # Once the replicas have work, the update comes (as the loop sends one mid-rollout).
+        from tests.helpers.timing import wait_until
+
+        wait_until(lambda: any(r["outstanding"] for r in gen.replica_info()), scaled(60), "requests in flight")
+        push(opened, version, site.new_weights(version), scaled(60))
+        running.join(scaled(120))
+        assert not running.is_alive()
+        calls = [_calls(gen, i) for i in range(2)]
+        return results[0], gen.policy_version, calls
+
+
+@pytest.mark.parametrize("policy", ["wait", "abort"])
+def test_requests_in_flight_during_an_update(cluster, policy):
+    version = 1 if policy == "wait" else 2  # abort: after one update already made
+    completions, served, calls = _in_flight_update(cluster, policy, version)
+    assert served == version
+    flat = [c for cs in completions for c in cs]
+    assert len(flat) == 8 and all(len(c.token_ids) == len(c.logprobs) for c in flat)
+    if policy == "abort":
+        # Aborted requests were resubmitted whole: every completion is the new version's.
+        assert {c.policy_version for c in flat} == {version}
+    else:
+        # Drained first: each completion reports the weights it was made by (old or new).
+        assert {c.policy_version for c in flat} <= {version - 1, version}
+    for replica_calls in calls:
+        if replica_calls is None:
+            continue  # real SGLang: what it was asked is not recorded
+        paths = [c["path"] for c in replica_calls]
+        last = len(paths) - 1 - paths[::-1].index("/pause_generation")
+        pause = replica_calls[last]
+        assert pause["mode"] == ("abort" if policy == "abort" else "in_place")
+        # Then the load of this version, the cache flushed, and generation resumed.
+        assert paths[last + 1 :][:3] == ["/update_weights_from_disk", "/flush_cache", "/continue_generation"]
+        assert replica_calls[last + 1]["weight_version"] == str(version)
+
+
+def test_a_killed_replica_fails_over_restarts_and_rejoins_at_the_current_weights(cluster):
+    import asyncio
+    import json
+    import os
+    import signal
+
+    from forgerl.testing.generator_support import push
+    from forgerl.types import GenerationRequest, SamplingParams
+    from forgerl_plugins.generators.sglang.server import endpoint_file
+    from tests.helpers.timing import wait_until
+
+    cluster.options["update_policy"] = "wait"
+    with cluster.open() as opened:
+        gen = opened.generator
+        push(opened, 30, cluster.new_weights(30), scaled(60))
+        before = json.loads(endpoint_file(cluster.run_dir, 1).read_text())
+        os.kill(int(before["pid"]), signal.SIGKILL)
+        requests = [
+            GenerationRequest(f"fo-{i}", cluster.random_prompt(i, 8), 1, SamplingParams(max_tokens=8)) for i in range(6)
+        ]
+        results = asyncio.run(gen.generate(requests))  # served by the survivor meanwhile
+        assert all(cs[0].policy_version == 30 for cs in results)
+        # The scheduler restarts it; the generator brings it to version 30 before it serves.
+        wait_until(
+            lambda: (info := gen.replica_info()[1])["instance"] != before["instance"] and info["serving"],
+            scaled(240),
+            "the killed replica back in service",
+        )
+        assert gen.replica_info()[1]["version"] == 30
+        calls = _calls(gen, 1)
+        if calls is not None:
+            loads = [c for c in calls if c["path"] == "/update_weights_from_disk"]
+            assert loads and loads[-1]["weight_version"] == "30"
+        again = asyncio.run(gen.generate(requests))
+        assert all(cs[0].policy_version == 30 for cs in again)
+
+
+@pytest.mark.parametrize(("transport", "policy"), [("shm", "wait"), ("nccl", "abort")])
+def test_forge_run_three_steps_against_the_double(tmp_path, transport, policy):
+    """`forge run` end to end with the sglang generator's code (registered as sglang_double
+    through FORGE_PLUGINS, servers from the double): trained weights reach the servers each
+    step, and the trainer's logprobs match the served ones."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "run"
+    root = Path(__file__).parents[2]
+    command = [
+        sys.executable, "-m", "forgerl.cli", "run",
+        "--model", "tiny", "--generator", "sglang_double", "--transport", transport, "--trainer", "fsdp",
+        "--steps", "3", "--reward", "format", "--set", "rewards.0.options.pattern=\\d",
+        "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=4",
+        "--set", "loop.sampling.max_tokens=12", "--set", "loop.eval_size=4",
+        "--set", "generator.options.replicas=2", "--set", f"generator.options.update_policy={policy}",
+        "--set", f"generator.options.launch_command={json.dumps(DOUBLE_COMMAND)}",
+        "--set", "generator.options.health_interval=0.5",
+        # The role asks for a GPU per replica (tp 1); the double needs none.
+        "--set", "scheduler.options.oversubscribe=true",
+        "--set", "logging.progress=false", "--output", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "FORGE_PLUGINS": PLUGIN}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=scaled(600))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["policy_version"] for r in rows] == [1, 2, 3]
+    gaps = [r["logprob_gap/max"] for r in rows]
+    assert max(gaps) < 1e-4, f"train/inference logprob gap per step: {gaps}"
