@@ -169,7 +169,7 @@ class BareStep:
             logprobs = logp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         loss, _ = policy_loss(
             logprobs,
-            None,
+            logprobs.detach() if self.algorithm.ratio == "old" else None,  # as the trainer's
             batch.behaviour_logprobs[:, 1:length],
             batch.advantages,
             batch.loss_mask[:, 1:length],

@@ -133,6 +133,7 @@ def test_forge_run_three_steps(tmp_path: Path):
         "--set", "model.options.hidden_size=128",
         "--set", "generator.options.replicas=2", "--set", "generator.options.mem_fraction_static=0.2",
         "--set", "generator.options.dtype=float32",
+        "--set", "trainer.options.autocast_bf16=false",  # fp32 on both sides: the gap check
         "--set", "generator.options.server_args={attention_backend: torch_native, disable_cuda_graph: true}",
         "--set", "logging.progress=false",
         "--output", str(out),

@@ -58,6 +58,7 @@ def test_two_steps_with_nccl(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "forgerl.cli", "run", "--model", "tiny", "--trainer", "torchtitan",
          "--generator", "hf", "--steps", "2", "--set", "trainer.options.backend=nccl",
+         "--set", "trainer.options.autocast_bf16=false",  # fp32 on both sides: the gap check
          "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=4", "--set", "loop.sampling.max_tokens=12",
          "--set", "loop.eval_size=4", "--set", "logging.progress=false", "--output", str(out)],
         capture_output=True, text=True, timeout=scaled(600),
