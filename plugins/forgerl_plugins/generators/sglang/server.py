@@ -13,9 +13,7 @@ exit status). It imports neither SGLang nor torch: it only spawns them.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import secrets
 import sys
 import urllib.error
@@ -33,16 +31,6 @@ if TYPE_CHECKING:  # pragma: no cover
 ROLE = "sglang"
 #: The weight version a fresh server reports (``--weight-version``): the model folder's.
 INITIAL_VERSION = "0"
-# torch.distributed rendezvous variables of the trainer ranks: SGLang forms its own groups.
-_TORCHRUN_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GROUP_RANK",
-)
 #: SGLang returns logprobs before temperature scaling when this is set; the trainer's
 #: contract is log_softmax(logits / T) (SGLang's default), so the servers never see it.
 _UNSCALED_LOGPROBS_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
@@ -125,10 +113,8 @@ def server_arg_flags(server_args: dict[str, Any]) -> list[str]:
 
 
 def server_env(options: SGLangGeneratorOptions) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and k != _UNSCALED_LOGPROBS_ENV}
-    env.update(options.env)
-    env.pop(_UNSCALED_LOGPROBS_ENV, None)
-    env.setdefault("PYTHONUNBUFFERED", "1")
+    env = launcher.server_env(options.env)
+    env.pop(_UNSCALED_LOGPROBS_ENV, None)  # neither from our environment nor the env option
     return env
 
 
@@ -186,14 +172,8 @@ def launch(run_dir: Path, replica: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="forgerl_plugins.generators.sglang.server")
-    parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument(
-        "--replica", type=int, default=None, help="replica index (default: $FORGE_REPLICA, else 0)"
-    )
-    args = parser.parse_args(argv)
-    replica = args.replica if args.replica is not None else int(os.environ.get("FORGE_REPLICA", "0"))
-    return launch(args.run_dir.resolve(), replica)
+    args = launcher.launcher_args("forgerl_plugins.generators.sglang.server", argv)
+    return launch(args.run_dir, args.replica)
 
 
 if __name__ == "__main__":
