@@ -117,3 +117,13 @@ def test_a_server_environment_has_no_trainer_rendezvous_and_the_users_env(monkey
     env = launcher.server_env({"X": "y"})
     assert "MASTER_PORT" not in env and "RANK" not in env
     assert env["X"] == "y" and env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_engine_arguments_become_each_engines_flags():
+    from forgerl_plugins.generators.sglang.server import server_arg_flags
+    from forgerl_plugins.generators.vllm.server import engine_arg_flags
+
+    arguments = {"max_num_seqs": 8, "enable_x": True, "enable_y": False, "z": None, "ids": [1, 2], "cfg": {"a": 1}}
+    common = ["--max-num-seqs", "8", "--enable-x", "--ids", "1", "2", "--cfg", '{"a": 1}']
+    assert engine_arg_flags(arguments) == [*common[:3], "--no-enable-y", *common[3:]]  # vLLM spells false
+    assert server_arg_flags(arguments) == common  # SGLang's booleans are bare flags: false is no flag

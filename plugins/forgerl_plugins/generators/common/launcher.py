@@ -86,6 +86,28 @@ def launcher_args(prog: str, argv: list[str] | None, *required: str) -> argparse
     return args
 
 
+def cli_flags(arguments: Mapping[str, Any], *, negative: bool) -> list[str]:
+    """An engine's command-line flags for ``arguments`` (``{max_num_seqs: 8}`` →
+    ``--max-num-seqs 8``): true is the bare flag; false is ``--no-<flag>`` where the engine
+    spells it so (``negative``: vLLM) and nothing otherwise (SGLang); None is nothing."""
+    out: list[str] = []
+    for key, value in arguments.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False and negative:
+            out.append("--no-" + flag[2:])
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
 def free_port(host: str) -> int:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:

@@ -13,7 +13,6 @@ exit status). It imports neither SGLang nor torch: it only spawns them.
 
 from __future__ import annotations
 
-import json
 import secrets
 import sys
 import urllib.error
@@ -96,20 +95,7 @@ def server_command(
 def server_arg_flags(server_args: dict[str, Any]) -> list[str]:
     """``{chunked_prefill_size: 4096, enable_metrics: true}`` → ``--chunked-prefill-size 4096
     --enable-metrics`` (SGLang's flags are its ServerArgs fields; booleans are bare flags)."""
-    out: list[str] = []
-    for key, value in server_args.items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is True:
-            out.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, (list, tuple)):
-            out += [flag, *(str(v) for v in value)]
-        elif isinstance(value, dict):
-            out += [flag, json.dumps(value)]
-        else:
-            out += [flag, str(value)]
-    return out
+    return launcher.cli_flags(server_args, negative=False)
 
 
 def server_env(options: SGLangGeneratorOptions) -> dict[str, str]:

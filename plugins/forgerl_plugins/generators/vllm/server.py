@@ -157,22 +157,7 @@ def whole_prefill_args(options: VLLMGeneratorOptions, model_dir: Path) -> dict[s
 def engine_arg_flags(engine_args: dict[str, Any]) -> list[str]:
     """``{max_num_seqs: 8, enable_prefix_caching: false}`` → ``--max-num-seqs 8
     --no-enable-prefix-caching`` (vLLM's own spelling of its engine arguments)."""
-    out: list[str] = []
-    for key, value in engine_args.items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is True:
-            out.append(flag)
-        elif value is False:
-            out.append("--no-" + flag[2:])
-        elif value is None:
-            continue
-        elif isinstance(value, (list, tuple)):
-            out += [flag, *(str(v) for v in value)]
-        elif isinstance(value, dict):
-            out += [flag, json.dumps(value)]
-        else:
-            out += [flag, str(value)]
-    return out
+    return launcher.cli_flags(engine_args, negative=True)
 
 
 def server_env(options: VLLMGeneratorOptions, api_key: str) -> dict[str, str]:
