@@ -41,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from forgerl_plugins.rewards.options import RewardModelOptions
 
 ENDPOINT_DIR = "rewards"
+MODULE = "forgerl_plugins.rewards.reward_server"
 SERVED_MODEL_NAME = "forge-reward-model"
 DEFAULT_CPU_KV_CACHE_GB = 0.25  # scoring holds one sequence per request: little cache
 HEALTH_INTERVAL = 2.0
@@ -80,17 +81,10 @@ def roles(options: RewardModelOptions, *, context: RunContext) -> list[RoleSpec]
     if options.server != "vllm":
         return []
     name = role_name(options)
-    command = (
-        sys.executable,
-        "-m",
-        "forgerl_plugins.rewards.reward_server",
-        "--run-dir",
-        str(context.run_dir),
-    )
     return [
         RoleSpec(
             name=name,
-            command=(*command, "--role", name),
+            command=launcher.launcher_command(MODULE, context.run_dir, "--role", name),
             resources=Resources(cpus=1, gpus=0 if is_cpu_build() else options.tensor_parallel_size),
             max_restarts=options.max_restarts,
         )
@@ -207,7 +201,7 @@ def first_classification(url: str, api_key: str, timeout: float = 120.0) -> dict
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = launcher.launcher_args("forgerl_plugins.rewards.reward_server", argv, "--role")
+    args = launcher.launcher_args(MODULE, argv, "--role")
     return launch(args.run_dir, args.role, args.replica)
 
 

@@ -24,6 +24,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -67,6 +68,11 @@ def server_env(options_env: Mapping[str, str]) -> dict[str, str]:
     env.update(options_env)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def launcher_command(module: str, run_dir: Path | str, *more: str) -> tuple[str, ...]:
+    """The role's command that runs launcher ``module`` (its ``main`` takes :func:`launcher_args`)."""
+    return (sys.executable, "-m", module, "--run-dir", str(run_dir), *more)
 
 
 def launcher_args(prog: str, argv: list[str] | None, *required: str) -> argparse.Namespace:

@@ -50,13 +50,7 @@ def roles(options: SGLangGeneratorOptions, *, context: RunContext) -> list[RoleS
     return [
         RoleSpec(
             name=ROLE,
-            command=(
-                sys.executable,
-                "-m",
-                "forgerl_plugins.generators.sglang.server",
-                "--run-dir",
-                str(context.run_dir),
-            ),
+            command=launcher.launcher_command("forgerl_plugins.generators.sglang.server", context.run_dir),
             replicas=options.replicas,
             resources=Resources(cpus=1, gpus=options.tensor_parallel_size),
             max_restarts=options.max_restarts,

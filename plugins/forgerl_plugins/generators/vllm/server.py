@@ -84,13 +84,7 @@ def roles(options: VLLMGeneratorOptions, *, context: RunContext) -> list[RoleSpe
     return [
         RoleSpec(
             name=ROLE,
-            command=(
-                sys.executable,
-                "-m",
-                "forgerl_plugins.generators.vllm.server",
-                "--run-dir",
-                str(context.run_dir),
-            ),
+            command=launcher.launcher_command("forgerl_plugins.generators.vllm.server", context.run_dir),
             replicas=options.replicas,
             resources=Resources(cpus=1, gpus=0 if cpu else options.tensor_parallel_size),
             max_restarts=options.max_restarts,
