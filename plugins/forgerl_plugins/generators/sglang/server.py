@@ -72,8 +72,9 @@ def server_command(
         "--dtype", dtype,
         "--tp-size", str(options.tensor_parallel_size),
         # SGLang reads its key only from the command line; the server binds to loopback by
-        # default, and the endpoint file (0600) is where clients learn it.
-        "--api-key", api_key,
+        # default, and the endpoint file (0600) is where clients learn it. One word with
+        # its flag: a key that starts with "-" (token_urlsafe: 1 in 64) is not an option.
+        f"--api-key={api_key}",
         "--weight-version", INITIAL_VERSION,
         # The launcher sends its own first request; SGLang's warm-up would only add time.
         "--skip-server-warmup",
