@@ -49,7 +49,7 @@ def test_the_server_command_is_sglangs_launch_server_with_the_options(tmp_path):
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     for part in (
         f"--model-path {tmp_path}", "--host 127.0.0.1", "--port 4321", "--dtype bfloat16", "--tp-size 2",
-        "--api-key key", "--weight-version 0", "--mem-fraction-static 0.5", "--context-length 512",
+        "--api-key=key", "--weight-version 0", "--mem-fraction-static 0.5", "--context-length 512",
         "--chunked-prefill-size 4096", "--enable-metrics",
     ):  # fmt: skip
         assert part in text, part
@@ -67,11 +67,11 @@ def test_the_server_command_is_sglangs_launch_server_with_the_options(tmp_path):
 
 def test_the_command_is_one_the_double_accepts_and_the_double_refuses_others(tmp_path, capsys):
     """The double's command line takes SGLang's flag names only: what we pass parses."""
-    cmd = server.server_command(
-        SGLangGeneratorOptions(mem_fraction_static=0.5, context_length=64), tmp_path, "float32", 1, "k"
+    cmd = server.server_command(  # a random key may start with "-": it is still the key
+        SGLangGeneratorOptions(mem_fraction_static=0.5, context_length=64), tmp_path, "float32", 1, "-k"
     )
     args = sglang_double.parser().parse_args(cmd[3:])
-    assert (args.model_path, args.port, args.api_key, args.weight_version) == (str(tmp_path), 1, "k", "0")
+    assert (args.model_path, args.port, args.api_key, args.weight_version) == (str(tmp_path), 1, "-k", "0")
     with pytest.raises(SystemExit) as refused:
         sglang_double.parser().parse_args([*cmd[3:], "--no-such-flag"])
     assert refused.value.code == 2

@@ -9,9 +9,9 @@ The launcher finds in the run's config.yaml the ``reward_model`` reward whose ro
 a ``*ForSequenceClassification`` model serves ``/classify``) as its child, checks one
 classification, and publishes the endpoint in ``<run_dir>/rewards/<ROLE>-<replica>.json``
 (host, port, API key, labels) atomically; the reward in the trainer reads it
-(:mod:`.reward_model_client`). The launcher exits with the server's status, so the
-scheduler restarts a dead server; a hung one (``/health`` silent) is killed as the vllm
-generator's launcher does. Every path of the server needs the run's key (the generator's
+(:mod:`.reward_model_client`). All of that, the liveness watch (a hung server is killed)
+and the exit status (the scheduler restarts a dead server) are the server generators'
+launcher's (:func:`forgerl_plugins.generators.common.launcher.serve`). Every path of the server needs the run's key (the generator's
 middleware): ``/classify`` sits outside the prefixes vLLM's own key check guards.
 
 The role's name is ``reward-model-<digest>`` of what shapes the server (model, dtype,
@@ -21,24 +21,17 @@ server. Like the generator's launcher, this module imports neither vLLM nor torc
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
 import secrets
-import signal
-import subprocess
 import sys
-import time
 import urllib.error
-import urllib.request
-import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from forgerl import events
-from forgerl_plugins.generators.common import liveness
-from forgerl_plugins.generators.common.launcher import connect_host, free_port, healthy, write_endpoint
+from forgerl_plugins.generators.common import launcher
 from forgerl_plugins.generators.vllm.auth import KEY_ENV, MIDDLEWARE
 from forgerl_plugins.generators.vllm.server import engine_arg_flags, is_cpu_build
 
@@ -48,20 +41,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from forgerl_plugins.rewards.options import RewardModelOptions
 
 ENDPOINT_DIR = "rewards"
+MODULE = "forgerl_plugins.rewards.reward_server"
 SERVED_MODEL_NAME = "forge-reward-model"
 DEFAULT_CPU_KV_CACHE_GB = 0.25  # scoring holds one sequence per request: little cache
 HEALTH_INTERVAL = 2.0
 LIVENESS_TIMEOUT = 60.0
-#: The scheduler's torch.distributed variables are the trainer's, not vLLM's.
-_TORCHRUN_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GROUP_RANK",
-)
 
 
 def role_name(options: RewardModelOptions) -> str:
@@ -82,12 +66,12 @@ def role_name(options: RewardModelOptions) -> str:
 
 
 def endpoint_file(run_dir: Path, role: str, replica: int = 0) -> Path:
-    return Path(run_dir) / ENDPOINT_DIR / f"{role}-{replica}.json"
+    return launcher.endpoint_file(run_dir, role, replica, ENDPOINT_DIR)
 
 
 def log_file(run_dir: Path, role: str, replica: int = 0) -> Path:
     """Where the local scheduler writes the role's output."""
-    return Path(run_dir) / "logs" / f"{role}-{replica}.log"
+    return launcher.log_file(run_dir, role, replica)
 
 
 def roles(options: RewardModelOptions, *, context: RunContext) -> list[RoleSpec]:
@@ -97,17 +81,10 @@ def roles(options: RewardModelOptions, *, context: RunContext) -> list[RoleSpec]
     if options.server != "vllm":
         return []
     name = role_name(options)
-    command = (
-        sys.executable,
-        "-m",
-        "forgerl_plugins.rewards.reward_server",
-        "--run-dir",
-        str(context.run_dir),
-    )
     return [
         RoleSpec(
             name=name,
-            command=(*command, "--role", name),
+            command=launcher.launcher_command(MODULE, context.run_dir, "--role", name),
             resources=Resources(cpus=1, gpus=0 if is_cpu_build() else options.tensor_parallel_size),
             max_restarts=options.max_restarts,
         )
@@ -152,18 +129,12 @@ def _model_positions(model: str) -> int | None:
 
 
 def server_env(options: RewardModelOptions, api_key: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
-    env.update(options.env)
+    env = launcher.server_env(options.env)
     env[KEY_ENV] = api_key  # in the environment, where `ps` does not show it
-    env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
 # ----------------------------------------------------------------------- the launcher
-
-
-def _say(message: str) -> None:
-    print(f"forge reward model launcher: {message}", flush=True)
 
 
 def find_options(run_dir: Path, role: str) -> RewardModelOptions | None:
@@ -189,136 +160,49 @@ def launch(run_dir: Path, role: str, replica: int) -> int:
     endpoint.unlink(missing_ok=True)  # the previous instance's file points at a dead server
     options = find_options(run_dir, role)
     if options is None:
-        return _failed(
+        return launcher.failed(
             endpoint, f"no reward_model reward with server: vllm in the run's config has role {role!r}"
         )
     api_key = secrets.token_urlsafe(24)
-    env = server_env(options, api_key)
-    child: subprocess.Popen | None = None
-    stopping: list[int] = []
-
-    def forward(signum: int, frame: object) -> None:
-        stopping.append(signum)
-        if child is not None and child.poll() is None:
-            child.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
     starting = events.phase(
         f"starting the reward model server for {options.model}", stage="server", run_dir=run_dir,
         key=f"reward-model-start:{'cpu' if is_cpu_build() else 'gpu'}", log=log_file(run_dir, role, replica),
     )  # fmt: skip
-    port = free_port(options.host)
-    url = f"http://{connect_host(options.host)}:{port}"
-    _say(f"starting vLLM (pooling) on {options.host}:{port} for {options.model}")
-    child = subprocess.Popen(  # noqa: PLW1509 - the preexec only sets the parent-death signal
-        server_command(options, port), env=env, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+    plan = launcher.ServerPlan(
+        role=role,
+        engine="vLLM",
+        host=options.host,
+        startup_timeout=options.startup_timeout,
+        health_interval=HEALTH_INTERVAL,
+        liveness_timeout=LIVENESS_TIMEOUT,
+        command=lambda port: server_command(options, port),
+        env=server_env(options, api_key),
+        api_key=api_key,
+        first_request=first_classification,
+        explain=lambda problem: f"vLLM could not classify with {options.model} ({problem})",
+        endpoint={"model": SERVED_MODEL_NAME},
+        endpoint_dir=ENDPOINT_DIR,
     )
-    deadline = time.monotonic() + options.startup_timeout
-    while child.poll() is None and not stopping and time.monotonic() < deadline:
-        if healthy(url, api_key=api_key):
-            break
-        time.sleep(0.5)
-    if stopping:
-        return _status(child.wait())
-    if child.poll() is not None:
-        return _failed(endpoint, f"vLLM exited with status {_status(child.returncode)} before it was healthy")
-    if time.monotonic() >= deadline:
-        _stop(child)
-        return _failed(endpoint, f"vLLM was not healthy after {options.startup_timeout:g} s")
-    labels, problem = first_classification(url, api_key)
-    if problem is not None:
-        _stop(child)
-        return _failed(endpoint, f"vLLM could not classify with {options.model} ({problem})")
-    write_endpoint(
-        endpoint,
-        {
-            "instance": uuid.uuid4().hex,
-            "host": connect_host(options.host),
-            "port": port,
-            "api_key": api_key,
-            "model": SERVED_MODEL_NAME,
-            "num_labels": labels,
-            "pid": child.pid,
-            "launcher_pid": os.getpid(),
-            "started": time.time(),
-        },
-    )
-    _say(f"healthy at {url} (pid {child.pid}, {labels} label(s)); endpoint in {endpoint}")
-    starting.done()
-    try:
-        hung = liveness.watch(
-            child,
-            lambda timeout: healthy(url, timeout, api_key),
-            interval=HEALTH_INTERVAL,
-            timeout=LIVENESS_TIMEOUT,
-            stopping=lambda: bool(stopping),
-        )
-    finally:
-        endpoint.unlink(missing_ok=True)
-    if hung:
-        _say(hung)
-        return 1
-    return _status(child.returncode)
+    return launcher.serve(plan, run_dir, replica, starting)
 
 
-def first_classification(url: str, api_key: str, timeout: float = 120.0) -> tuple[int, str | None]:
-    """(number of labels, None) when one classification works, else (0, what went wrong).
-    A model that loads but is not a classifier (a causal LM) fails here, not at step 1."""
-    body = json.dumps({"model": SERVED_MODEL_NAME, "input": [[0]], "use_activation": False}).encode()
-    request = urllib.request.Request(
-        url + "/classify",
-        data=body,
-        headers={"Content-Type": "application/json", "Authorization": f"Bearer {api_key}"},
-    )
+def first_classification(url: str, api_key: str, timeout: float = 120.0) -> dict[str, Any] | str:
+    """``{"num_labels": N}`` when one classification works, else what went wrong. A model
+    that loads but is not a classifier (a causal LM) fails here, not at step 1."""
+    body = {"model": SERVED_MODEL_NAME, "input": [[0]], "use_activation": False}
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as r:
-            return len(json.loads(r.read())["data"][0]["probs"]), None
+        answer = launcher.post_json(url + "/classify", body, api_key, timeout)
+        return {"num_labels": len(answer["data"][0]["probs"])}
     except urllib.error.HTTPError as exc:
         detail = exc.read(300).decode(errors="replace").strip()
-        return 0, f"HTTP {exc.code} from /classify: {detail or exc.reason}"
+        return f"HTTP {exc.code} from /classify: {detail or exc.reason}"
     except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
-        return 0, f"{type(exc).__name__}: {exc}"
-
-
-def _failed(endpoint: Path, why: str) -> int:
-    """Tell the reward (it stops waiting with this message) and exit non-zero."""
-    _say(why)
-    write_endpoint(endpoint, {"error": why, "launcher_pid": os.getpid(), "time": time.time()})
-    events.announce(why, stage="server", state="failed", run_dir=endpoint.parent.parent)
-    return 1
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the launcher dies, so no server outlives its role."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def _stop(child: subprocess.Popen, grace: float = 15.0) -> None:
-    child.terminate()  # vLLM's API server stops its engine processes on SIGTERM
-    try:
-        child.wait(grace)
-    except subprocess.TimeoutExpired:
-        liveness.kill_tree(child.pid)
-        child.wait()
-
-
-def _status(code: int) -> int:
-    return 128 - code if code < 0 else code  # Popen's -N for signal N, as a shell says it
+        return f"{type(exc).__name__}: {exc}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="forgerl_plugins.rewards.reward_server")
-    parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--role", required=True)
-    args = parser.parse_args(argv)
-    replica = int(os.environ.get("FORGE_REPLICA", "0"))
-    return launch(args.run_dir.resolve(), args.role, replica)
+    args = launcher.launcher_args(MODULE, argv, "--role")
+    return launch(args.run_dir, args.role, args.replica)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ first request, and then publishes the endpoint in ``<run_dir>/generators/<role>-
 (host, port, API key, pids, and an ``instance`` id that changes on every restart),
 atomically. The generator on trainer rank 0 finds the servers through these files: no
 fixed ports. A start-up failure is written there as ``error`` (the generator fails at
-once with it).
+once with it). The served reward model's launcher
+(:mod:`forgerl_plugins.rewards.reward_server`) is the same with its own first request
+(``/classify``, which adds ``num_labels``) and its files in ``<run_dir>/rewards/``.
 
 The launcher then watches its server (:mod:`.liveness`: a hung one is killed) and exits
 with the server's exit status (128+N when a signal killed it), so the scheduler sees a
@@ -16,16 +18,18 @@ dead server as a dead replica and restarts it. Nothing here imports an engine or
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,15 +39,79 @@ from forgerl import events
 from . import liveness
 
 ENDPOINT_DIR = "generators"
+# Variables the scheduler sets for torch.distributed rendezvous of trainer ranks; an engine
+# sets up its own process group and must not pick up a rank or port meant for others.
+TORCHRUN_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+)
 
 
-def endpoint_file(run_dir: Path, role: str, replica: int) -> Path:
-    return Path(run_dir) / ENDPOINT_DIR / f"{role}-{replica}.json"
+def endpoint_file(run_dir: Path, role: str, replica: int, directory: str = ENDPOINT_DIR) -> Path:
+    return Path(run_dir) / directory / f"{role}-{replica}.json"
 
 
 def log_file(run_dir: Path, role: str, replica: int) -> Path:
     """Where the local scheduler writes a replica's output (``logs/<role>-<replica>.log``)."""
     return Path(run_dir) / "logs" / f"{role}-{replica}.log"
+
+
+def server_env(options_env: Mapping[str, str]) -> dict[str, str]:
+    """The server's environment: ours without the trainer's rendezvous variables, then
+    the user's ``env`` option; the engine's own variables go on top."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env.update(options_env)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def launcher_command(module: str, run_dir: Path | str, *more: str) -> tuple[str, ...]:
+    """The role's command that runs launcher ``module`` (its ``main`` takes :func:`launcher_args`)."""
+    return (sys.executable, "-m", module, "--run-dir", str(run_dir), *more)
+
+
+def launcher_args(prog: str, argv: list[str] | None, *required: str) -> argparse.Namespace:
+    """A launcher's command line: ``--run-dir`` (resolved), ``--replica`` (default:
+    ``$FORGE_REPLICA``, which every scheduler sets, else 0) and the ``required`` options."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument(
+        "--replica", type=int, default=None, help="replica index (default: $FORGE_REPLICA, else 0)"
+    )
+    for option in required:
+        parser.add_argument(option, required=True)
+    args = parser.parse_args(argv)
+    args.run_dir = args.run_dir.resolve()
+    if args.replica is None:
+        args.replica = int(os.environ.get("FORGE_REPLICA", "0"))
+    return args
+
+
+def cli_flags(arguments: Mapping[str, Any], *, negative: bool) -> list[str]:
+    """An engine's command-line flags for ``arguments`` (``{max_num_seqs: 8}`` →
+    ``--max-num-seqs 8``): true is the bare flag; false is ``--no-<flag>`` where the engine
+    spells it so (``negative``: vLLM) and nothing otherwise (SGLang); None is nothing."""
+    out: list[str] = []
+    for key, value in arguments.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False and negative:
+            out.append("--no-" + flag[2:])
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 def free_port(host: str) -> int:
@@ -94,12 +162,13 @@ def die_with_parent() -> None:
 
 
 def stop(child: subprocess.Popen, grace: float = 15.0) -> None:
-    """SIGTERM first: the server then stops its engine processes too."""
+    """SIGTERM first: the server then stops its engine processes too; past ``grace``,
+    SIGKILL for the server and every process below it."""
     child.terminate()
     try:
         child.wait(grace)
     except subprocess.TimeoutExpired:
-        child.kill()
+        liveness.kill_tree(child.pid)
         child.wait()
 
 
@@ -122,7 +191,7 @@ def exit_status(code: int) -> int:
 class ServerPlan:
     """What :func:`serve` needs to know about one engine's server."""
 
-    role: str  # endpoint and log file names: "vllm", "sglang"
+    role: str  # endpoint and log file names: "vllm", "sglang", "reward-model-<digest>"
     engine: str  # in messages: "vLLM", "SGLang"
     host: str
     startup_timeout: float
@@ -131,18 +200,21 @@ class ServerPlan:
     command: Callable[[int], list[str]]  # the server's argv for a port
     env: dict[str, str]
     api_key: str
-    #: ``first_request(url, api_key)``: None when one tiny generation works, else what failed.
-    first_request: Callable[[str, str], str | None]
+    #: ``first_request(url, api_key)``: None when one tiny request works (or what it taught
+    #: for the endpoint file, such as a classifier's ``num_labels``), else what failed.
+    first_request: Callable[[str, str], str | dict[str, Any] | None]
     #: Rewrites what failed in the first request into advice (default: as it is).
     explain: Callable[[str], str] | None = None
     #: More fields of the endpoint file (the served model name, ...).
     endpoint: dict[str, Any] = field(default_factory=dict)
+    #: The run directory's folder for the endpoint file (the served reward model: "rewards").
+    endpoint_dir: str = ENDPOINT_DIR
 
 
 def serve(plan: ServerPlan, run_dir: Path, replica: int, starting: Any) -> int:
     """Start, publish and watch one server (see the module docstring); the exit status.
     ``starting``: the ``events.phase`` that ends once the server is ready."""
-    endpoint = endpoint_file(run_dir, plan.role, replica)
+    endpoint = endpoint_file(run_dir, plan.role, replica, plan.endpoint_dir)
     child: subprocess.Popen | None = None
     stopping: list[int] = []
 
@@ -188,12 +260,12 @@ def serve(plan: ServerPlan, run_dir: Path, replica: int, starting: Any) -> int:
     assert child is not None
     url = f"http://{connect_host(plan.host)}:{port}"
     # Healthy is not enough: some models load and then fail at the first forward pass.
-    problem = plan.first_request(url, plan.api_key)
-    if problem is not None:
+    answer = plan.first_request(url, plan.api_key)
+    if isinstance(answer, str):
         stop(child)
         return failed(
             endpoint,
-            plan.explain(problem) if plan.explain else f"{plan.engine} failed its first request ({problem})",
+            plan.explain(answer) if plan.explain else f"{plan.engine} failed its first request ({answer})",
         )
     write_endpoint(
         endpoint,
@@ -204,6 +276,7 @@ def serve(plan: ServerPlan, run_dir: Path, replica: int, starting: Any) -> int:
             "port": port,
             "api_key": plan.api_key,
             **plan.endpoint,
+            **(answer or {}),
             "pid": child.pid,
             "launcher_pid": os.getpid(),
             "started": time.time(),

@@ -13,9 +13,6 @@ exit status). It imports neither SGLang nor torch: it only spawns them.
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import secrets
 import sys
 import urllib.error
@@ -33,16 +30,6 @@ if TYPE_CHECKING:  # pragma: no cover
 ROLE = "sglang"
 #: The weight version a fresh server reports (``--weight-version``): the model folder's.
 INITIAL_VERSION = "0"
-# torch.distributed rendezvous variables of the trainer ranks: SGLang forms its own groups.
-_TORCHRUN_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GROUP_RANK",
-)
 #: SGLang returns logprobs before temperature scaling when this is set; the trainer's
 #: contract is log_softmax(logits / T) (SGLang's default), so the servers never see it.
 _UNSCALED_LOGPROBS_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
@@ -63,13 +50,7 @@ def roles(options: SGLangGeneratorOptions, *, context: RunContext) -> list[RoleS
     return [
         RoleSpec(
             name=ROLE,
-            command=(
-                sys.executable,
-                "-m",
-                "forgerl_plugins.generators.sglang.server",
-                "--run-dir",
-                str(context.run_dir),
-            ),
+            command=launcher.launcher_command("forgerl_plugins.generators.sglang.server", context.run_dir),
             replicas=options.replicas,
             resources=Resources(cpus=1, gpus=options.tensor_parallel_size),
             max_restarts=options.max_restarts,
@@ -91,8 +72,9 @@ def server_command(
         "--dtype", dtype,
         "--tp-size", str(options.tensor_parallel_size),
         # SGLang reads its key only from the command line; the server binds to loopback by
-        # default, and the endpoint file (0600) is where clients learn it.
-        "--api-key", api_key,
+        # default, and the endpoint file (0600) is where clients learn it. One word with
+        # its flag: a key that starts with "-" (token_urlsafe: 1 in 64) is not an option.
+        f"--api-key={api_key}",
         "--weight-version", INITIAL_VERSION,
         # The launcher sends its own first request; SGLang's warm-up would only add time.
         "--skip-server-warmup",
@@ -108,27 +90,12 @@ def server_command(
 def server_arg_flags(server_args: dict[str, Any]) -> list[str]:
     """``{chunked_prefill_size: 4096, enable_metrics: true}`` → ``--chunked-prefill-size 4096
     --enable-metrics`` (SGLang's flags are its ServerArgs fields; booleans are bare flags)."""
-    out: list[str] = []
-    for key, value in server_args.items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is True:
-            out.append(flag)
-        elif value is False or value is None:
-            continue
-        elif isinstance(value, (list, tuple)):
-            out += [flag, *(str(v) for v in value)]
-        elif isinstance(value, dict):
-            out += [flag, json.dumps(value)]
-        else:
-            out += [flag, str(value)]
-    return out
+    return launcher.cli_flags(server_args, negative=False)
 
 
 def server_env(options: SGLangGeneratorOptions) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS and k != _UNSCALED_LOGPROBS_ENV}
-    env.update(options.env)
-    env.pop(_UNSCALED_LOGPROBS_ENV, None)
-    env.setdefault("PYTHONUNBUFFERED", "1")
+    env = launcher.server_env(options.env)
+    env.pop(_UNSCALED_LOGPROBS_ENV, None)  # neither from our environment nor the env option
     return env
 
 
@@ -186,14 +153,8 @@ def launch(run_dir: Path, replica: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="forgerl_plugins.generators.sglang.server")
-    parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument(
-        "--replica", type=int, default=None, help="replica index (default: $FORGE_REPLICA, else 0)"
-    )
-    args = parser.parse_args(argv)
-    replica = args.replica if args.replica is not None else int(os.environ.get("FORGE_REPLICA", "0"))
-    return launch(args.run_dir.resolve(), replica)
+    args = launcher.launcher_args("forgerl_plugins.generators.sglang.server", argv)
+    return launch(args.run_dir, args.replica)
 
 
 if __name__ == "__main__":

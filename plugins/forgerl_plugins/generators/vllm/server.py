@@ -13,7 +13,6 @@ exit status). It imports neither vLLM nor torch: it only spawns them.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -52,17 +51,6 @@ WORKER_EXTENSION = "forgerl_plugins.generators.vllm.worker_extension.ForgeWorker
 #: vLLM calls "processed" logprobs: after temperature scaling. "raw" would ignore T.
 LOGPROBS_MODE = "processed_logprobs"
 DEFAULT_CPU_KV_CACHE_GB = 1.0
-# Variables the scheduler sets for torch.distributed rendezvous of trainer ranks; vLLM
-# sets up its own process group and must not pick up a rank or port meant for others.
-_TORCHRUN_VARS = (
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "GROUP_RANK",
-)
 
 
 def endpoint_file(run_dir: Path, replica: int) -> Path:
@@ -96,13 +84,7 @@ def roles(options: VLLMGeneratorOptions, *, context: RunContext) -> list[RoleSpe
     return [
         RoleSpec(
             name=ROLE,
-            command=(
-                sys.executable,
-                "-m",
-                "forgerl_plugins.generators.vllm.server",
-                "--run-dir",
-                str(context.run_dir),
-            ),
+            command=launcher.launcher_command("forgerl_plugins.generators.vllm.server", context.run_dir),
             replicas=options.replicas,
             resources=Resources(cpus=1, gpus=0 if cpu else options.tensor_parallel_size),
             max_restarts=options.max_restarts,
@@ -169,33 +151,16 @@ def whole_prefill_args(options: VLLMGeneratorOptions, model_dir: Path) -> dict[s
 def engine_arg_flags(engine_args: dict[str, Any]) -> list[str]:
     """``{max_num_seqs: 8, enable_prefix_caching: false}`` → ``--max-num-seqs 8
     --no-enable-prefix-caching`` (vLLM's own spelling of its engine arguments)."""
-    out: list[str] = []
-    for key, value in engine_args.items():
-        flag = "--" + str(key).replace("_", "-")
-        if value is True:
-            out.append(flag)
-        elif value is False:
-            out.append("--no-" + flag[2:])
-        elif value is None:
-            continue
-        elif isinstance(value, (list, tuple)):
-            out += [flag, *(str(v) for v in value)]
-        elif isinstance(value, dict):
-            out += [flag, json.dumps(value)]
-        else:
-            out += [flag, str(value)]
-    return out
+    return launcher.cli_flags(engine_args, negative=True)
 
 
 def server_env(options: VLLMGeneratorOptions, api_key: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in _TORCHRUN_VARS}
-    env.update(options.env)
+    env = launcher.server_env(options.env)
     # /collective_rpc, /pause, /resume and /reset_prefix_cache exist only in dev mode.
     env["VLLM_SERVER_DEV_MODE"] = "1"
     # In the environment, not on the command line, where `ps` would show it. vLLM's own
     # check and our middleware (auth.py: every path, dev-mode routes too) both read it.
     env[KEY_ENV] = api_key
-    env.setdefault("PYTHONUNBUFFERED", "1")
     return env
 
 
@@ -292,14 +257,8 @@ def _engine_error() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="forgerl_plugins.generators.vllm.server")
-    parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument(
-        "--replica", type=int, default=None, help="replica index (default: $FORGE_REPLICA, else 0)"
-    )
-    args = parser.parse_args(argv)
-    replica = args.replica if args.replica is not None else int(os.environ.get("FORGE_REPLICA", "0"))
-    return launch(args.run_dir.resolve(), replica)
+    args = launcher.launcher_args("forgerl_plugins.generators.vllm.server", argv)
+    return launch(args.run_dir, args.replica)
 
 
 if __name__ == "__main__":
