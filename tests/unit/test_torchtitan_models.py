@@ -64,3 +64,17 @@ def test_refusal_is_one_user_fixable_line(tmp_path):
     assert str(err.value) == (
         f"the torchtitan trainer cannot express the model in {tmp_path}: hidden_act 'relu' (SwiGLU feed-forward needs silu)"
     )
+
+
+def test_a_torch_it_was_not_released_for_is_one_line_naming_both_versions():
+    pytest.importorskip("torch")
+    from forgerl_plugins.trainers.torchtitan.trainer import torch_mismatch
+
+    # What TorchTitan 0.3.0 raised on a GPU machine with torch 2.11.
+    error = ImportError("cannot import name 'DataParallelMeshDims' from 'torch.distributed.fsdp'")
+    line = torch_mismatch(error)
+    assert "\n" not in line
+    assert "DataParallelMeshDims" in line and "torch==2.13.0" in line
+    import torch
+
+    assert f"torch {torch.__version__}" in line

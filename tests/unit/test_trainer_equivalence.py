@@ -140,3 +140,16 @@ def test_native_bf16_reads_the_cpu_flags() -> None:
     # The Xeon where bf16 autocast was 3x slower: AVX-512 but neither bf16 extension.
     assert not native_bf16(cpu, "flags\t\t: fpu avx512f avx512bw avx512_vnni")
     assert not native_bf16(cpu, "")
+
+
+def test_a_rank_beyond_the_nodes_gpus_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    from forgerl.errors import ConfigError
+    from forgerl_plugins.trainers.shared.distributed import pick_device
+
+    # A one-GPU node asked for two ranks: rank 1 has no device (torch would say "invalid
+    # device ordinal" later, and NCCL cannot put two ranks on one GPU).
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ConfigError, match=r"LOCAL_RANK=1 .* 1 CUDA device.*trainer.ranks .* at most 1"):
+        pick_device()

@@ -62,7 +62,8 @@ class FSDPTrainer(ShardedTrainer):
             # Nothing to shard: FSDP2 on one rank still copies every parameter in before
             # each forward and backward and every gradient out after it, and makes the
             # optimizer step DTensors. The update is the same (divide factor 1 on one rank).
-            return model
+            # from_pretrained loads on the CPU; fully_shard would move it, so here we do.
+            return model.to(self.device)  # type: ignore[arg-type]  # transformers types .to oddly
         # One FSDP unit per decoder layer (parameters gathered layer by layer), then the
         # root for embeddings, final norm and head (tied embeddings stay in one unit).
         # Bottom-up (reversed pre-order), as fully_shard requires for nested units.

@@ -19,6 +19,13 @@ def pick_device() -> torch.device:
 
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            # torch would say "invalid device ordinal"; NCCL cannot share one GPU between ranks.
+            raise ConfigError(
+                f"trainer rank with LOCAL_RANK={local_rank} has no GPU of its own: this node has "
+                f"{count} CUDA device(s), one per rank; set trainer.ranks (per node) to at most {count}"
+            )
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

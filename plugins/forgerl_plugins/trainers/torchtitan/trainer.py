@@ -40,6 +40,25 @@ log = logging.getLogger(__name__)
 SPMD_BACKEND = "partial_dtensor"
 
 
+def torch_mismatch(error: ImportError) -> str:
+    """One line for TorchTitan failing to import against the installed torch: each release
+    imports the torch APIs of its own time (0.3.0 needs torch.distributed.fsdp's
+    DataParallelMeshDims, which torch 2.11 lacks), so a mismatch surfaces as an ImportError
+    deep inside torchtitan."""
+    import importlib.metadata
+
+    import torch
+
+    try:
+        titan = importlib.metadata.version("torchtitan")
+    except importlib.metadata.PackageNotFoundError:
+        titan = "(version unknown)"
+    return (
+        f"TorchTitan {titan} does not import with torch {torch.__version__} ({error}); install the "
+        "torch it was released for (constraints.txt pins torchtitan==0.3.0 with torch==2.13.0)"
+    )
+
+
 class TorchTitanTrainer(ShardedTrainer):
     Options = TorchTitanTrainerOptions
     name = "torchtitan"
@@ -49,7 +68,10 @@ class TorchTitanTrainer(ShardedTrainer):
         from .models import model_spec
 
         options = self.options
-        self.spec = model_spec(self._model_path)
+        try:
+            self.spec = model_spec(self._model_path)
+        except ImportError as e:
+            raise ConfigError(torch_mismatch(e)) from e
         self.adapter = self.spec.state_dict_adapter(self.spec.model, None)
         tp = options.tp
         dp_shard = options.dp_shard or self.world_size // tp

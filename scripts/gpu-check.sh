@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU checks in one command, on a machine with a CUDA GPU (CI has none):
+#
+#   bash scripts/gpu-check.sh [OUT_DIR]
+#
+# runs tests/gpu (torchtitan parity with fsdp on CUDA, 2-step runs with NCCL, a default
+# `forge run` on the GPU with each trainer; the SGLang tests where sglang is installed)
+# and records the machine, `forge plugins list` and what `--transport nccl` does when the
+# trainer and the generator share one GPU. Logs go to OUT_DIR (default $OUT, else
+# /tmp/forge-gpu). The environment is the one forgerl is installed in; on a machine that
+# cannot reach a package index, put wheels (forgerl's own and whatever the machine lacks)
+# in .whl/ and they are installed without an index into /tmp/forge-site first.
+set -uo pipefail
+out=${1:-${OUT:-/tmp/forge-gpu}}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 OMP_WAIT_POLICY=PASSIVE
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/forge-site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/forge-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+    "$py" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "capability", torch.cuda.get_device_capability(0), "devices", torch.cuda.device_count())'
+    "$py" -m forgerl.cli plugins list
+} 2>&1 | tee "$out/machine.txt"
+
+status=0
+"$py" -m pytest -q -p no:cacheprovider -rA --continue-on-collection-errors tests/gpu 2>&1 | tee "$out/pytest-gpu.log" || status=1
+
+# One GPU, trainer and generator on it, weights over NCCL: NCCL refuses two ranks on one
+# device, so this must fail in one line (exit 2), not hang or print a traceback.
+timeout 150 "$py" -m forgerl.cli run --model tiny --generator hf --transport nccl --steps 2 \
+    --set loop.prompts_per_step=2 --set loop.group_size=4 --set loop.sampling.max_tokens=12 \
+    --set loop.eval_size=4 --set logging.progress=false --output /tmp/forge-gpu-nccl \
+    > "$out/nccl-one-gpu.log" 2>&1
+echo "forge run --transport nccl on one GPU: exit $?" | tee -a "$out/nccl-one-gpu.log"
+tail -n 5 /tmp/forge-gpu-nccl/logs/*.log >> "$out/nccl-one-gpu.log" 2>/dev/null
+exit $status
