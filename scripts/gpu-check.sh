@@ -4,7 +4,8 @@
 #   bash scripts/gpu-check.sh [OUT_DIR]
 #
 # runs tests/gpu (torchtitan parity with fsdp on CUDA, 2-step runs with NCCL, a default
-# `forge run` on the GPU with each trainer; the SGLang tests where sglang is installed)
+# `forge run` on the GPU with each trainer; the SGLang tests where sglang is installed) and
+# the trainer and generator kits with the backends on the GPU (one-rank checks),
 # and records the machine, `forge plugins list` and what `--transport nccl` does when the
 # trainer and the generator share one GPU. Logs go to OUT_DIR (default $OUT, else
 # /tmp/forge-gpu). The environment is the one forgerl is installed in; on a machine that
@@ -29,6 +30,11 @@ fi
 
 status=0
 "$py" -m pytest -q -p no:cacheprovider -rA --continue-on-collection-errors tests/gpu 2>&1 | tee "$out/pytest-gpu.log" || status=1
+# The trainer and generator kits' one-rank checks with the backends on the GPU (their
+# two-rank check needs a GPU per rank).
+"$py" -m pytest -q -p no:cacheprovider -rA -k "not two_ranks" \
+    tests/conformance/test_trainer_kit.py tests/conformance/test_generator_kit.py::TestHFGenerator \
+    2>&1 | tee "$out/pytest-kits.log" || status=1
 
 # One GPU, trainer and generator on it, weights over NCCL: NCCL refuses two ranks on one
 # device, so this must fail in one line (exit 2), not hang or print a traceback.
