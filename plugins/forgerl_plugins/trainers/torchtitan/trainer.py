@@ -71,6 +71,8 @@ class TorchTitanTrainer(ShardedTrainer):
         try:
             self.spec = model_spec(self._model_path)
         except ImportError as e:
+            if (e.name or "").split(".")[0] == "torchtitan":
+                raise  # TorchTitan itself (or part of it) is missing: not a version mismatch
             raise ConfigError(torch_mismatch(e)) from e
         self.adapter = self.spec.state_dict_adapter(self.spec.model, None)
         tp = options.tp
