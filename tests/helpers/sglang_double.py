@@ -19,8 +19,12 @@ generator's launcher, client, weight updates and failover can be driven on CPU:
   in a group built as SGLang's ``init_custom_process_group`` builds it (gloo here).
 
 What it cannot prove: that SGLang itself behaves like this (its scheduling, its pause and
-abort semantics, its NCCL groups, its numerics). ``GET /double/calls`` (the double's own
-route) lists the admin calls received, in order, for tests.
+abort semantics, its NCCL groups, its numerics). The double's own routes, for tests:
+``GET /double/calls`` lists the admin calls received, in order; ``POST /double/gate``
+(``{"closed": true|false}``) closes or opens a gate that generations wait at before their
+first token, and ``GET /double/held`` counts the generations waiting there. An abort
+(``/pause_generation`` mode abort, ``/abort_request``) opens the gate, so a test can hold
+requests in flight until the update it sends, whatever the machine's speed.
 
 Run: ``python tests/helpers/sglang_double.py --model-path DIR --port P --api-key K ...``
 """
@@ -31,6 +35,7 @@ import argparse
 import asyncio
 import hmac
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -157,6 +162,10 @@ class Engine:
         self.running.set()
         self.aborted: set[str] = set()
         self.abort_all_epoch = 0
+        self.gate = threading.Event()  # the tests' gate (module docstring); open
+        self.gate.set()
+        self.held = 0  # generations waiting at the closed gate
+        self.requests = ThreadPoolExecutor(max_workers=64, thread_name_prefix="double-generate")
         self.groups: dict[str, Any] = {}
         self.calls: list[dict[str, Any]] = []
 
@@ -172,6 +181,12 @@ class Engine:
         finish: dict[str, Any] = {"type": "length", "length": s.max_new_tokens}
         epoch = self.abort_all_epoch
         version = None
+        if not self.gate.is_set():
+            with self.lock:
+                self.held += 1
+            self.gate.wait()
+            with self.lock:
+                self.held -= 1
         while len(out) < s.max_new_tokens:
             self.running.wait()
             if self.abort_all_epoch != epoch or (req.rid and req.rid in self.aborted):
@@ -298,10 +313,24 @@ def build_app(engine: Engine, api_key: str | None) -> Any:
     async def calls() -> list[dict[str, Any]]:
         return engine.calls
 
+    @app.post("/double/gate")
+    async def gate(body: dict[str, bool]) -> dict[str, bool]:
+        if body.get("closed"):
+            engine.gate.clear()
+        else:
+            engine.gate.set()
+        return {"closed": not engine.gate.is_set()}
+
+    @app.get("/double/held")
+    async def held() -> dict[str, int]:
+        return {"held": engine.held}
+
     @app.post("/generate")
     async def generate(req: GenerateReqInput) -> Any:
         sglang_check("GenerateReqInput", req.model_dump(exclude_none=True))
-        return await asyncio.to_thread(engine.generate, req)
+        # A thread per request, not asyncio's default pool (cores + 4 threads): requests
+        # held at the gate must not keep others from reaching it.
+        return await asyncio.get_running_loop().run_in_executor(engine.requests, engine.generate, req)
 
     def answer(ok: bool, message: str) -> JSONResponse:
         return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
@@ -359,6 +388,7 @@ def build_app(engine: Engine, api_key: str | None) -> Any:
         sglang_check("PauseGenerationReqInput", req.model_dump(exclude_none=True))
         if req.mode == "abort":
             engine.abort_all_epoch += 1
+            engine.gate.set()  # what waited at the gate sees the abort
         engine.running.clear()
         return {"message": "Generation paused successfully.", "status": "ok"}
 
@@ -377,6 +407,7 @@ def build_app(engine: Engine, api_key: str | None) -> Any:
             engine.abort_all_epoch += 1
         elif req.rid:
             engine.aborted.add(req.rid)
+        engine.gate.set()
         return Response(status_code=200)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])

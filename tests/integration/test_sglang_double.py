@@ -67,22 +67,30 @@ def cluster(tmp_path_factory):
 def _calls(generator, index: int) -> list[dict] | None:
     """The admin calls replica ``index`` received (the double's own record); None on a real
     SGLang server (tests/gpu reuses these tests), which keeps no such record."""
+    return _double(generator, index, "GET", "/double/calls")
+
+
+def _double(generator, index: int, method: str, path: str, **body):
+    """A call to one of the double's own routes on replica ``index``; None on a real SGLang
+    server, which has no such route."""
     import httpx
 
     info = generator.replica_info()[index]
     headers = generator._replicas[index].headers
-    resp = httpx.get(info["url"] + "/double/calls", headers=headers, timeout=30)
+    resp = httpx.request(method, info["url"] + path, headers=headers, json=body or None, timeout=30)
     return resp.json() if resp.status_code == 200 else None
 
 
 def _in_flight_update(site, policy: str, version: int):
     """Long requests in flight while ``version`` is loaded under ``policy``: their completions,
-    and the generator."""
+    the version the generator serves, the admin calls each replica got, and whether the
+    requests were held in flight for certain (the double's gate; a real server has none)."""
     import asyncio
     import threading
 
     from forgerl.testing.generator_support import push
     from forgerl.types import GenerationRequest, SamplingParams
+    from tests.helpers.timing import wait_until
 
     site.options["update_policy"] = policy
     with site.open() as opened:
@@ -93,32 +101,49 @@ def _in_flight_update(site, policy: str, version: int):
             GenerationRequest(f"{policy}-{i}", site.random_prompt(i, 16), 2, SamplingParams(max_tokens=48, seed=i))
             for i in range(4)
         ]
+        samples = sum(r.n for r in requests)
+        # abort: every sample waits at the double's gate before its first token, so all are
+        # in flight when the update comes (on a fast machine or a loaded one alike); the
+        # abort opens the gate. wait drains in-flight requests first, so it is not gated.
+        gated = policy == "abort" and all(_double(gen, i, "POST", "/double/gate", closed=True) for i in range(2))
         results: list = []
         running = threading.Thread(target=lambda: results.append(asyncio.run(gen.generate(requests))))
         running.start()
-        # Once the replicas have work, the update comes (as the loop sends one mid-rollout).
-        from tests.helpers.timing import wait_until
-
-        wait_until(lambda: any(r["outstanding"] for r in gen.replica_info()), scaled(60), "requests in flight")
-        push(opened, version, site.new_weights(version), scaled(60))
+        try:
+            if gated:
+                wait_until(
+                    lambda: sum(_double(gen, i, "GET", "/double/held")["held"] for i in range(2)) == samples,
+                    scaled(60),
+                    f"all {samples} samples held in flight",
+                )
+            else:  # once the replicas have work, the update comes (as the loop sends one mid-rollout)
+                wait_until(lambda: any(r["outstanding"] for r in gen.replica_info()), scaled(60), "requests in flight")
+            push(opened, version, site.new_weights(version), scaled(60))
+        finally:
+            if gated:
+                for i in range(2):
+                    _double(gen, i, "POST", "/double/gate", closed=False)
         running.join(scaled(120))
         assert not running.is_alive()
         calls = [_calls(gen, i) for i in range(2)]
-        return results[0], gen.policy_version, calls
+        return results[0], gen.policy_version, calls, gated
 
 
 @pytest.mark.parametrize("policy", ["wait", "abort"])
 def test_requests_in_flight_during_an_update(cluster, policy):
     version = 1 if policy == "wait" else 2  # abort: after one update already made
-    completions, served, calls = _in_flight_update(cluster, policy, version)
+    completions, served, calls, gated = _in_flight_update(cluster, policy, version)
     assert served == version
     flat = [c for cs in completions for c in cs]
     assert len(flat) == 8 and all(len(c.token_ids) == len(c.logprobs) for c in flat)
-    if policy == "abort":
-        # Aborted requests were resubmitted whole: every completion is the new version's.
+    if calls[0] is not None:  # the double: its gate held every abort-policy sample in flight
+        assert gated == (policy == "abort")
+    if gated:
+        # All were in flight at the abort and resubmitted whole: each is the new version's.
         assert {c.policy_version for c in flat} == {version}
     else:
-        # Drained first: each completion reports the weights it was made by (old or new).
+        # Each completion reports the weights it was made by: old if it finished before the
+        # update (drained, or done before the abort), else new.
         assert {c.policy_version for c in flat} <= {version - 1, version}
     for replica_calls in calls:
         if replica_calls is None:
