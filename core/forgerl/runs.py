@@ -160,6 +160,7 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
     """The JobSpec of a run: trainer ranks (primary; rank 0 drives the loop) plus any
     server roles the generator (e.g. vLLM replicas) and the rewards (e.g. a served reward
     model) need."""
+    from forgerl.allocator import trainer_allocator_env
     from forgerl.backends import GeneratorBackend, RewardBackend
     from forgerl.interfaces import RunContext
 
@@ -171,6 +172,7 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
             ranks_per_replica=config.trainer.ranks,
             resources=Resources(cpus=1),
             primary=True,
+            env=trainer_allocator_env(os.environ),
         )
     ]
     context = RunContext(config=config, run_dir=run_dir)

@@ -131,6 +131,40 @@ def test_rows_of_like_length_share_a_micro_batch() -> None:
     assert padded == [([3, 4], False), ([0], True)]
 
 
+def test_micro_batches_fill_up_to_a_token_budget() -> None:
+    """The default micro-batching: rows of like length share a pass up to
+    ``micro_batch_tokens`` positions (rows x the longest), so short rows go many at a time
+    and long ones few, with the same count of passes on every rank."""
+    from forgerl_plugins.trainers.shared.batching import micro_batches
+
+    lengths = [5, 20, 6, 19, 7, 18]
+
+    def rows(rank: int = 0, world: int = 1, size: int | None = None, **limits) -> list:
+        return [(mb.rows, mb.padding) for mb in micro_batches(6, world, rank, size, lengths, **limits)]
+
+    assert rows(max_tokens=40) == [([1, 3], False), ([5, 4], False), ([2, 0], False)]
+    assert rows(max_tokens=1000) == [([1, 3, 5, 4, 2, 0], False)]
+    assert rows(max_tokens=1000, size=4) == [([1, 3, 5, 4], False), ([2, 0], False)]  # both limits hold
+    # A row longer than the budget still runs, alone.
+    assert rows(max_tokens=12) == [([1], False), ([3], False), ([5], False), ([4], False), ([2, 0], False)]
+    # Rank 0 holds the long rows (three passes), rank 1 the short ones (one): rank 1 pads to three.
+    lengths = [30, 30, 30, 2, 2, 2]
+    assert rows(0, 2, max_tokens=30) == [([0], False), ([1], False), ([2], False)]
+    assert rows(1, 2, max_tokens=30) == [([3, 4, 5], False), ([0], True), ([0], True)]
+    with pytest.raises(ValueError, match="needs the rows' lengths"):
+        micro_batches(6, 1, 0, None, None, max_tokens=30)
+
+
+def test_some_micro_batch_limit_is_required() -> None:
+    from pydantic import ValidationError
+
+    from forgerl_plugins.trainers.fsdp import FSDPTrainerOptions
+
+    assert FSDPTrainerOptions().micro_batch_tokens == 2048 and FSDPTrainerOptions().micro_batch_size is None
+    with pytest.raises(ValidationError, match="set one of them"):
+        FSDPTrainerOptions(micro_batch_size=None, micro_batch_tokens=None)
+
+
 def test_native_bf16_reads_the_cpu_flags() -> None:
     from forgerl_plugins.trainers.shared.distributed import native_bf16
 

@@ -216,7 +216,14 @@ class ShardedTrainer(Trainer, abc.ABC):
         return {k: v.to(self.device, non_blocking=True) for k, v in out.items()}
 
     def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
-        return micro_batches(batch.size, self.dp_size, self.dp_rank, self.options.micro_batch_size, _row_lengths(batch))
+        return micro_batches(
+            batch.size,
+            self.dp_size,
+            self.dp_rank,
+            self.options.micro_batch_size,
+            _row_lengths(batch),
+            max_tokens=self.options.micro_batch_tokens,
+        )
 
     # ------------------------------------------------------------------- Trainer API
 

@@ -31,12 +31,6 @@ def rank_rows(batch_size: int, world_size: int, rank: int) -> range:
     return range(start, start + base + (1 if rank < extra else 0))
 
 
-def num_micro_batches(batch_size: int, world_size: int, micro_batch_size: int) -> int:
-    """Micro-batches every rank runs: enough for the largest share, and at least one."""
-    largest = -(-batch_size // world_size)
-    return max(1, -(-largest // micro_batch_size))
-
-
 @dataclass(frozen=True)
 class MicroBatch:
     """Row indices into the full batch; ``padding`` means "keep the collectives in step,
@@ -50,8 +44,9 @@ def micro_batches(
     batch_size: int,
     world_size: int,
     rank: int,
-    micro_batch_size: int,
+    micro_batch_size: int | None,
     lengths: Sequence[int] | None = None,
+    max_tokens: int | None = None,
 ) -> list[MicroBatch]:
     """This rank's micro-batches, the same count on every rank.
 
@@ -60,24 +55,51 @@ def micro_batches(
     fewer padding positions through the model (16 GRPO rows of 63-116 tokens in
     micro-batches of 8: 1552 positions instead of 1856). The update is the same: the
     micro-batch losses are summed with one global normaliser.
+
+    A micro-batch takes rows while it holds at most ``micro_batch_size`` rows and at most
+    ``max_tokens`` positions (rows x its longest row; needs ``lengths``); a row longer
+    than ``max_tokens`` runs alone. With neither limit, the rank's whole share is one
+    micro-batch.
     """
     if batch_size < 1:
         raise ValueError(
             "an empty batch cannot be trained on (every rank needs a row to run): "
             f"got batch size {batch_size}"
         )
-    mine = list(rank_rows(batch_size, world_size, rank))
+    if lengths is not None and len(lengths) != batch_size:
+        raise ValueError(f"{len(lengths)} lengths for a batch of {batch_size}: expected one length per row")
+    if max_tokens is not None and lengths is None:
+        raise ValueError("a token limit per micro-batch needs the rows' lengths")
+    # Every rank plans every rank's share (all hold the whole batch), so all agree on the count.
+    plans = [_plan(batch_size, world_size, r, micro_batch_size, lengths, max_tokens) for r in range(world_size)]
+    count = max(1, *(len(plan) for plan in plans))
+    mine = [MicroBatch(rows) for rows in plans[rank]]
+    return mine + [MicroBatch([0], padding=True)] * (count - len(mine))
+
+
+def _plan(
+    batch_size: int,
+    world_size: int,
+    rank: int,
+    micro_batch_size: int | None,
+    lengths: Sequence[int] | None,
+    max_tokens: int | None,
+) -> list[list[int]]:
+    rows = list(rank_rows(batch_size, world_size, rank))
     if lengths is not None:
-        if len(lengths) != batch_size:
-            raise ValueError(
-                f"{len(lengths)} lengths for a batch of {batch_size}: expected one length per row"
-            )
-        mine.sort(key=lambda row: -lengths[row])  # stable: equal lengths keep their order
-    out = []
-    for i in range(num_micro_batches(batch_size, world_size, micro_batch_size)):
-        rows = mine[i * micro_batch_size:(i + 1) * micro_batch_size]
-        out.append(MicroBatch(rows) if rows else MicroBatch([0], padding=True))
-    return out
+        rows.sort(key=lambda row: -lengths[row])  # stable: equal lengths keep their order
+    plan: list[list[int]] = []
+    for row in rows:
+        current = plan[-1] if plan else []
+        # Rows come longest first, so a micro-batch's first row is its longest.
+        longest = lengths[current[0]] if current and lengths is not None else (lengths[row] if lengths else 0)
+        n = len(current) + 1
+        fits = (micro_batch_size is None or n <= micro_batch_size) and (max_tokens is None or n * longest <= max_tokens)
+        if current and fits:
+            current.append(row)
+        else:
+            plan.append([row])
+    return plan
 
 
 def global_count(loss_mask: torch.Tensor, loss_agg: str) -> float:
