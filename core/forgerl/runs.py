@@ -172,7 +172,7 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
             ranks_per_replica=config.trainer.ranks,
             resources=Resources(cpus=1),
             primary=True,
-            env=trainer_allocator_env(os.environ),
+            env=trainer_allocator_env(_launch_env(config)),
         )
     ]
     context = RunContext(config=config, run_dir=run_dir)
@@ -192,6 +192,16 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
     if registry.plugin_refs:
         env["FORGE_PLUGINS"] = ",".join(registry.plugin_refs)
     return JobSpec(name=f"forge-{run_dir.name}", run_dir=str(run_dir), roles=tuple(roles), env=env)
+
+
+def _launch_env(config: RunConfig) -> dict[str, str]:
+    """The environment the trainer would have without forge's additions: this process's,
+    then the scheduler's ``env`` option (Slurm and Kubernetes export it under role env)."""
+    env = dict(os.environ)
+    scheduler_env = config.scheduler.options.get("env")
+    if isinstance(scheduler_env, dict):
+        env.update({str(k): str(v) for k, v in scheduler_env.items()})
+    return env
 
 
 def _add_role(roles: list[RoleSpec], role: RoleSpec, owner: str) -> list[RoleSpec]:

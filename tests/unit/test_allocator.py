@@ -48,3 +48,20 @@ def test_the_run_job_gives_only_the_trainer_role_the_settings(
     monkeypatch.setenv("MALLOC_MMAP_MAX_", "65536")  # the user's own: forge adds nothing over it
     job = build_job(config, registry, tmp_path)
     assert next(role for role in job.roles if role.name == "trainer").env == {}
+
+
+def test_an_allocator_chosen_in_the_scheduler_env_option_is_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Slurm and Kubernetes export their ``env`` option before each role's env, so a choice
+    made there must stop forge's settings, or they would override it."""
+    from forgerl.config import build_config, resolve
+    from forgerl.plugins import build_registry
+    from forgerl.runs import build_job
+
+    for name in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES", "LD_PRELOAD"):
+        monkeypatch.delenv(name, raising=False)
+    registry = build_registry()
+    sets = ["scheduler.options.env.LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"]
+    config = resolve(build_config(flags={"model": "tiny", "scheduler": "slurm"}, sets=sets), registry)
+    assert next(role for role in build_job(config, registry, tmp_path).roles if role.name == "trainer").env == {}

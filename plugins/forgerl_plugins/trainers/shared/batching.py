@@ -92,7 +92,7 @@ def _plan(
     for row in rows:
         current = plan[-1] if plan else []
         # Rows come longest first, so a micro-batch's first row is its longest.
-        longest = lengths[current[0]] if current and lengths is not None else (lengths[row] if lengths else 0)
+        longest = 0 if lengths is None else lengths[current[0] if current else row]
         n = len(current) + 1
         fits = (micro_batch_size is None or n <= micro_batch_size) and (max_tokens is None or n * longest <= max_tokens)
         if current and fits:
