@@ -14,7 +14,8 @@ peak over a 12-step demo run, 5.3 -> 6.4 GB).
 So the trainer role starts with ``MALLOC_MMAP_MAX_=0`` (large blocks come from the heap
 and are reused) and a trim threshold no step reaches. A user who chose an allocator
 (``LD_PRELOAD`` of jemalloc or tcmalloc, ``GLIBC_TUNABLES``, any ``MALLOC_*`` setting, in
-forge's environment or the scheduler's ``env`` option) keeps theirs: nothing is added then. Other C libraries ignore these variables.
+forge's environment or the scheduler's ``env`` option) keeps theirs: nothing is added
+then. Other C libraries ignore these variables.
 """
 
 from __future__ import annotations
