@@ -113,6 +113,17 @@ def test_infinite_loop(reward, workdir):
     assert contained(reward, workdir, "while True:\n    pass\n")["timeout"] == 1.0
 
 
+@pytest.mark.parametrize("ignores_sigxcpu", [False, True], ids=["sigxcpu", "ignores-sigxcpu"])
+def test_running_out_of_cpu_time_is_a_timeout(reward, workdir, ignores_sigxcpu):
+    """With a wall clock far away, the CPU limit stops the loop (SIGXCPU, or SIGKILL at the
+    hard limit when the program ignores it): its time ran out, as much as on the wall clock."""
+    options = {**reward.options.model_dump(), "timeout": scaled(60.0), "cpu_seconds": 1}
+    cpu_limited = build_registry().require("reward", "code").build(options)
+    prelude = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\n" if ignores_sigxcpu else ""
+    got = contained(cpu_limited, workdir, prelude + "while True:\n    pass\n")
+    assert (got["timeout"], got["error"]) == (1.0, 0.0)
+
+
 def test_sleeping_grandchild_that_outlives_its_parent(reward, workdir):
     program = (
         "import os, time\n"

@@ -201,7 +201,7 @@ def kill_everything_left(spec, in_pid_namespace):
 
 
 def wait_with_deadline(pid, seconds):
-    """(wait status or None on timeout)."""
+    """(wait status, CPU seconds it used) or None on timeout."""
     fd = os.pidfd_open(pid)
     try:
         ready, _, _ = select.select([fd], [], [], max(0.0, seconds))
@@ -209,7 +209,20 @@ def wait_with_deadline(pid, seconds):
         os.close(fd)
     if not ready:
         return None
-    return os.waitpid(pid, 0)[1]
+    _, status, usage = os.wait4(pid, 0)
+    return status, usage.ru_utime + usage.ru_stime
+
+
+def out_of_cpu_time(status, cpu_used, cpu_limit):
+    """The program was stopped by its CPU-time limit: SIGXCPU at the soft limit, or the
+    SIGKILL of the hard one after it ignored that. Like the wall clock, this is its time
+    running out, so it counts as a timeout; which of the two limits fires first is a race
+    (CPU and wall time advance together on an idle core) and must not decide the score."""
+    if os.WIFEXITED(status):
+        # bwrap reports its program's death by signal N as its own exit status 128 + N.
+        return os.WEXITSTATUS(status) == 128 + signal.SIGXCPU
+    sig = os.WTERMSIG(status)
+    return sig == signal.SIGXCPU or (sig == signal.SIGKILL and cpu_used >= cpu_limit)
 
 
 def main():
@@ -232,11 +245,14 @@ def main():
     child = os.fork()
     if child == 0:
         run_program(spec, me, level == "namespace")
-    status = wait_with_deadline(child, spec["timeout"])
-    timed_out = status is None
-    if timed_out:
+    waited = wait_with_deadline(child, spec["timeout"])
+    if waited is None:
+        timed_out = True
         os.kill(child, signal.SIGKILL)  # in a PID namespace: its init, so everything in it
         status = os.waitpid(child, 0)[1]
+    else:
+        status, cpu_used = waited
+        timed_out = out_of_cpu_time(status, cpu_used, spec["limits"]["cpu"])
     elapsed = time.monotonic() - started
     kill_everything_left(spec, level == "namespace")
     report.write(
