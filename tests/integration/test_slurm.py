@@ -113,8 +113,11 @@ def test_failing_primary_fails_the_job_with_its_status(slurm, run_dir):
         _cancel_quietly(slurm, handle.job_id)
     assert (status.state, status.exit_code) == (JobState.FAILED, 3), status
     lines = list(slurm.logs(handle.job_id, role="trainer"))
-    # The role's output, then srun's own report of the failure.
-    assert lines[0] == "boom" and "exit code 3" in " ".join(lines[1:]), lines
+    # The role's output and srun's own report of the failure, in either order: srun gets
+    # the task's output and its exit over separate connections and prints each as it comes
+    # (a loaded machine showed the report first).
+    assert lines.count("boom") == 1, lines
+    assert any("exit code 3" in line for line in lines if line != "boom"), lines
 
 
 def test_cancel_a_running_job(slurm, run_dir):
