@@ -41,6 +41,9 @@ def test_exported_weights_are_hugging_face_weights(kind: str, biased_model_dir: 
         assert exported is not None and exported.version == 7
         initial = dict(exported.tensors)
         assert sorted(initial) == sorted(original), f"names differ: {sorted(initial.keys() ^ original.keys())}"
+        assert initial["lm_head.weight"].data_ptr() == initial["model.embed_tokens.weight"].data_ptr(), (
+            "the tied embedding is exported as two copies, which a transport then sends twice"
+        )
         for name, tensor in original.items():
             assert initial[name].dtype == tensor.dtype, f"{name}: {initial[name].dtype} != {tensor.dtype}"
             assert torch.equal(initial[name], tensor), f"{name} does not round-trip exactly"

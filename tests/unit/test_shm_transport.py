@@ -68,8 +68,37 @@ def test_roundtrip_is_bit_exact_across_dtypes_and_shapes(tmp_path):
         sender.send(WeightSet(version=1, tensors=tensors))
         got = dict(transport.receiver("gen-0").receive(1, timeout=scaled(1)))
     _assert_bit_exact(got, tensors)
-    assert sender.last_send_bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    written = {n: t for n, t in tensors.items() if n != "lm_head.weight"}  # the tie travels once
+    assert sender.last_send_bytes == sum(t.numel() * t.element_size() for t in written.values())
     assert sender.last_send_seconds is not None and sender.last_send_seconds > 0
+
+
+def test_a_tensor_under_two_names_is_written_once_and_received_as_one(tmp_path):
+    """Tied embeddings: the file holds the matrix once; the receiver gives both names the
+    same tensor, in the sender's order. A look-alike copy under another name is no tie."""
+    from safetensors import safe_open
+
+    embed, twin = torch.randn(6, 4), torch.randn(6, 4)
+    tensors = {
+        "model.embed_tokens.weight": embed,
+        "model.norm.weight": torch.randn(4),
+        "lm_head.weight": embed,
+        "twin.a": twin,
+        "twin.b": twin.clone(),
+        "reshaped": embed.view(4, 6),  # the same memory seen another way: its own tensor
+    }
+    transport = _transport(tmp_path)
+    with transport.sender() as sender:
+        sender.send(WeightSet(version=1, tensors=tensors))
+        with safe_open(str(shm.version_file(sender.directory, 1)), framework="pt") as f:
+            assert sorted(f.keys()) == sorted(n for n in tensors if n != "lm_head.weight")
+        got = list(transport.receiver("gen-0").receive(1, timeout=scaled(1)))
+    assert [n for n, _ in got] == list(tensors)
+    received = dict(got)
+    _assert_bit_exact(received, tensors)
+    assert received["lm_head.weight"] is received["model.embed_tokens.weight"]
+    assert received["twin.a"] is not received["twin.b"]
+    assert received["reshaped"].data_ptr() != received["model.embed_tokens.weight"].data_ptr()
 
 
 def test_received_tensors_outlive_their_file(tmp_path):

@@ -387,7 +387,9 @@ class ShardedTrainer(Trainer, abc.ABC):
             # One CPU rank: the "offloaded" state dict is the live parameters themselves, which
             # the next step changes in place while a transport may still hold this version
             # (for a worker that joins late). Gathered or offloaded tensors are copies already.
-            tensors = {name: t.detach().clone() for name, t in tensors.items()}
+            # A tensor under two names (tied embeddings) is copied once and stays one tensor,
+            # so a transport can send it once.
+            tensors = copy_keeping_ties(tensors)
         return tensors
 
     def close(self) -> None:
@@ -402,6 +404,19 @@ class ShardedTrainer(Trainer, abc.ABC):
 
     def _check_batch(self, batch: TrainBatch) -> None:
         check_batch(batch)
+
+
+def copy_keeping_ties(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of every tensor, where names that view the same memory the same way (tied
+    weights) get one copy between them."""
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+    out = {}
+    for name, t in tensors.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
+        if t.numel() == 0 or key not in copies:
+            copies[key] = t.detach().clone()
+        out[name] = copies[key]
+    return out
 
 
 def sum_gradients(model: Any) -> None:

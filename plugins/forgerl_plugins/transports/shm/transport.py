@@ -137,6 +137,10 @@ def _estimated_version_bytes(ctx: RunContext | None) -> int | None:
     return size or None
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
+
+
 class ShmSender(TransportSender):
     """Publishes versions into ``directory``. Owns it: :meth:`close` removes what it wrote."""
 
@@ -171,11 +175,13 @@ class ShmSender(TransportSender):
                 f"weight versions must strictly increase: got {version} after {self.last_version}"
             )
         start = time.perf_counter()
-        tensors, order = self._prepare(weights)
+        tensors, order, aliases = self._prepare(weights)
         nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
         final = version_file(self.directory, version)
         tmp = self.directory / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         metadata = {"format": "pt", "forgerl_version": str(version), "forgerl_names": json.dumps(order)}
+        if aliases:
+            metadata["forgerl_aliases"] = json.dumps(aliases)
         try:
             _private_file(tmp)
             _write_file(tensors, tmp, metadata)
@@ -205,25 +211,35 @@ class ShmSender(TransportSender):
         )
 
     @staticmethod
-    def _prepare(weights: WeightSet) -> tuple[dict[str, torch.Tensor], list[str]]:
-        """CPU, contiguous, unshared tensors (safetensors refuses tensors that share memory,
-        e.g. tied embeddings under two names): iterate the set once, as its contract says."""
+    def _prepare(weights: WeightSet) -> tuple[dict[str, torch.Tensor], list[str], dict[str, str]]:
+        """The tensors to write (CPU, contiguous, unshared: safetensors refuses tensors that
+        share memory), every name in order, and the aliases: a name whose tensor is one
+        already written (tied embeddings: ``lm_head.weight`` is ``embed_tokens.weight``) is
+        written once and recorded as ``{alias: name}``, which saves the bytes and the time
+        of the copy (113 MiB of SmolLM2's 621). Iterates the set once, as its contract says."""
         tensors: dict[str, torch.Tensor] = {}
         order: list[str] = []
-        seen: set[tuple[int, int]] = set()
+        aliases: dict[str, str] = {}
+        first_with_storage: dict[tuple[int, int], str] = {}
         for name, tensor in weights.items():
-            if name in tensors:
+            if name in tensors or name in aliases:
                 raise ValueError(f"weight name {name!r} appears twice in version {weights.version}")
+            order.append(name)
             t = tensor.detach().to("cpu").contiguous()
             if t.numel():
-                key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                if key in seen or t.storage_offset() or t.untyped_storage().nbytes() != t.nbytes:
-                    t = t.clone()  # an alias or a view of a bigger buffer
+                storage = t.untyped_storage()
+                key = (storage.data_ptr(), storage.nbytes())
+                whole = not t.storage_offset() and storage.nbytes() == t.nbytes
+                earlier = first_with_storage.get(key)
+                if whole and earlier is not None and _same_view(tensors[earlier], t):
+                    aliases[name] = earlier
+                    continue
+                if earlier is not None or not whole:
+                    t = t.clone()  # shares memory with another tensor, or a view of a bigger buffer
                 else:
-                    seen.add(key)
+                    first_with_storage[key] = name
             tensors[name] = t
-            order.append(name)
-        return tensors, order
+        return tensors, order, aliases
 
     def _remove_old_versions(self) -> None:
         for v in _versions_on_disk(self.directory)[: -self.keep_versions]:
@@ -312,10 +328,20 @@ class ShmReceiver(TransportReceiver):
             if got != str(version):
                 raise TransportError(f"{path} holds version {got!r}, expected {version}")
             names = json.loads(meta["forgerl_names"]) if "forgerl_names" in meta else list(f.keys())
+            aliases: dict[str, str] = json.loads(meta.get("forgerl_aliases") or "{}")
+            # An alias is the same tensor as its target, as it was on the sender's side.
+            targets = set(aliases.values())
+            kept: dict[str, torch.Tensor] = {}
             for name in names:
+                if name in aliases:
+                    yield name, kept[aliases[name]]
+                    continue
                 # get_tensor maps the file lazily; the copy makes the tensor independent of
                 # the file, whose pages are freed once the sender removes it.
-                yield name, f.get_tensor(name).clone()
+                tensor = f.get_tensor(name).clone()
+                if name in targets:
+                    kept[name] = tensor
+                yield name, tensor
 
     def close(self) -> None:
         self._closed = True
