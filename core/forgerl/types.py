@@ -190,6 +190,21 @@ class WeightSet:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+def tie_key(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Equal for two non-empty tensors exactly when they are one tensor under two names
+    (tied weights such as ``lm_head.weight`` and ``model.embed_tokens.weight``): the same
+    memory seen with the same dtype, shape and strides. Whoever keeps a tie in a
+    :class:`WeightSet` and whoever sends or checks it once must agree on what a tie is, so
+    they all ask this. Empty tensors may share an address without being tied: skip them."""
+    return (
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tensor.dtype,
+        tuple(tensor.shape),
+        tensor.stride(),
+    )
+
+
 # ------------------------------------------------------------------------ scheduling
 
 

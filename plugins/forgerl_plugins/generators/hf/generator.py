@@ -25,7 +25,14 @@ from typing import TYPE_CHECKING, Any, cast
 
 from forgerl.errors import ConfigError, GeneratorError, TransportError
 from forgerl.interfaces import Generator, RunContext, Transport, TransportReceiver
-from forgerl.types import Completion, FinishReason, GenerationRequest, GeneratorHealth, SamplingParams
+from forgerl.types import (
+    Completion,
+    FinishReason,
+    GenerationRequest,
+    GeneratorHealth,
+    SamplingParams,
+    tie_key,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -362,7 +369,7 @@ class HFGenerator(Generator):
             )
         groups: dict[Any, list[str]] = {}
         for name, t in targets.items():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape)) if t.numel() else name
+            key = tie_key(t) if t.numel() else name
             groups.setdefault(key, []).append(name)
         missing = [names[0] for names in groups.values() if not any(n in staged for n in names)]
         if missing:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from forgerl.errors import CheckpointUnusable, ConfigError
 from forgerl.interfaces import RunContext, Trainer
-from forgerl.types import TrainBatch
+from forgerl.types import TrainBatch, tie_key
 
 from .batching import MicroBatch, global_count, micro_batches, rank_rows
 from .distributed import init_distributed, native_bf16, pick_device
@@ -412,7 +412,7 @@ def copy_keeping_ties(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     copies: dict[tuple[Any, ...], torch.Tensor] = {}
     out = {}
     for name, t in tensors.items():
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.dtype, tuple(t.shape), t.stride())
+        key = tie_key(t)
         if t.numel() == 0 or key not in copies:
             copies[key] = t.detach().clone()
         out[name] = copies[key]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import EngineReceiver, RunContext, Transport, TransportReceiver, TransportSender
-from forgerl.types import WeightSet
+from forgerl.types import WeightSet, tie_key
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -137,10 +137,6 @@ def _estimated_version_bytes(ctx: RunContext | None) -> int | None:
     return size or None
 
 
-def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride()
-
-
 class ShmSender(TransportSender):
     """Publishes versions into ``directory``. Owns it: :meth:`close` removes what it wrote."""
 
@@ -220,24 +216,24 @@ class ShmSender(TransportSender):
         tensors: dict[str, torch.Tensor] = {}
         order: list[str] = []
         aliases: dict[str, str] = {}
-        first_with_storage: dict[tuple[int, int], str] = {}
+        first_with_tie_key: dict[tuple[Any, ...], str] = {}
+        storages_written: set[tuple[int, int]] = set()
         for name, tensor in weights.items():
             if name in tensors or name in aliases:
                 raise ValueError(f"weight name {name!r} appears twice in version {weights.version}")
             order.append(name)
             t = tensor.detach().to("cpu").contiguous()
             if t.numel():
-                storage = t.untyped_storage()
-                key = (storage.data_ptr(), storage.nbytes())
-                whole = not t.storage_offset() and storage.nbytes() == t.nbytes
-                earlier = first_with_storage.get(key)
-                if whole and earlier is not None and _same_view(tensors[earlier], t):
+                earlier = first_with_tie_key.setdefault(tie_key(t), name)
+                if earlier != name:
                     aliases[name] = earlier
                     continue
-                if earlier is not None or not whole:
+                storage = t.untyped_storage()
+                key = (storage.data_ptr(), storage.nbytes())
+                if key in storages_written or t.storage_offset() or storage.nbytes() != t.nbytes:
                     t = t.clone()  # shares memory with another tensor, or a view of a bigger buffer
                 else:
-                    first_with_storage[key] = name
+                    storages_written.add(key)
             tensors[name] = t
         return tensors, order, aliases
 
