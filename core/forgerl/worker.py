@@ -56,6 +56,8 @@ def exit_now(code: int) -> NoReturn:
     had done all its work aborted on the way out (SIGABRT, 'terminate called without an
     active exception'; not reproduced in 60 runs here), failing a finished run. Nothing
     is lost by skipping it: checkpoints, metrics and logs are written and closed by now.
+    It recurred in a rank of the trainer kit's two-rank check (TorchTitan, rank 1, after
+    its results were due), which now ends through here too (forgerl.testing.trainer_rank).
     If it recurs elsewhere, faulthandler prints the stack into the rank's log."""
     logging.shutdown()
     sys.stdout.flush()

@@ -123,3 +123,18 @@ def test_the_two_rank_check_fails_when_ranks_disagree(broken, message, tmp_path)
         return
     with pytest.raises(AssertionError, match=message):
         kit._compare_ranks(one, two, tmp_path)
+
+
+def test_a_kit_rank_that_fails_exits_1_and_the_check_shows_its_traceback(tmp_path):
+    """A kit rank ends without interpreter finalization (forgerl.worker.exit_now), so it
+    prints a failure's traceback itself; the check names the rank, its exit status and
+    what the ranks wrote (a crash at exit leaves the results there)."""
+    import sys
+
+    from forgerl.testing.timing import scaled
+    from forgerl.testing.trainer_support import beside_two_ranks
+
+    command = [sys.executable, "-m", "forgerl.testing.trainer_rank", str(tmp_path / "no-spec.json")]
+    with pytest.raises(AssertionError, match=r"(?s)rank 0 of 2 failed \(exit 1; .* holds \['rank0.log', 'rank1.log'\]\)"
+                                             r".*Traceback.*FileNotFoundError.*no-spec.json"):
+        beside_two_ranks(command, tmp_path, lambda: None, timeout=scaled(60))

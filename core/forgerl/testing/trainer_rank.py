@@ -10,10 +10,16 @@ the environment, runs :func:`forgerl.testing.trainer_support.rank_scenario`, and
 ``OUT/rank<r>.json`` (metrics, which exports returned weights); rank 0 also writes
 ``OUT/weights.safetensors`` (the weights after the first step). A failure prints its
 traceback and exits 1.
+
+A rank ends as a run's worker does (:func:`forgerl.worker.exit_now`): once its files are
+written it exits without interpreter finalization, which once aborted a finished gloo rank
+in CI ('terminate called without an active exception'), and a crash in native code prints
+every thread's Python stack into the rank's log.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -45,4 +51,15 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    faulthandler.enable()
+    from forgerl.worker import exit_now
+
+    try:
+        code = main(sys.argv[1:])
+    except Exception:  # noqa: BLE001 - any failure fails the rank, with its traceback
+        # Printed here, as the interpreter would have, since exit_now skips it.
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    exit_now(code)

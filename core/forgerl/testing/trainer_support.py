@@ -352,5 +352,9 @@ def beside_two_ranks(command: list[str], logs: Path, one_rank: Callable[[], T], 
         for f in files:
             f.close()
     for r, code in enumerate(codes):
-        assert code == 0, f"rank {r} of 2 failed (exit {code}):\n{(logs / f'rank{r}.log').read_text()[-4000:]}"
+        # What the ranks wrote tells a crash at exit (results there) from one in the work.
+        assert code == 0, (
+            f"rank {r} of 2 failed (exit {code}; {logs} holds {sorted(p.name for p in logs.iterdir())}):\n"
+            f"{(logs / f'rank{r}.log').read_text()[-4000:]}"
+        )
     return result
