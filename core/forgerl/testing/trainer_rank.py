@@ -54,12 +54,5 @@ if __name__ == "__main__":
     faulthandler.enable()
     from forgerl.worker import exit_now
 
-    try:
-        code = main(sys.argv[1:])
-    except Exception:  # noqa: BLE001 - any failure fails the rank, with its traceback
-        # Printed here, as the interpreter would have, since exit_now skips it.
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    exit_now(code)
+    # A failure propagates: the interpreter prints it and exits 1, as for the worker.
+    exit_now(main(sys.argv[1:]))
