@@ -74,12 +74,14 @@ def plan(
     registry: Registry | None = None,
     resume_dir: str | Path | None = None,
     create: bool = True,
+    restart: bool = False,
 ) -> Plan:
     """Resolve backends (they must be available here), choose the run directory, build the
     job and run the pre-flight checks (:mod:`forgerl.preflight`). With ``create`` the run
     directory is then created and config.yaml written: a mistake found before that leaves
-    nothing behind."""
-    from forgerl import preflight
+    nothing behind. ``restart`` (with ``resume_dir``) trains that run again from step 0:
+    allowed only where it has no checkpoint; its finished metrics rows are set aside."""
+    from forgerl import preflight, resuming
 
     registry = registry or build_registry()
     config = resolve(config, registry, check_available=True)
@@ -91,12 +93,25 @@ def plan(
     if create or not fresh:
         config = config.model_copy(update={"output": str(run_dir)})
     job = runs.build_job(config, registry, run_dir)
+    if not fresh:
+        resuming.check(run_dir, config, restart=restart)
     preflight.check_run(config, registry, scheduler, job, run_dir=run_dir, fresh=fresh)
+    notes: list[str] = []
     if create:
         if fresh:
+            created = runs.missing_dirs(run_dir)
             runs.new_run_dir(config, run_dir)
-        runs.write_config(run_dir, config)
-    return Plan(config, run_dir, job, scheduler, resumed=resume_dir is not None)
+            try:
+                runs.write_config(run_dir, config)
+            except BaseException:
+                runs.remove_new_dirs(created)  # a full disk at the start leaves nothing behind
+                raise
+        else:
+            # Never rewritten to contradict the checkpoint: resuming.check ran first.
+            runs.write_config(run_dir, config, then=f"run `forge run --resume {run_dir}` again")
+        if restart:
+            notes += resuming.set_aside_history(run_dir)
+    return Plan(config, run_dir, job, scheduler, resumed=resume_dir is not None, notes=notes)
 
 
 def submit(

@@ -26,7 +26,6 @@ checkpoint and warns about each newer one it skips; when none is usable it says 
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -37,6 +36,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from forgerl.checkpoint_format import ARRAYS_FILE, LOOP_FILE, Snapshot, decode, encode
+from forgerl.diskerrors import advice as _advice
+from forgerl.diskerrors import os_error as _os_error
 from forgerl.errors import CheckpointError, CheckpointUnusable, CheckpointWriteError
 
 log = logging.getLogger("forgerl.checkpoint")
@@ -140,28 +141,6 @@ def _short(path: Path, run_dir: Path) -> str:
         return str(Path(path).relative_to(run_dir))
     except ValueError:
         return str(path)
-
-
-def _os_error(exc: BaseException | None) -> OSError | None:
-    """The OSError behind ``exc`` (itself, or along its causes), if any."""
-    seen = 0
-    while exc is not None and seen < 10:
-        if isinstance(exc, OSError):
-            return exc
-        exc = exc.__cause__ or exc.__context__
-        seen += 1
-    return None
-
-
-def _advice(cause: OSError | None, where: str) -> str:
-    code = cause.errno if cause is not None else None
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        return "free space"
-    if code in (errno.EACCES, errno.EPERM):
-        return f"make {where}/ writable"
-    if code == errno.EROFS:
-        return f"make the file system of {where}/ writable"
-    return f"check the disk holding {where}/"
 
 
 def _safetensors_bytes(arrays: dict[str, Any]) -> bytes:

@@ -116,6 +116,9 @@ def _flags(kwargs: dict[str, Any]) -> dict[str, Any]:
 @cli.command()
 @_config_options
 @click.option("--resume", "resume_dir", type=click.Path(file_okay=False), help="Continue the run in this directory.")
+@click.option("--restart", "restart_dir", type=click.Path(file_okay=False),
+              help="Train the run in this directory again from step 0 (it has no checkpoint); "
+              "its finished metrics rows are kept aside.")
 @click.option("--dry-run", is_flag=True, help="Print what would be started or submitted; start nothing.")
 @click.option("--wait/--no-wait", default=None, help="Follow a submitted job to its end (default for local runs).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress lines or bar (the summary is still printed).")
@@ -123,6 +126,7 @@ def run(
     config_file: str | None,
     sets: tuple[str, ...],
     resume_dir: str | None,
+    restart_dir: str | None,
     dry_run: bool,
     wait: bool | None,
     quiet: bool,
@@ -132,6 +136,12 @@ def run(
     from forgerl import api, runs
     from forgerl.config import build_config, read_yaml
 
+    if restart_dir is not None:
+        if resume_dir is not None:
+            from forgerl.errors import ConfigError
+
+            raise ConfigError("give --resume (continue from the checkpoint) or --restart (from step 0), not both")
+        resume_dir = restart_dir  # the same run directory and saved config; only the start differs
     _refuse_conflicting_flags(config_file, resume_dir, kwargs.get("output"))
     registry = _registry()
     base = None
@@ -142,7 +152,10 @@ def run(
         given = build_config(sets=sets, flags=_flags(kwargs), base=base)
         runs.check_resume_changes(saved, given, resume_dir)
     config = api.load_config(config_file, sets=sets, flags=_flags(kwargs), registry=registry, base=base)
-    plan = api.plan(config, registry=registry, resume_dir=resume_dir, create=not dry_run)
+    plan = api.plan(config, registry=registry, resume_dir=resume_dir, create=not dry_run,
+                    restart=restart_dir is not None)
+    for note in plan.notes:
+        click.echo(f"forge: {note}", err=True)
     if dry_run:
         click.echo(f"# run directory: {plan.run_dir}  (nothing was created)")
         click.echo(f"# scheduler: {plan.config.scheduler.name}")
@@ -154,7 +167,15 @@ def run(
     progress = plan.config.logging.progress and not quiet
     events_from = events_size(plan.run_dir)
     handle = plan.scheduler.submit(plan.job)
-    runs.write_submission(plan.run_dir, handle)
+    try:
+        runs.write_submission(plan.run_dir, handle)
+    except ForgeError:
+        # Without submission.json nothing could find the job again: stop it, then say why.
+        try:
+            plan.scheduler.cancel(handle.job_id)
+        except Exception:  # noqa: BLE001 - the disk error is the one to report
+            pass
+        raise
     if plan.scheduler.detached and not wait:
         click.echo(f"submitted {handle.job_id} to {handle.scheduler}; run directory {plan.run_dir}")
         click.echo(f"follow it with `forge status {plan.run_dir}` and `forge logs {plan.run_dir}`")

@@ -96,6 +96,13 @@ class RewardError(ForgeError):
     """A reward function failed; the loop scores that sample as failed and goes on."""
 
 
+class RunWriteError(UserError):
+    """A file of the run (config.yaml, metrics.jsonl, submission.json, a job file) could not
+    be written: the disk is full, a quota is reached, the file system is read-only, or the
+    folder is not writable. Nothing half-written is left behind; the message names the file,
+    the cause and what to do (:mod:`forgerl.diskerrors`)."""
+
+
 class CheckpointError(ForgeError):
     """A checkpoint could not be written, or a run directory cannot be resumed."""
 

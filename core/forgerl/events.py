@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from forgerl.runs import append_line
+
 EVENTS_FILE = "events.jsonl"
 TIMINGS_FILE = "timings.json"
 
@@ -57,16 +59,8 @@ def announce(
     if log is not None:
         event["log"] = str(log)
     event.update(extra)
-    line = (json.dumps(event) + "\n").encode()
-    try:
-        # One write of one short line with O_APPEND: lines of several processes never mix.
-        fd = os.open(folder / EVENTS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        try:
-            os.write(fd, line)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
+    # Whole lines only, and a full disk drops the event (runs.append_line).
+    append_line(folder / EVENTS_FILE, (json.dumps(event) + "\n").encode())
 
 
 class phase:

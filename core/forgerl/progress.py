@@ -253,6 +253,9 @@ def print_summary(run_dir: Path, status: JobStatus) -> None:
     print(f"forge: run {status.state.value}" + (f" (exit {status.exit_code})" if status.exit_code else ""), file=out)
     if status.detail:
         print(f"forge: {status.detail}", file=out)
+    full = disk_full_note(run_dir) if status.state.value == "failed" else None
+    if full:
+        print(f"forge: error: {full}", file=out)
     if summary:
         before, after = summary.get("eval_accuracy_start"), summary.get("eval_accuracy_end")
         if before is not None or after is not None:
@@ -264,6 +267,26 @@ def print_summary(run_dir: Path, status: JobStatus) -> None:
             print("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()), file=out)
     print(f"  run directory: {run_dir}", file=out)
     print(f"  plots: forge report {run_dir}", file=out)
+
+
+#: Free bytes below which a run directory's disk counts as full: less than a metrics row and
+#: a log line, so a failed run on it most likely failed for that.
+FULL_BELOW = 64 * 1024
+
+
+def disk_full_note(run_dir: Path) -> str | None:
+    """What to do when the disk under ``run_dir`` is full. A process that fails there may
+    not even get its one error line into its log, so forge says it from outside."""
+    import shutil
+
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError:
+        return None
+    if free >= FULL_BELOW:
+        return None
+    return (f"the disk holding {run_dir} is full ({free} bytes free): free space, then continue with "
+            f"`forge run --resume {run_dir}`")
 
 
 def _fmt(x: float | None) -> str:

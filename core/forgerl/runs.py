@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from forgerl.diskerrors import write_failed
 from forgerl.errors import ConfigError, ResumeError
 from forgerl.types import JobHandle, JobSpec, Resources, RoleSpec
 
@@ -129,19 +130,81 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def write_config(run_dir: Path, config: RunConfig) -> None:
-    atomic_write_text(run_dir / CONFIG_FILE, config.to_yaml())
+def write_config(run_dir: Path, config: RunConfig, *, then: str = "run the command again") -> None:
+    """config.yaml, whole or not at all; a disk that refuses it is one RunWriteError line."""
+    path = run_dir / CONFIG_FILE
+    try:
+        atomic_write_text(path, config.to_yaml())
+    except OSError as exc:
+        raise write_failed(path, exc, then) from None
 
 
 def atomic_write_text(path: Path, text: str) -> None:
+    """Readers see the old file or the new one. When the write fails (a full disk), the
+    temporary file is removed before the OSError goes on: a failed write leaves nothing."""
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+
+
+def append_line(path: Path, line: bytes) -> bool:
+    """Append one line, whole or not at all, to a file that several processes append to
+    (events.jsonl, a scheduler's log): one write on an O_APPEND descriptor, so lines never
+    mix. A disk that takes only part of it (full) has the part cut off again, unless another
+    process appended after it meanwhile (then readers skip the torn line, as they skip any
+    line that is not JSON). False when the line is not there; never raises."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError:
+        return False
+    try:
+        wrote = os.write(fd, line)
+        if wrote == len(line):
+            return True
+        end = os.lseek(fd, 0, os.SEEK_CUR)
+        if os.fstat(fd).st_size == end:
+            os.ftruncate(fd, end - wrote)
+        return False
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def write_submission(run_dir: Path, handle: JobHandle) -> None:
     data = {"scheduler": handle.scheduler, "job_id": handle.job_id, "run_dir": handle.run_dir}
-    atomic_write_text(run_dir / SUBMISSION_FILE, json.dumps(data, indent=2))
+    path = run_dir / SUBMISSION_FILE
+    try:
+        atomic_write_text(path, json.dumps(data, indent=2))
+    except OSError as exc:
+        raise write_failed(path, exc, f"run `forge run --resume {run_dir}`") from None
+
+
+def missing_dirs(run_dir: Path) -> list[Path]:
+    """The folders :func:`new_run_dir` would create for ``run_dir``, deepest first."""
+    missing = [run_dir / "logs"]
+    folder = run_dir
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def remove_new_dirs(created: list[Path]) -> None:
+    """Undo :func:`new_run_dir` after a failure before the run started: remove the folders
+    it created (given deepest first), each only while empty, so nothing else can go."""
+    for folder in created:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def read_submission(run_dir: Path) -> dict[str, Any] | None:

@@ -44,8 +44,18 @@ def main(argv: list[str] | None = None) -> int:
     except ForgeError as exc:
         if not exc.user_fixable or debug_enabled():
             raise
-        print(f"forge: error: {exc}", file=sys.stderr)
+        _say(f"forge: error: {exc}")
         return 2
+
+
+def _say(line: str) -> None:
+    """Print the error line to stderr (the rank's log). On a full disk even that can fail:
+    the exit status (2) still says it was the user's to fix, and ``forge run`` reports a
+    full disk itself; an OSError here must not turn it into a crash."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 def exit_now(code: int) -> NoReturn:
@@ -59,9 +69,11 @@ def exit_now(code: int) -> NoReturn:
     It recurred in a rank of the trainer kit's two-rank check (TorchTitan, rank 1, after
     its results were due), which now ends through here too (forgerl.testing.trainer_rank).
     If it recurs elsewhere, faulthandler prints the stack into the rank's log."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for finish in (logging.shutdown, sys.stdout.flush, sys.stderr.flush):
+        try:
+            finish()
+        except OSError:  # a full disk under the log: the exit status must still be ``code``
+            pass
     os._exit(code)
 
 

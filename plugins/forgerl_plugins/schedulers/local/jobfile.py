@@ -24,7 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from forgerl.diskerrors import write_failed
 from forgerl.errors import JobNotFound
+from forgerl.runs import append_line
 from forgerl.types import JobSpec, RoleSpec
 
 JOB_FILE = "job.json"
@@ -92,22 +94,43 @@ def read_job(run_dir: Path) -> dict[str, Any]:
         raise JobNotFound(f"cannot read local job {run_dir}: {path}: {e}") from None
 
 
-def write_job(run_dir: Path, record: Mapping[str, Any]) -> None:
-    """Atomic: a reader in another process sees the old record or the new one, never half."""
+def write_job(run_dir: Path, record: Mapping[str, Any]) -> bool:
+    """Atomic: a reader in another process sees the old record or the new one, never half.
+
+    A disk that refuses the write (full, read-only) must not end the supervisor, which
+    would leave the job's processes unsupervised: the old record stays, the temporary file
+    goes, and False says so (the next write tries again)."""
     path = run_dir / JOB_FILE
     tmp = path.with_name(f".{JOB_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        return False
+    return True
 
 
 def log_event(run_dir: Path, message: str) -> None:
+    """One line in logs/scheduler.log; a full disk drops the line rather than stopping the
+    supervisor (:func:`forgerl.runs.append_line`)."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    with open(run_dir / "logs" / EVENT_LOG, "a") as f:
-        f.write(f"{stamp} {message}\n")
+    append_line(run_dir / "logs" / EVENT_LOG, f"{stamp} {message}\n".encode())
 
 
 def request_cancel(run_dir: Path) -> None:
-    (run_dir / CANCEL_FILE).write_text(f"pid {os.getpid()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+    path = run_dir / CANCEL_FILE
+    try:
+        path.write_text(f"pid {os.getpid()} at {time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+    except OSError as exc:
+        try:
+            path.unlink()
+        except OSError:
+            pass
+        raise write_failed(path, exc, "cancel again, or stop the job's processes yourself") from None
 
 
 def cancel_requested(run_dir: Path) -> bool:
