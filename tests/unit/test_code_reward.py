@@ -122,3 +122,74 @@ def test_bwrap_hides_the_hosts_tmp_and_binds_back_what_the_program_needs(tmp_pat
     assert argv.index("--tmpfs") < argv.index("--bind"), "the box is bound into the fresh /tmp, not hidden by it"
     in_tmp = bwrap_prefix(box, "/tmp/venv-base/bin/python3")
     assert ("--ro-bind", "/tmp/venv-base", "/tmp/venv-base") in zip(in_tmp, in_tmp[1:], in_tmp[2:], strict=False)
+
+
+# ------------------------------------------------ tests here, the program in its sandbox
+
+
+@pytest.mark.parametrize(
+    ("program", "tests"),
+    [
+        # A class: the instance stays in the program, its methods and attributes answer.
+        (
+            "class Stack:\n    def __init__(self):\n        self.items = []\n"
+            "    def push(self, x):\n        self.items.append(x)\n        return self\n",
+            ["s = Stack()\ns.push(1).push(2)\nassert s.items == [1, 2] and len(s.items) == 2"],
+        ),
+        # A generator, iterated by the test; a dict subclass compared as a dict.
+        (
+            "import collections\ndef evens(n):\n    yield from range(0, n, 2)\n"
+            "def count(xs):\n    return collections.Counter(xs)\n",
+            ["assert list(evens(7)) == [0, 2, 4, 6]", "assert count('aab') == {'a': 2, 'b': 1}"],
+        ),
+        # A function that changes its argument in place, and one that raises what the test expects.
+        (
+            "def sort_in_place(xs):\n    xs.sort()\ndef parse(s):\n    return int(s)\n",
+            [
+                "xs = [3, 1, 2]\nsort_in_place(xs)\nassert xs == [1, 2, 3]",
+                "try:\n    parse('x')\n    raise AssertionError('no error')\nexcept ValueError:\n    pass",
+            ],
+        ),
+        # The program's module import and plain globals reach the tests; tuples stay tuples.
+        (
+            "import math\nLIMIT = 10\ndef pair(x):\n    return (x, math.sqrt(x))\n",
+            ["assert LIMIT == 10 and pair(4) == (4, 2.0) and math.floor(2.5) == 2"],
+        ),
+    ],
+    ids=["class", "generator-and-counter", "in-place-and-raises", "globals-and-modules"],
+)
+def test_what_tests_do_with_a_program_works_across_the_sandbox(code, program, tests):
+    value, parts = scored(code, {"tests": tests}, program)
+    assert (value, parts["error"]) == (1.0, 0.0), parts
+
+
+def test_a_wrong_answer_of_each_kind_fails(code):
+    program = "def f(x):\n    return [x]\ndef g(x):\n    raise KeyError(x)\n"
+    tests = ["assert f(1) == (1,)", "assert f(1) == [2]", "assert g(1) == 1", "assert f(1) is not None"]
+    value, parts = scored(code, {"tests": tests}, program)
+    assert value == 0.25 and parts["error"] == 0.0, parts
+
+
+def test_the_program_never_sees_the_tests(code):
+    """The tests and their expected values stay in the reward's process: the program's
+    directory holds only itself, and a program looking for them finds nothing."""
+    program = (
+        "import os\nFOUND = sorted(os.listdir('.'))\n"
+        "def seen():\n    return [n for n in FOUND if n not in ('main.py', 'solution.py')]\n"
+    )
+    assert scored(code, {"tests": ["assert seen() == []"]}, program)[0] == 1.0
+
+
+def test_decoding_builds_only_builtin_values():
+    from forgerl_plugins.rewards.code_wire import from_wire, to_wire
+
+    value = {"a": (1, 2.5, None), 3: [b"\x00", {1, 2}, frozenset({"x"}), 1 + 2j], "t": True}
+    assert from_wire(to_wire(value, make_ref=id), lambda n, t: (n, t)) == value
+    for bad in ({"list": []}, {"dict": [[1]]}, {"tuple": 1}, {"ref": "1", "type": "x"}, {"complex": ["1", 2]}):
+        with pytest.raises((ValueError, TypeError)):
+            from_wire(bad, lambda n, t: None)
+    deep: list = []
+    for _ in range(500):
+        deep = [deep]
+    with pytest.raises(ValueError, match="nested too deeply"):
+        from_wire(deep, lambda n, t: None)

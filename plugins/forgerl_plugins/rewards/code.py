@@ -11,59 +11,30 @@ through; docs/rewards.md has the format):
 - ``tests`` as text defining ``check(candidate)`` with ``entry_point`` (HumanEval): one
   test, ``check(<entry_point>)``.
 
-``setup`` (optional) is code run before the tests; ``prefix`` (optional, HumanEval's
-prompt) is put before the completion's code. The harness reports each result with a
-nonce the program does not get, so a program that exits early (``sys.exit(0)``,
-``os._exit``) or prints fake results passes nothing.
+``setup`` (optional) is code run before the program and the tests; ``prefix`` (optional,
+HumanEval's prompt) is put before the completion's code. The tests run in this process,
+the program in the sandbox, and only plain values cross between them
+(:mod:`.code_tests`): nothing the program does decides a test's verdict but the values it
+returns.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import re
-import secrets
 from collections.abc import Mapping
 from typing import Any
 
 from forgerl.interfaces import Reward
 from forgerl.types import RewardInput, RewardResult
 from forgerl_plugins.rewards import CodeOptions
+from forgerl_plugins.rewards.code_tests import run_tests
 from forgerl_plugins.rewards.sandbox import Job, Limits, RunOutcome, Sandbox, run_all
 
 log = logging.getLogger("forgerl.rewards")
 
 _FENCE = re.compile(r"```[ \t]*([\w+#-]*)[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _PYTHON_TAGS = ("python", "py", "python3", "")
-
-# Runs the program's code, then each test, in one namespace; results go to a duplicate of
-# stdout tagged with a nonce read from the stdin pipe (gone once read).
-HARNESS = """\
-import json, os, sys
-
-def _forge_harness():
-    nonce = sys.stdin.readline().strip()
-    out = os.dup(1)
-    with open("tests.json", encoding="utf-8") as f:
-        spec = json.load(f)
-    def say(text):
-        os.write(out, (nonce + " " + text + "\\n").encode())
-    namespace = {"__name__": "solution"}
-    try:
-        exec(compile(spec["setup"] + "\\n" + spec["code"], "solution.py", "exec"), namespace)
-    except BaseException as exc:
-        say("error " + type(exc).__name__)
-        return
-    for i, test in enumerate(spec["tests"]):
-        try:
-            exec(compile(test, "test_%d" % i, "exec"), namespace)
-            say("pass %d" % i)
-        except BaseException as exc:
-            say("fail %d %s" % (i, type(exc).__name__))
-    say("done")
-
-_forge_harness()
-"""
 
 
 def extract_code(text: str, mode: str) -> str:
@@ -133,7 +104,9 @@ class CodeReward(Reward):
     def _stdio(self, code: str, cases: Any) -> tuple[list[bool], bool, bool]:
         if not isinstance(cases, list) or not cases:
             raise ValueError("metadata 'stdio' must be a non-empty list of {'input', 'output'} cases")
-        jobs: list[Job] = [{"files": {"main.py": code}, "stdin": str(case.get("input", ""))} for case in cases]
+        jobs: list[Job] = [
+            {"files": {"main.py": code}, "stdin": str(case.get("input", ""))} for case in cases
+        ]
         outcomes = run_all(self.sandbox, jobs)
         _raise_on_setup_error(outcomes)
         passed = [
@@ -156,30 +129,10 @@ class CodeReward(Reward):
                 f"problem {problem_id} has no tests for the code reward: metadata needs 'tests' "
                 "(a list of assert statements, or check(candidate) text with 'entry_point') or 'stdio' cases"
             )
-        nonce = secrets.token_hex(16)
-        spec = {"setup": str(meta.get("setup") or ""), "code": code, "tests": tests}
-        outcome = self.sandbox.run(
-            {"main.py": HARNESS, "tests.json": json.dumps(spec)}, stdin=nonce + "\n", stdin_pipe=True
-        )
-        _raise_on_setup_error([outcome])
-        passed = [False] * len(tests)
-        done = errored = False
-        for line in outcome.stdout.splitlines():
-            head, _, rest = line.partition(" ")
-            if head != nonce:
-                continue
-            words = rest.split()
-            if words[:1] == ["pass"] and len(words) > 1 and words[1].isdigit() and int(words[1]) < len(tests):
-                passed[int(words[1])] = True
-            elif words[:1] == ["error"]:
-                errored = True
-            elif words[:1] == ["done"]:
-                done = True
-        if not done and not outcome.timed_out:
-            # Died before the end (killed, os._exit, a limit): results reported before
-            # stand, the tests it skipped are failed.
-            errored = True
-        return passed, outcome.timed_out, errored
+        run = run_tests(self.sandbox, program=code, setup=str(meta.get("setup") or ""), tests=tests)
+        if run.reason:
+            log.debug("code reward, problem %s: %s", problem_id, run.reason)
+        return run.passed, run.timed_out, run.errored
 
 
 def _raise_on_setup_error(outcomes: list[RunOutcome]) -> None:

@@ -28,9 +28,10 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, TypedDict
+from typing import TypedDict
 
 from forgerl.errors import ConfigError
+from forgerl_plugins.rewards.conversation import Conversation
 
 log = logging.getLogger("forgerl.rewards")
 
@@ -138,35 +139,50 @@ class Sandbox:
 
     # ------------------------------------------------------------------ running
 
-    def run(
-        self,
-        files: Mapping[str, str],
-        *,
-        stdin: str = "",
-        stdin_pipe: bool = False,
-        level: str | None = None,
-    ) -> RunOutcome:
-        """Run ``python main.py`` of ``files`` (written into a fresh directory). ``stdin``
-        goes through a file, or through a pipe when ``stdin_pipe`` (read once, it cannot
-        be read again by seeking)."""
-        level = level or self.level
+    def run(self, files: Mapping[str, str], *, stdin: str = "", level: str | None = None) -> RunOutcome:
+        """Run ``python main.py`` of ``files`` (written into a fresh directory) to its end,
+        with ``stdin`` as its input."""
+        with self._launched(files, stdin, level or self.level, converse=False) as launched:
+            return launched.finish()
+
+    @contextlib.contextmanager
+    def converse(self, files: Mapping[str, str]) -> Iterator[Conversation]:
+        """Run ``python main.py`` of ``files`` with its stdin and stdout as a conversation
+        of lines (:class:`Conversation`), within the wall-clock and CPU limits. Leaving
+        the block stops the program (the supervisor kills what is left of it); the
+        conversation's ``outcome`` then says how it ended."""
+        with self._launched(files, "", self.level, converse=True) as launched:
+            proc = launched.proc
+            if proc is None or proc.stdin is None or proc.stdout is None:
+                raise RuntimeError(f"the sandbox could not run the program: {launched.finish().setup_error}")
+            talk = Conversation(proc.stdin, proc.stdout, seconds=self.limits.wall_seconds + _LAUNCHER_GRACE)
+            try:
+                yield talk
+            finally:
+                launched.stop()
+                talk.close()
+                talk.outcome = launched.finish()
+
+    @contextlib.contextmanager
+    def _launched(
+        self, files: Mapping[str, str], stdin: str, level: str, converse: bool
+    ) -> Iterator[_Launched]:
         with self._slots.take() as slot:
             uid = SANDBOX_UID_BASE + slot if self.root else None
             control = Path(tempfile.mkdtemp(prefix="forge-code-", dir=self.workdir))
+            launched = None
             try:
-                return self._run_in(control, files, stdin, stdin_pipe, level, uid)
+                launched = self._launch(control, files, stdin, level, uid, converse)
+                yield launched
             finally:
+                if launched is not None:  # the caller left early: end the program, reap the launcher
+                    launched.stop()
+                    launched.finish()
                 _remove(control)
 
-    def _run_in(
-        self,
-        control: Path,
-        files: Mapping[str, str],
-        stdin: str,
-        stdin_pipe: bool,
-        level: str,
-        uid: int | None,
-    ) -> RunOutcome:
+    def _launch(
+        self, control: Path, files: Mapping[str, str], stdin: str, level: str, uid: int | None, converse: bool
+    ) -> _Launched:
         control.chmod(0o711)  # the program's uid may traverse it, not list it
         box = control / "box"
         box.mkdir()
@@ -202,44 +218,97 @@ class Sandbox:
             "core": 0,
         }
         report_r, report_w = os.pipe()
+        # Closing (or writing to) the stop pipe tells the supervisor to end the program now.
+        stop_r, stop_w = os.pipe()
         spec = {
             "level": level, "box": str(box), "uid": uid, "argv": argv, "env": env, "limits": limits,
-            "timeout": lim.wall_seconds, "parent": os.getpid(), "report_fd": report_w, **spec_extra,
+            "timeout": lim.wall_seconds, "parent": os.getpid(), "report_fd": report_w, "stop_fd": stop_r,
+            **spec_extra,
         }  # fmt: skip
         out_path, err_path = control / "stdout", control / "stderr"
         try:
-            with (
-                open(out_path, "wb") as out,
-                open(err_path, "wb") as err,
-                _stdin(control, stdin, stdin_pipe) as src,
-            ):
-                proc = subprocess.Popen(
-                    [os.path.realpath(sys.executable), "-I", "-S", LAUNCHER, json.dumps(spec)],
-                    stdin=src, stdout=out, stderr=err, pass_fds=(report_w,), start_new_session=True, cwd=control,
-                )  # fmt: skip
+            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                if not converse:
+                    (control / "stdin").write_text(stdin, encoding="utf-8", errors="replace")
+                with open(control / "stdin", "rb") if not converse else contextlib.nullcontext() as src:
+                    proc = subprocess.Popen(
+                        [os.path.realpath(sys.executable), "-I", "-S", LAUNCHER, json.dumps(spec)],
+                        stdin=subprocess.PIPE if converse else src, stdout=subprocess.PIPE if converse else out,
+                        stderr=err, pass_fds=(report_w, stop_r), start_new_session=True, cwd=control,
+                    )  # fmt: skip
         except OSError as exc:
-            os.close(report_r)
-            return RunOutcome(None, None, False, "", "", 0.0, setup_error=f"cannot start the launcher: {exc}")
+            for fd in (report_r, stop_w):
+                os.close(fd)
+            return _Launched(None, -1, -1, out_path, err_path, lim, f"cannot start the launcher: {exc}")
         finally:
             os.close(report_w)
+            os.close(stop_r)
+        return _Launched(proc, report_r, stop_w, out_path, err_path, lim)
+
+    def _python_bind(self) -> tuple[str, str] | None:
+        """(prefix, interpreter relative to it) when an unprivileged uid cannot run the
+        interpreter where it is (root's home), else None. The prefix is the folder above
+        the interpreter's ``bin/``, where its standard library lives too."""
+        if _reachable_by_anyone(self.python):
+            return None
+        real = os.path.realpath(self.python)
+        prefix = os.path.dirname(os.path.dirname(real))
+        return prefix, os.path.relpath(real, prefix)
+
+
+#: How long past the program's wall clock its supervisor may take to report: it kills and
+#: reaps what is left; only a launcher that hangs itself (a bug) takes longer.
+_LAUNCHER_GRACE = 30.0
+
+
+class _Launched:
+    """A started supervisor (or why it could not start): stopping it, and its outcome."""
+
+    def __init__(
+        self,
+        proc: subprocess.Popen | None,
+        report_fd: int,
+        stop_fd: int,
+        out_path: Path,
+        err_path: Path,
+        limits: Limits,
+        setup_error: str | None = None,
+    ):
+        self.proc, self._report_fd, self._stop_fd = proc, report_fd, stop_fd
+        self._out_path, self._err_path, self._limits = out_path, err_path, limits
+        self._outcome = None if proc is not None else RunOutcome(None, None, False, "", "", 0.0, setup_error)
+
+    def stop(self) -> None:
+        """Tell the supervisor to end the program now (closing our end of the stop pipe)."""
+        if self._stop_fd >= 0:
+            os.close(self._stop_fd)
+            self._stop_fd = -1
+
+    def finish(self) -> RunOutcome:
+        """Wait for the supervisor and read its report (once; later calls return it again)."""
+        if self._outcome is None:
+            assert self.proc is not None  # noqa: S101 - an outcome is set at start when there is none
+            self._outcome = self._wait(self.proc)
+        return self._outcome
+
+    def _wait(self, proc: subprocess.Popen) -> RunOutcome:
         try:
-            if stdin_pipe and proc.stdin is not None:  # set whenever stdin_pipe (stdin=PIPE)
-                with contextlib.suppress(OSError):
-                    proc.stdin.write(stdin.encode("utf-8", "replace"))
-                    proc.stdin.close()
             try:
-                proc.wait(lim.wall_seconds + 30)
+                proc.wait(self._limits.wall_seconds + _LAUNCHER_GRACE)
             except subprocess.TimeoutExpired:  # the launcher itself hangs: should not happen
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, 9)
                 proc.wait()
-            with os.fdopen(report_r, "rb") as f:
+            with os.fdopen(self._report_fd, "rb") as f:
                 raw = f.read()
         finally:
-            with contextlib.suppress(OSError):
-                if proc.stdin:
-                    proc.stdin.close()
-        stdout, stderr = _head(out_path, lim.max_output_bytes), _head(err_path, lim.max_output_bytes)
+            self.stop()
+            for pipe in (proc.stdin, proc.stdout):
+                with contextlib.suppress(OSError):
+                    if pipe is not None:
+                        pipe.close()
+        limit = self._limits.max_output_bytes
+        stdout, stderr = _head(self._out_path, limit), _head(self._err_path, limit)
         try:
             report = json.loads(raw or b"{}")
         except ValueError:
@@ -257,16 +326,6 @@ class Sandbox:
             report["exit_code"], report["signal"], report["timed_out"], stdout, stderr, report["seconds"]
         )
 
-    def _python_bind(self) -> tuple[str, str] | None:
-        """(prefix, interpreter relative to it) when an unprivileged uid cannot run the
-        interpreter where it is (root's home), else None. The prefix is the folder above
-        the interpreter's ``bin/``, where its standard library lives too."""
-        if _reachable_by_anyone(self.python):
-            return None
-        real = os.path.realpath(self.python)
-        prefix = os.path.dirname(os.path.dirname(real))
-        return prefix, os.path.relpath(real, prefix)
-
 
 # ---------------------------------------------------------------------- helpers
 
@@ -283,17 +342,6 @@ def bwrap_prefix(box: Path, python: str) -> list[str]:
     binds += ["--bind", str(box), str(box)]
     return [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
             *binds, "--proc", "/proc", "--dev", "/dev", "--chdir", str(box), "--"]  # fmt: skip
-
-
-@contextlib.contextmanager
-def _stdin(control: Path, text: str, pipe: bool) -> Iterator[int | IO[bytes]]:
-    if pipe:
-        yield subprocess.PIPE
-        return
-    path = control / "stdin"
-    path.write_text(text, encoding="utf-8", errors="replace")
-    with open(path, "rb") as f:
-        yield f
 
 
 def _head(path: Path, limit: int) -> str:
@@ -376,7 +424,6 @@ class _Slots:
 
 class _JobOptions(TypedDict, total=False):
     stdin: str
-    stdin_pipe: bool
     level: str | None
 
 

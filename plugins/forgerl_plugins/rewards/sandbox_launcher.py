@@ -129,7 +129,9 @@ def set_limits(limits):
 def run_program(spec, supervisor, in_pid_namespace):
     """In the forked child: become the program (never returns)."""
     try:
-        os.close(spec["report_fd"])  # the report pipe is ours
+        os.close(spec["report_fd"])  # the report and stop pipes are ours
+        if spec.get("stop_fd") is not None:
+            os.close(spec["stop_fd"])
         os.setsid()
         if in_pid_namespace:
             try:
@@ -200,15 +202,19 @@ def kill_everything_left(spec, in_pid_namespace):
         time.sleep(0.002)  # the killed need a moment to become zombies
 
 
-def wait_with_deadline(pid, seconds):
-    """(wait status, CPU seconds it used) or None on timeout."""
+def wait_with_deadline(pid, seconds, stop_fd=None):
+    """(wait status, CPU seconds it used), "timeout", or "stopped" when ``stop_fd`` (the
+    reward's end of a pipe) became readable: the reward has what it needs from the program."""
     fd = os.pidfd_open(pid)
     try:
-        ready, _, _ = select.select([fd], [], [], max(0.0, seconds))
+        watched = [fd] if stop_fd is None else [fd, stop_fd]
+        ready, _, _ = select.select(watched, [], [], max(0.0, seconds))
     finally:
         os.close(fd)
     if not ready:
-        return None
+        return "timeout"
+    if fd not in ready:
+        return "stopped"
     _, status, usage = os.wait4(pid, 0)
     return status, usage.ru_utime + usage.ru_stime
 
@@ -245,9 +251,10 @@ def main():
     child = os.fork()
     if child == 0:
         run_program(spec, me, level == "namespace")
-    waited = wait_with_deadline(child, spec["timeout"])
-    if waited is None:
-        timed_out = True
+    waited = wait_with_deadline(child, spec["timeout"], spec.get("stop_fd"))
+    stopped = waited == "stopped"
+    if waited in ("timeout", "stopped"):
+        timed_out = not stopped
         os.kill(child, signal.SIGKILL)  # in a PID namespace: its init, so everything in it
         status = os.waitpid(child, 0)[1]
     else:
@@ -261,6 +268,7 @@ def main():
                 "exit_code": os.WEXITSTATUS(status) if os.WIFEXITED(status) else None,
                 "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None,
                 "timed_out": timed_out,
+                "stopped": stopped,
                 "seconds": elapsed,
             }
         )
