@@ -66,6 +66,10 @@ class Backend:
     #: ``preflight(options)`` with the validated options raises a UserError for what the
     #: user must fix (a missing or unreadable data file). "module:attr" is imported only then.
     preflight: Callable[..., Any] | str | None = None
+    #: Like ``preflight``, for what depends on the machine the processes run on (a library
+    #: such as NCCL, a GPU, an environment variable): run only where the scheduler starts
+    #: them on this machine (:attr:`forgerl.interfaces.Scheduler.runs_here`).
+    local_preflight: Callable[..., Any] | str | None = None
     #: Set by the registry, not by plugins: "plugin NAME (DISTRIBUTION VERSION)", so that
     #: a failure to import the implementation says whose it is.
     provider: str = field(default="", compare=False)
@@ -130,12 +134,15 @@ class Backend:
     def _label(self) -> str:
         return f"{self.kind} {self.name!r}" + (f" of {self.provider}" if self.provider else "")
 
-    def check_before_run(self, options: Options) -> None:
-        """Run the backend's :attr:`preflight` check (if it declares one) on ``options``."""
-        if self.preflight is None:
-            return
-        check = self.load_part(self.preflight, "preflight check")
-        check(self.validate_options(options))
+    def check_before_run(self, options: Options, *, runs_here: bool = False) -> None:
+        """Run the backend's :attr:`preflight` check (if it declares one) on ``options``, and
+        its :attr:`local_preflight` too when the run's processes start on this machine."""
+        checks = [(self.preflight, "preflight check")]
+        if runs_here:
+            checks.append((self.local_preflight, "local preflight check"))
+        for ref, part in checks:
+            if ref is not None:
+                self.load_part(ref, part)(self.validate_options(options))
 
     def validate_options(self, options: Options) -> BaseModel:
         model = self.options_model

@@ -341,6 +341,11 @@ class Scheduler(abc.ABC):
     #: check the task files and model folder here before submitting: they live in the
     #: pods' volumes.
     shares_filesystem: bool = True
+    #: Whether the job's processes run on this machine, in this environment (local). Then
+    #: ``forge run`` also checks what depends on the machine (a library such as NCCL, a
+    #: GPU, an environment variable a backend reads) before starting them; a login node
+    #: that submits to GPU nodes (Slurm) must not refuse a run for lacking a GPU itself.
+    runs_here: bool = False
     #: Whether :meth:`logs` can show a job's logs. When False, ``forge logs`` says so in
     #: one line (the logs are still files in the run directory) instead of calling it.
     supports_logs: ClassVar[bool] = False

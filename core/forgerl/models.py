@@ -8,6 +8,7 @@ them; built or converted once into the cache directory), an existing local folde
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from forgerl.errors import ConfigError
+from forgerl.writable import directory_problem
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.config import ModelConfig
@@ -60,7 +62,45 @@ def resolve_model(model_config: ModelConfig, registry: Registry, cache_dir: Path
         raise ConfigError(f"model {name!r} is a file; give the Hugging Face folder that holds it")
     if _looks_like_path(name):
         raise ConfigError(f"model {name!r}: no such folder")
+    check_hub_id(name, registry)
     return _from_hub(name)
+
+
+def check_cache_dir() -> None:
+    """Raise a one-line ConfigError when named models cannot be built in the cache directory.
+
+    An explicit ``FORGE_CACHE_DIR`` must have an existing parent (a typo there should not
+    quietly grow a new tree); the default one's missing parents are created as usual."""
+    env = os.environ.get("FORGE_CACHE_DIR")
+    path = default_cache_dir()
+    problem = directory_problem(path, create_parents=not env)
+    if problem:
+        what = f"FORGE_CACHE_DIR={env!r}" if env else f"the model cache {str(path)!r}"
+        raise ConfigError(
+            f"{what} {problem}; named models are built there: point FORGE_CACHE_DIR at a writable directory"
+        )
+
+
+def check_hub_id(name: str, registry: Registry) -> None:
+    """A name that is neither a named model nor a local folder goes to the hub only when it
+    reads as a hub id ``owner/name``: a bare word is a mistyped named model (or one whose
+    plugin is disabled), and asking the hub for it would only blame the hub, after launch."""
+    if "/" in name:
+        return
+    named = sorted(registry.backends("model"))
+    close = difflib.get_close_matches(name, named, n=1, cutoff=0.6)
+    if close:
+        raise ConfigError(f"no named model {name!r}; did you mean {close[0]!r}? (named models: {', '.join(named)})")
+    blocked = sorted(p.name for p in registry.plugins.values() if p.status == "blocked")
+    if blocked:
+        raise ConfigError(
+            f"no named model {name!r}: plugin(s) {', '.join(map(repr, blocked))} disabled by FORGE_DISABLE_PLUGINS "
+            "may provide it; remove it from FORGE_DISABLE_PLUGINS, or give a local folder or a hub id owner/name"
+        )
+    raise ConfigError(
+        f"no named model {name!r} (named models: {', '.join(named) or 'none'}; see `forge plugins list`) and "
+        "no such folder; a Hugging Face hub model is given as owner/name"
+    )
 
 
 def _looks_like_path(name: str) -> bool:

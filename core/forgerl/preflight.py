@@ -5,10 +5,15 @@ that a mistake is one line with exit status 2 *before* the run directory is crea
 process starts (and not a traceback in a trainer log a minute later):
 
 * the output location: no run there yet, and a writable directory can be created;
-* the model: a named model's backend can build it here; a local folder exists and has a
-  config.json; ``loop.sampling.max_tokens`` is below the model's context length;
+* the model: a named model's backend can build it here, into a usable cache directory; a
+  local folder exists and has a config.json; any other name reads as a hub id
+  ``owner/name`` (a bare word is a typo: the close named model is suggested);
+  ``loop.sampling.max_tokens`` is below the model's context length;
+* on ``--resume``, at least one of the run's checkpoints is usable;
 * every backend's own ``preflight`` (the ``file`` task: its files exist, are readable and
-  have the configured fields);
+  have the configured fields), and its ``local_preflight`` where the scheduler starts the
+  processes on this machine (``runs_here``: NCCL or MPI exist where asked for, a reward's
+  ``auth_env`` is set);
 * the scheduler's ``check_job``, where it has one (the local scheduler: the job's
   processes fit this machine's cores and GPUs).
 
@@ -59,10 +64,12 @@ def check_run(
             f"{config.model.name!r} ({context} tokens): the prompt needs room too"
         )
     if local_files:
+        if not fresh:
+            check_checkpoints(run_dir, keep=config.checkpoint.keep)
         choices = [(kind, getattr(config, field)) for field, kind in SINGLE_BACKEND_FIELDS.items()]
         choices += [("reward", reward) for reward in config.rewards]
         for kind, choice in choices:
-            registry.get(kind, choice.name).check_before_run(choice.options)
+            registry.get(kind, choice.name).check_before_run(choice.options, runs_here=scheduler.runs_here)
     check_job = getattr(scheduler, "check_job", None)
     if check_job is not None:
         check_job(job)
@@ -71,11 +78,13 @@ def check_run(
 def model_context_length(config: RunConfig, registry: Registry, *, local_files: bool = True) -> int | None:
     """The model's context length where it can be known without building or fetching it;
     raises for a named model that cannot be built here and for a bad local folder."""
-    from forgerl.models import _looks_like_path, resolve_model
+    from forgerl.models import _looks_like_path, check_cache_dir, check_hub_id, resolve_model
 
     name = config.model.name
     if name in registry.backends("model"):
         backend = registry.require("model", name)  # BackendUnavailable names the install step
+        if local_files:
+            check_cache_dir()
         length = backend.info.get("context_length")
         return length if _positive_int(length) else None
     if not local_files:
@@ -85,9 +94,29 @@ def model_context_length(config: RunConfig, registry: Registry, *, local_files: 
     except (OSError, ValueError) as exc:  # a name too long for a path, a NUL byte
         raise ConfigError(f"model {name[:80]!r} is neither a named model nor a usable path ({exc})") from None
     if not is_local:
+        check_hub_id(name, registry)
         return None  # a hub id: fetched, and checked, when the run starts
     folder = resolve_model(config.model, registry)  # a local folder: no network
     return _context_length(folder / "config.json")
+
+
+def check_checkpoints(run_dir: Path, *, keep: int) -> None:
+    """On resume: the trainer would start from the newest usable checkpoint; when the run
+    has checkpoints and none of them is usable, say so now (one line naming each and why)
+    instead of in the trainer's log after every process has started. Only the forgerl part
+    (manifest, sizes, loop state) is checked here; the trainer's own files load later."""
+    from forgerl import checkpoint
+    from forgerl.errors import CheckpointError
+
+    found = checkpoint.checkpoints(run_dir)
+    for path in found:
+        try:
+            checkpoint.load(path)
+            return
+        except CheckpointError:
+            continue
+    if found:
+        checkpoint.latest(run_dir, keep)  # raises CheckpointUnusable with every reason
 
 
 def _context_length(path: Path) -> int | None:

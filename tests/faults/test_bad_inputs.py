@@ -61,6 +61,8 @@ class Case:
     needles: tuple[str, ...] = ()
     #: Extra set-up in the working directory (a FIFO, a prepared run directory).
     setup: Callable[[Path], None] | None = None
+    #: Environment for the case ("{root}" is the working directory; None unsets).
+    env: dict[str, str | None] = field(default_factory=dict)
 
 
 def snapshot(root: Path) -> dict[str, tuple[int, int]]:
@@ -115,8 +117,26 @@ def workdir() -> Any:
                 os.environ["FORGE_CACHE_DIR"] = old_cache
 
 
+@contextlib.contextmanager
+def environment(changes: dict[str, str | None], root: Path) -> Any:
+    saved = {name: os.environ.get(name) for name in changes}
+    try:
+        for name, value in changes.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value.format(root=root)
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def check_case(case: Case) -> str:
-    with workdir() as root:
+    with workdir() as root, environment(case.env, root):
         for name, content in case.files.items():
             path = root / name
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -262,7 +282,36 @@ def _saved_run(name: str) -> Callable[[Path], None]:
     return make
 
 
+def _saved_run_with_bad_checkpoints(name: str) -> Callable[[Path], None]:
+    """A saved run whose every checkpoint is unusable: one never completed (no manifest),
+    one with a manifest that is not JSON."""
+
+    def make(root: Path) -> None:
+        _saved_run(name)(root)
+        checkpoints = root / name / "checkpoints"
+        (checkpoints / "step-000002" / "trainer").mkdir(parents=True)
+        (checkpoints / "step-000001").mkdir()
+        (checkpoints / "step-000001" / "manifest.json").write_text("{torn")
+
+    return make
+
+
+@functools.cache
+def _dist_backend_here(name: str) -> bool:
+    """Whether torch.distributed ``name`` can run on this machine (NCCL: with a GPU);
+    "cuda": whether trainer ranks run on a GPU here."""
+    import torch
+    import torch.distributed as dist
+
+    if name == "cuda":
+        return bool(torch.cuda.is_available())
+    if not dist.is_available() or not dist.is_backend_available(name):
+        return False
+    return name != "nccl" or torch.cuda.is_available()
+
+
 RUN = ["run", "--model", "tiny", "--generator", "hf", "--steps", "1", "--set", "logging.progress=false"]
+REMOTE = ["--reward", "remote", "--set", "rewards.0.options.url=http://127.0.0.1:9/score"]
 FILE_TASK = ["--task", "file", "--set", "task.options.path=problems.jsonl"]
 GOOD_ROW = '{"prompt": "What is 2 + 2?", "answer": "4"}\n'
 
@@ -383,6 +432,39 @@ def file_and_flag_cases() -> list[Case]:
         Case("resume-set-output", ["run", "--resume", "old", "--set", "output=elsewhere"], setup=_saved_run("old"),
              needles=("output",)),
         Case("resume-garbage-config", ["run", "--resume", "old"], {"old/config.yaml": b"\xff\xfe"}, ("UTF-8",)),
+        # Found only after launch before (issue 25): what the machine, the environment or an
+        # engine must provide, a typo in a model name, a run with nothing to resume from.
+        Case("resume-every-checkpoint-unusable", ["run", "--resume", "old"], setup=_saved_run_with_bad_checkpoints("old"),
+             needles=("no usable checkpoint", "step-000002", "step-000001")),
+        Case("shm-directory-is-a-file", [*RUN, "--transport", "shm", "--set", "transport.options.directory=weights"],
+             {"weights": "x"}, ("transport.options.directory", "is a file")),
+        Case("shm-directory-inside-a-file", [*RUN, "--transport", "shm", "--set", "transport.options.directory=w/v"],
+             {"w": "x"}, ("transport.options.directory", "'w' is a file")),
+        Case("cache-dir-is-a-file", RUN, {"cache": "x"}, ("FORGE_CACHE_DIR", "is a file"),
+             env={"FORGE_CACHE_DIR": "{root}/cache"}),
+        Case("cache-dir-missing-parent", RUN, needles=("FORGE_CACHE_DIR", "no-such", "does not exist"),
+             env={"FORGE_CACHE_DIR": "{root}/no-such/cache"}),
+        Case("cache-dir-inside-a-file", RUN, {"cache": "x"}, ("FORGE_CACHE_DIR", "/cache' is a file"),
+             env={"FORGE_CACHE_DIR": "{root}/cache/models"}),
+        Case("remote-reward-auth-env-unset", [*RUN, *REMOTE, "--set", "rewards.0.options.auth_env=FORGE_TEST_NO_TOKEN"],
+             needles=("'FORGE_TEST_NO_TOKEN'", "auth_env", "not set"), env={"FORGE_TEST_NO_TOKEN": None}),
+        Case("remote-reward-auth-env-empty", [*RUN, *REMOTE, "--set", "rewards.0.options.auth_env=FORGE_TEST_NO_TOKEN"],
+             needles=("'FORGE_TEST_NO_TOKEN'", "empty"), env={"FORGE_TEST_NO_TOKEN": ""}),
+        Case("reward-model-auth-env-unset",
+             [*RUN, "--reward", "reward_model", "--set", "rewards.0.options.model=./rm", "--set",
+              "rewards.0.options.url=http://127.0.0.1:9", "--set", "rewards.0.options.auth_env=FORGE_TEST_NO_TOKEN"],
+             needles=("'FORGE_TEST_NO_TOKEN'", "auth_env"), env={"FORGE_TEST_NO_TOKEN": None}),
+        Case("model-name-typo", [*RUN, "--model", "tiyn"], needles=("'tiyn'", "did you mean 'tiny'")),
+        Case("model-name-typo-smollm2", [*RUN, "--model", "smollm2-135m-instuct"],
+             needles=("did you mean 'smollm2-135m-instruct'",)),
+        Case("model-bare-unknown-name", [*RUN, "--model", "no-such-model"], needles=("'no-such-model'", "owner/name")),
+        *([Case("transport-nccl-without-nccl", [*RUN, "--transport", "nccl", "--set", "transport.options.backend=nccl"],
+                needles=("transport.options.backend", "NCCL"))] if not _dist_backend_here("nccl") else []),
+        *[Case(f"trainer-backend-{name}-unavailable", [*RUN, "--set", f"trainer.options.backend={name}"],
+               needles=("trainer.options.backend", name.upper()))
+          for name in ("nccl", "mpi", "ucc") if not _dist_backend_here(name)],
+        *([Case("trainer-backend-per-device-without-cpu", [*RUN, "--set", "trainer.options.backend=cuda:gloo"],
+                needles=("trainer.options.backend", "'cpu'"))] if not _dist_backend_here("cuda") else []),
     ]
     return c
 
@@ -398,6 +480,40 @@ def test_there_are_more_than_a_hundred_cases() -> None:
 @pytest.mark.parametrize("case", ALL_CASES, ids=[c.id for c in ALL_CASES])
 def test_bad_input_is_one_line_exit_2_nothing_created(case: Case) -> None:
     check_case(case)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Any:
+    """A directory on a read-only filesystem: a tmpfs mounted read-only where this user may
+    mount (root, whom permission bits do not stop), else a directory without write permission."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "forge-test-ro", str(path)],
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"root, but cannot mount a read-only tmpfs here: {proc.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True)
+
+
+@pytest.mark.parametrize("where", ["itself", "its-parent"])
+def test_read_only_cache_dir_is_one_line(read_only_dir: Path, where: str) -> None:
+    cache = read_only_dir if where == "itself" else read_only_dir / "cache"
+    check_case(Case(f"cache-dir-read-only-{where}", RUN, needles=("FORGE_CACHE_DIR", "not writable"),
+                    env={"FORGE_CACHE_DIR": str(cache)}))
+
+
+def test_read_only_shm_directory_is_one_line(read_only_dir: Path) -> None:
+    check_case(Case("shm-directory-read-only",
+                    [*RUN, "--transport", "shm", "--set", f"transport.options.directory={read_only_dir / 'w'}"],
+                    needles=("transport.options.directory", "not writable")))
 
 
 # ------------------------------------------------------------------ property-based
@@ -525,9 +641,14 @@ def _known_keys() -> frozenset[str]:
 # ------------------------------------------------------------- through the real entry point
 
 
-def forge(*args: str, cwd: Path, **kw: Any) -> subprocess.CompletedProcess:
+def forge(*args: str, cwd: Path, env_changes: dict[str, str | None] | None = None, **kw: Any) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "FORGE_DEBUG"}
     env["FORGE_CACHE_DIR"] = str(cwd / "model-cache")
+    for name, value in (env_changes or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value.format(root=cwd)
     return subprocess.run([*FORGE, *args], capture_output=True, text=True, cwd=cwd, env=env,
                           timeout=scaled(120), **kw)
 
@@ -540,6 +661,16 @@ SUBPROCESS_CASES = [
     Case("ranks-100000", [*RUN, "--set", "trainer.ranks=100000"], needles=("trainer.ranks",)),
     Case("task-file-missing", [*RUN, *FILE_TASK], needles=("does not exist",)),
     Case("usage-error", ["run", "--stepz", "3"], needles=("--stepz",)),
+    # The CLI builds its plugin registry once per process: a FORGE_DISABLE_PLUGINS case runs apart.
+    Case("model-plugin-disabled", RUN, needles=("'tiny'", "'models'", "disabled by FORGE_DISABLE_PLUGINS"),
+         env={"FORGE_DISABLE_PLUGINS": "models"}),
+    # vLLM's own argument parser judges engine_args (importing vLLM: in a process of its own).
+    *([Case("vllm-engine-args-unknown", [*RUN, "--generator", "vllm", "--set", "generator.options.engine_args.max_num_seq=3"],
+            needles=("engine_args", "'max_num_seq'", "did you mean 'max_num_seqs'")),
+       Case("vllm-engine-args-bad-value", [*RUN, "--generator", "vllm", "--set",
+                                            "generator.options.engine_args.max_num_seqs=many"],
+            needles=("engine_args", "max-num-seqs", "invalid int value"))]
+      if importlib.util.find_spec("vllm") is not None else []),
 ]
 
 
@@ -548,7 +679,7 @@ def test_real_entry_point(case: Case, tmp_path: Path) -> None:
     for name, content in case.files.items():
         (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
     before = snapshot(tmp_path)
-    proc = forge(*case.argv, cwd=tmp_path)
+    proc = forge(*case.argv, cwd=tmp_path, env_changes=case.env)
     assert_refused(proc.returncode, proc.stdout, proc.stderr, case.needles, case.id)
     assert snapshot(tmp_path) == before
 

@@ -34,12 +34,14 @@ def forge_rewards():
             factory="forgerl_plugins.rewards.remote:RemoteReward",
             options="forgerl_plugins.rewards.options:RemoteOptions",
             description="an HTTP scoring service scores each sample",
+            local_preflight="forgerl_plugins.rewards.remote:local_preflight",
         ),
         RewardBackend(
             name="reward_model",
             factory="forgerl_plugins.rewards.reward_model:RewardModelReward",
             options="forgerl_plugins.rewards.options:RewardModelOptions",
             roles="forgerl_plugins.rewards.reward_server:roles",
+            local_preflight="forgerl_plugins.rewards.reward_model_client:local_preflight",
             description="a Hugging Face sequence-classification model scores each sample "
             "(in-process, or served by vLLM)",
             requires=("torch", "transformers"),

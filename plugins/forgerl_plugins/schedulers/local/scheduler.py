@@ -52,6 +52,7 @@ _CANCELLED_CODE = 128 + signal.SIGTERM
 class LocalScheduler(Scheduler):
     Options = LocalSchedulerOptions
     detached = False
+    runs_here = True
     supports_logs = True
 
     def __init__(self, options: LocalSchedulerOptions | None = None):

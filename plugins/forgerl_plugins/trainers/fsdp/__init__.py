@@ -14,6 +14,7 @@ def forge_trainers():
             factory="forgerl_plugins.trainers.fsdp.trainer:FSDPTrainer",
             options="forgerl_plugins.trainers.fsdp.options:FSDPTrainerOptions",
             description="torch FSDP2 fully_shard, AdamW, DCP checkpoints",
+            local_preflight="forgerl_plugins.trainers.shared.distributed:local_preflight",
             requires=("torch", "transformers"),
         )
     ]

@@ -11,6 +11,23 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from forgerl.interfaces import RunContext
+    from forgerl_plugins.trainers.shared.options import ShardedTrainerOptions
+
+
+def local_preflight(options: ShardedTrainerOptions) -> None:
+    """Before ``forge run`` starts the ranks on this machine: an explicit ``backend`` (nccl,
+    mpi, ...) exists in this torch and has its device here, so that a mistake is one line
+    now rather than every rank's traceback after the generator servers have started."""
+    if options.backend is None:
+        return  # nccl on GPU, gloo on CPU: always formable
+    from forgerl_plugins.torch_dist import backend_problem
+
+    problem = backend_problem(options.backend)
+    if problem:
+        raise ConfigError(
+            f"trainer.options.backend is {options.backend!r}, but {problem}; leave it unset "
+            "(NCCL on GPUs, gloo on CPUs) or use 'gloo'"
+        )
 
 
 def pick_device() -> torch.device:

@@ -15,6 +15,7 @@ def forge_trainers():
             factory="forgerl_plugins.trainers.torchtitan.trainer:TorchTitanTrainer",
             options="forgerl_plugins.trainers.torchtitan.options:TorchTitanTrainerOptions",
             description="TorchTitan Llama 3 / Qwen models, FSDP2 + tensor parallel, DCP checkpoints",
+            local_preflight="forgerl_plugins.trainers.shared.distributed:local_preflight",
             requires=("torch", "torchtitan", "spmd_types", "tyro", "safetensors"),
             extra="torchtitan",
             # Not the plain extra: TorchTitan's declared dependencies would replace torch.

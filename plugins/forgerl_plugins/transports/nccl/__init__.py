@@ -15,6 +15,7 @@ def forge_transports():
             options="forgerl_plugins.transports.nccl.options:NcclTransportOptions",
             description="broadcast from trainer rank 0 over private process groups (gloo on CPU)",
             requires=("torch",),
+            local_preflight="forgerl_plugins.transports.nccl.groups:local_preflight",
         )
     ]
 

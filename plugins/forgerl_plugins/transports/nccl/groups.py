@@ -14,9 +14,12 @@ import logging
 import os
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forgerl_plugins.transports.common.control import Backoff, timedelta
+
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl_plugins.transports.nccl.options import NcclTransportOptions
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +33,23 @@ def resolve_backend(backend: str) -> str:
     import torch
 
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def local_preflight(options: NcclTransportOptions) -> None:
+    """Before ``forge run`` starts anything on this machine: an explicit ``backend: nccl``
+    (or gloo) can form a group here. Without it, vLLM started and the run failed 155 s
+    later on the transport's connect timeout."""
+    if options.backend == "auto":
+        return  # nccl only where CUDA is, else gloo: always formable
+    from forgerl.errors import ConfigError
+    from forgerl_plugins.torch_dist import backend_problem
+
+    problem = backend_problem(options.backend)
+    if problem:
+        raise ConfigError(
+            f"transport.options.backend is {options.backend!r}, but {problem}; use 'auto' (NCCL on GPUs, "
+            "gloo on CPUs) or 'gloo'"
+        )
 
 
 def device_for(backend: str) -> Any:

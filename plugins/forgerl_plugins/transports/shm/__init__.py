@@ -15,6 +15,7 @@ def forge_transports():
             options="forgerl_plugins.transports.shm.options:ShmTransportOptions",
             description="safetensors in shared memory, written atomically",
             requires=("torch", "safetensors"),
+            preflight="forgerl_plugins.transports.shm.transport:preflight",
         )
     ]
 

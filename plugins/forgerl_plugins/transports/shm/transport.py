@@ -343,6 +343,23 @@ class ShmReceiver(TransportReceiver):
         self._closed = True
 
 
+def preflight(options: ShmTransportOptions) -> None:
+    """Before ``forge run`` starts anything: a given ``directory`` is (or can be created as)
+    a writable directory; a file there failed the trainer's first send with a raw
+    ``FileExistsError``."""
+    if options.directory is None:
+        return
+    from forgerl.errors import ConfigError
+    from forgerl.writable import directory_problem
+
+    problem = directory_problem(Path(options.directory))
+    if problem:
+        raise ConfigError(
+            f"transport.options.directory {options.directory!r} {problem}; give a writable directory "
+            "(or leave it unset for /dev/shm)"
+        )
+
+
 class ShmTransport(Transport):
     """Factory ``ShmTransport(options, *, context)``; ``context`` is None in a receiver process
     (then :meth:`receiver` needs the sender's :meth:`receiver_spec` or ``options.directory``)."""
