@@ -16,8 +16,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from forgerl.diskerrors import write_failed
 from forgerl.errors import BackendUnavailable, JobNotFound, SchedulerError, UserError
 from forgerl.interfaces import Scheduler
+from forgerl.runs import atomic_write_text
 from forgerl.types import JobHandle, JobSpec, JobState, JobStatus
 from forgerl_plugins.schedulers.slurm.options import SlurmSchedulerOptions
 from forgerl_plugins.schedulers.slurm.render import render_script, run_dir_of
@@ -111,10 +113,13 @@ class SlurmScheduler(Scheduler):
         script = self.render(job)  # bad input fails here, before anything is written
         sbatch = self._tool("sbatch")
         run_dir = Path(run_dir_of(job))
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
         path = run_dir / "slurm" / "job.sbatch"
-        path.write_text(script)
+        try:
+            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            (run_dir / "slurm").mkdir(parents=True, exist_ok=True)
+            atomic_write_text(path, script)  # never a half script for sbatch to queue
+        except OSError as exc:
+            raise write_failed(path, exc, "run the command again") from None
         proc = self._run([sbatch, "--parsable", str(path)])
         if proc.returncode != 0:
             msg = _one_line(proc.stderr)
@@ -125,7 +130,10 @@ class SlurmScheduler(Scheduler):
         job_id = proc.stdout.strip().split(";")[0]
         if not job_id.isdigit():
             raise SchedulerError(f"sbatch printed {proc.stdout.strip()!r} where a job id was expected")
-        (run_dir / "slurm" / "job_id").write_text(job_id + "\n")
+        try:
+            atomic_write_text(run_dir / "slurm" / "job_id", job_id + "\n")
+        except OSError as exc:  # the job is queued; submission.json (forge run) records its id too
+            log.warning("could not write %s: %s", run_dir / "slurm" / "job_id", exc)
         _remember(job_id, run_dir)
         log.info("submitted Slurm job %s (script %s)", job_id, path)
         return JobHandle(scheduler="slurm", job_id=job_id, run_dir=str(run_dir))
