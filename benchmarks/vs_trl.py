@@ -197,9 +197,8 @@ def build_problems(setting: dict, model: Path) -> dict[str, list]:
 
     from forgerl.rollout import Tokenizing
     from forgerl_plugins.tasks.arithmetic import ArithmeticTask
-    from forgerl_plugins.tasks.options import ArithmeticOptions
 
-    task = ArithmeticTask(ArithmeticOptions(min_value=setting["min_value"], max_value=setting["max_value"]),
+    task = ArithmeticTask(ArithmeticTask.Options(min_value=setting["min_value"], max_value=setting["max_value"]),
                           seed=setting["seed"])
     tokenizing = Tokenizing(AutoTokenizer.from_pretrained(str(model)))
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from forgerl import hookspecs
+from forgerl.backend_classes import record_for_class
 from forgerl.backends import Backend
 from forgerl.errors import BrokenPlugin, PluginError
 
@@ -128,8 +129,13 @@ def checked_records(hook: str, expected: type[Backend], results: Iterable[Any]) 
                 f"{hook} returned {type(result).__name__}; expected a list of {expected.__name__}"
             )
         for record in result:
+            if isinstance(record, (str, type)):
+                # One backend, one class (forgerl.backend_classes): the class, or "module:Class".
+                record = record_for_class(expected, record, hook)
             if not isinstance(record, expected):
-                raise PluginError(f"{hook} returned {type(record).__name__}; expected {expected.__name__}")
+                raise PluginError(
+                    f"{hook} returned {type(record).__name__}; expected {expected.__name__} or a backend class"
+                )
             records.append(record)
     return records
 

@@ -28,12 +28,11 @@ def code_blocks(doc: str) -> dict[str, str]:
 
 
 def test_plugin_tutorial_works_and_its_registration_module_stays_light(tmp_path: Path):
-    """The tutorial's files, written out as they stand in plugins.md: registering the
-    backend imports neither pydantic nor the implementation, and the backend builds from
-    an options dict and scores, as does the tutorial's own test."""
+    """The tutorial's files, written out as they stand in plugins.md: the registration
+    module imports neither pydantic nor the implementation (it names the class), and the
+    class it names builds from an options dict and scores, as does the tutorial's own test."""
     blocks = code_blocks("plugins.md")
-    for path in ("src/forgerl_brevity/plugin.py", "src/forgerl_brevity/options.py",
-                 "src/forgerl_brevity/reward.py", "tests/test_brevity.py"):
+    for path in ("src/forgerl_brevity/plugin.py", "src/forgerl_brevity/reward.py", "tests/test_brevity.py"):
         assert path in blocks, f"docs/plugins.md has no block starting '# {path}'"
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(blocks[path])
@@ -42,10 +41,13 @@ def test_plugin_tutorial_works_and_its_registration_module_stays_light(tmp_path:
         """
         import sys
         from forgerl_brevity.plugin import forge_rewards
-        [backend] = forge_rewards()
-        heavy = [m for m in ("pydantic", "forgerl_brevity.options", "forgerl_brevity.reward")
-                 if m in sys.modules]
+        [ref] = forge_rewards()
+        heavy = [m for m in ("pydantic", "forgerl_brevity.reward") if m in sys.modules]
         assert not heavy, f"registering imported {heavy}"
+        from forgerl.backend_classes import record_for_class
+        from forgerl.backends import RewardBackend
+        backend = record_for_class(RewardBackend, ref, "forge_rewards")
+        assert (backend.name, backend.description) == ("brevity", "Prefers short completions"), backend
         reward = backend.build({"target_chars": 5})
         from forgerl.types import Problem, RewardInput
         print(reward.score(RewardInput(Problem(id="1", prompt="p"), "0123456789")))
@@ -67,8 +69,7 @@ def test_plugin_tutorial_reward_passes_the_reward_kit_as_its_conformance_test_sa
     """plugins.md section 6: the tutorial's conformance test, written out as it stands,
     runs forgerl.testing's reward kit on the tutorial's reward with pytest, and passes."""
     blocks = code_blocks("plugins.md")
-    for path in ("src/forgerl_brevity/plugin.py", "src/forgerl_brevity/options.py",
-                 "src/forgerl_brevity/reward.py", "tests/test_conformance.py"):
+    for path in ("src/forgerl_brevity/plugin.py", "src/forgerl_brevity/reward.py", "tests/test_conformance.py"):
         assert path in blocks, f"docs/plugins.md has no block starting '# {path}'"
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / path).write_text(blocks[path])

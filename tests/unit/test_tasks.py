@@ -9,7 +9,6 @@ import pytest
 
 from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.plugins import build_registry
-from forgerl_plugins.tasks import ArithmeticOptions, FileTaskOptions
 from forgerl_plugins.tasks.arithmetic import ArithmeticTask
 from forgerl_plugins.tasks.file import FileTask
 
@@ -20,7 +19,7 @@ def registry():
 
 
 def arith(seed=0, **kw):
-    return ArithmeticTask(ArithmeticOptions(**kw), seed=seed)
+    return ArithmeticTask(ArithmeticTask.Options(**kw), seed=seed)
 
 
 def key(p):
@@ -128,7 +127,7 @@ def rows(n):
 
 
 def file_task(path, seed=0, **kw):
-    return FileTask(FileTaskOptions(path=str(path), **kw), seed=seed)
+    return FileTask(FileTask.Options(path=str(path), **kw), seed=seed)
 
 
 def test_file_rows_become_problems_with_chat_prompts_and_metadata(tmp_path):

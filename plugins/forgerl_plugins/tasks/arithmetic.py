@@ -13,10 +13,14 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import Field, field_validator, model_validator
+
 from forgerl.errors import ConfigError
 from forgerl.interfaces import Task
+from forgerl.options import OptionsModel
 from forgerl.types import Problem
-from forgerl_plugins.tasks import ArithmeticOptions
+
+ARITHMETIC_OPERATIONS = ("+", "-", "*")
 
 #: Seeds the held-out split; fixed so that every run evaluates on the same problems.
 EVAL_SEED = 20250101
@@ -27,7 +31,43 @@ Key = tuple[int, str, int]
 
 
 class ArithmeticTask(Task):
-    def __init__(self, options: ArithmeticOptions, *, seed: int = 0):
+    name = "arithmetic"
+    description = "generated integer problems, answer in a tag"
+
+    class Options(OptionsModel):
+        min_value: int = Field(1, ge=0, le=10**9, description="Smallest operand.")
+        max_value: int = Field(20, ge=1, le=10**9, description="Largest operand (at most 10^9).")
+        operations: list[str] = Field(
+            default_factory=lambda: ["+"], min_length=1, description="Operations to draw from: +, -, *."
+        )
+        allow_negative: bool = Field(
+            False, description="Allow negative results of '-' (otherwise the larger operand comes first)."
+        )
+        eval_size: int = Field(
+            64,
+            ge=1,
+            le=1_000_000,
+            description="Held-out problems (the same for every run seed), at most 10^6.",
+        )
+        tag: str = Field(
+            "answer", pattern=r"^[A-Za-z_][\w-]*$", description="The prompt asks for <tag></tag>."
+        )
+
+        @field_validator("operations")
+        @classmethod
+        def _known_operations(cls, ops: list[str]) -> list[str]:
+            unknown = [op for op in ops if op not in ARITHMETIC_OPERATIONS]
+            if unknown:
+                raise ValueError(f"unknown operations {unknown}; choose from {list(ARITHMETIC_OPERATIONS)}")
+            return list(dict.fromkeys(ops))  # drop duplicates, keep order
+
+        @model_validator(mode="after")
+        def _range(self) -> ArithmeticTask.Options:
+            if self.min_value > self.max_value:
+                raise ValueError(f"min_value ({self.min_value}) must not exceed max_value ({self.max_value})")
+            return self
+
+    def __init__(self, options: Options, *, seed: int = 0):
         self.options = options
         self.seed = int(seed)
         self.position = 0

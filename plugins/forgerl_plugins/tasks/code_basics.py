@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from forgerl_plugins.tasks import CodeBasicsOptions, FileTaskOptions
+from pydantic import Field
+
+from forgerl.options import OptionsModel
 from forgerl_plugins.tasks.file import FileTask
 
 
@@ -53,8 +55,22 @@ PROBLEMS = [
 
 
 class CodeBasicsTask(FileTask):
-    def __init__(self, options: CodeBasicsOptions, *, seed: int = 0):
-        file_options = FileTaskOptions(
+    name = "code_basics"
+    description = "very easy Python functions with assert tests (for the code reward)"
+
+    class Options(OptionsModel):
+        eval_fraction: float = Field(0.25, ge=0, lt=1, description="Share of the problems held out for eval.")
+        system_prompt: str | None = Field(
+            "Write the Python function asked for. Answer with the code in one ```python block.",
+            description="System message put before every prompt.",
+        )
+
+    @staticmethod
+    def preflight(options: CodeBasicsTask.Options) -> None:  # type: ignore[override]
+        """Nothing to check: the rows ship with the package (the file task checks a path)."""
+
+    def __init__(self, options: Options, *, seed: int = 0):
+        file_options = FileTask.Options(
             path="<code_basics>",
             eval_fraction=options.eval_fraction,
             system_prompt=options.system_prompt,
@@ -62,5 +78,5 @@ class CodeBasicsTask(FileTask):
         )
         super().__init__(file_options, seed=seed)
 
-    def _rows(self, options: FileTaskOptions) -> list[dict[str, Any]]:
+    def _rows(self, options: FileTask.Options) -> list[dict[str, Any]]:
         return [dict(row) for row in PROBLEMS]

@@ -16,10 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
 from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.interfaces import Task
+from forgerl.options import OptionsModel
 from forgerl.types import Problem
-from forgerl_plugins.tasks import FileTaskOptions
 
 #: Seeds the choice of held-out rows (eval_fraction); fixed so every run seed holds out the same rows.
 EVAL_SEED = 20250101
@@ -32,7 +34,34 @@ PREFLIGHT_READ_WHOLE_BYTES = 64 * 2**20
 
 
 class FileTask(Task):
-    def __init__(self, options: FileTaskOptions, *, seed: int = 0):
+    name = "file"
+    description = "prompts and answers from a JSONL or Parquet file"
+
+    class Options(OptionsModel):
+        path: str = Field(
+            min_length=1, description="JSONL (one object per line) or Parquet (.parquet) file of problems."
+        )
+        eval_path: str | None = Field(
+            None, description="Held-out problems; without it, eval_fraction of path."
+        )
+        prompt_field: str = Field("prompt", description="Field holding a string or a list of chat messages.")
+        answer_field: str | None = Field(
+            "answer", description="Field holding the reference; None: no answers."
+        )
+        id_field: str = Field("id", description="Field holding a problem id, when present (else file:row).")
+        eval_fraction: float = Field(0.1, ge=0, lt=1, description="Share of path held out when no eval_path.")
+        system_prompt: str | None = Field(None, description="System message put before every prompt.")
+        format: str = Field(
+            "qa",
+            pattern="^(qa|code)$",
+            description="qa: prompt and answer; code: prompt and tests for the code reward (docs/rewards.md).",
+        )
+
+    @staticmethod
+    def preflight(options: FileTask.Options) -> None:
+        check_files(options)
+
+    def __init__(self, options: Options, *, seed: int = 0):
         self.options = options
         self.seed = int(seed)
         rows = self._rows(options)
@@ -89,7 +118,7 @@ class FileTask(Task):
 
     # ------------------------------------------------------------- helpers
 
-    def _rows(self, options: FileTaskOptions) -> list[dict[str, Any]]:
+    def _rows(self, options: FileTask.Options) -> list[dict[str, Any]]:
         return read_rows(Path(options.path))
 
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -101,7 +130,7 @@ class FileTask(Task):
         return problem_from_row(self.options, row, source, index)
 
 
-def problem_from_row(o: FileTaskOptions, row: Mapping[str, Any], source: str, index: int) -> Problem:
+def problem_from_row(o: FileTask.Options, row: Mapping[str, Any], source: str, index: int) -> Problem:
     """Row ``index`` of ``source`` as a Problem; ConfigError when a configured field is missing."""
     where = f"{source} row {index + 1}"
     if o.prompt_field not in row:
@@ -120,26 +149,33 @@ def problem_from_row(o: FileTaskOptions, row: Mapping[str, Any], source: str, in
                 "set task.options.answer_field, or answer_field: null for rewards that need no answer"
             )
         answer = str(row[o.answer_field])
-    problem_id = (
-        str(row[o.id_field]) if row.get(o.id_field) is not None else f"{Path(source).name}:{index}"
-    )
+    problem_id = str(row[o.id_field]) if row.get(o.id_field) is not None else f"{Path(source).name}:{index}"
     used = {o.prompt_field, o.answer_field, o.id_field}
     metadata = {k: v for k, v in row.items() if k not in used}
     return Problem(id=problem_id, prompt=prompt, answer=answer, metadata=metadata)
 
 
 def _code_problem(
-    o: FileTaskOptions, row: Mapping[str, Any], where: str, source: str, index: int, prompt: list[dict[str, str]]
+    o: FileTask.Options,
+    row: Mapping[str, Any],
+    where: str,
+    source: str,
+    index: int,
+    prompt: list[dict[str, str]],
 ) -> Problem:
     """A ``format: code`` row: the tests travel in the metadata (for the code reward), the
     reference solution (optional field ``solution``) is the answer."""
     tests, stdio = row.get("tests"), row.get("stdio")
     if stdio is not None:
-        if not (isinstance(stdio, list) and stdio and all(isinstance(c, Mapping) and "output" in c for c in stdio)):
+        if not (
+            isinstance(stdio, list) and stdio and all(isinstance(c, Mapping) and "output" in c for c in stdio)
+        ):
             raise ConfigError(f'{where}: "stdio" must be a non-empty list of {{"input", "output"}} cases')
     elif isinstance(tests, str):
         if not row.get("entry_point"):
-            raise ConfigError(f'{where}: "tests" as check(candidate) code needs an "entry_point" (the function)')
+            raise ConfigError(
+                f'{where}: "tests" as check(candidate) code needs an "entry_point" (the function)'
+            )
     elif not (isinstance(tests, list) and tests and all(isinstance(t, str) for t in tests)):
         raise ConfigError(
             f'{where}: a code problem needs "tests" (a list of assert statements, or check(candidate) code '
@@ -196,7 +232,7 @@ def _split(problems: list[Problem], fraction: float, source: str) -> tuple[list[
 # ------------------------------------------------------------------ pre-flight
 
 
-def preflight(options: FileTaskOptions) -> None:
+def check_files(options: FileTask.Options) -> None:
     """What ``forge run`` checks before it creates the run directory: the files exist, are
     readable, non-empty regular files, and their rows have the configured fields. Small
     files are loaded whole (every row, the eval split), large ones by their first rows."""
@@ -225,7 +261,9 @@ def _checked_file(path: Path) -> int:
     except ValueError as exc:  # a NUL byte in the path
         raise ConfigError(f"task file {str(path)!r}: {exc}") from None
     if size == 0:
-        raise ConfigError(f"task file {str(path)!r} is empty; it needs one problem per line (JSONL) or .parquet")
+        raise ConfigError(
+            f"task file {str(path)!r} is empty; it needs one problem per line (JSONL) or .parquet"
+        )
     return size
 
 
