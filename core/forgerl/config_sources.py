@@ -17,6 +17,14 @@ from forgerl.errors import ConfigError
 
 #: A config larger than this is not a config (a model file or a log given by mistake).
 MAX_CONFIG_BYTES = 16 * 1024 * 1024
+#: Values that aliases (``*name``) may add to a document once expanded. Anchors and merge
+#: keys in a real config add dozens; a 450-byte "billion laughs" document adds 10**9, which
+#: nothing downstream (merging, validation, config.yaml) can hold.
+MAX_ALIAS_VALUES = 100_000
+
+
+class AliasBomb(ConfigError):
+    """A document whose aliases expand past :data:`MAX_ALIAS_VALUES`, or refer to themselves."""
 
 
 class _ConfigLoader(yaml.SafeLoader):
@@ -41,6 +49,62 @@ class _ConfigLoader(yaml.SafeLoader):
             seen[key] = line
         return super().construct_mapping(node, deep)
 
+    def get_single_node(self) -> yaml.Node | None:
+        # Checked on the composed graph, where an alias is one shared node: before anything
+        # (construction included) walks the document as the tree it expands to.
+        node = super().get_single_node()
+        if node is not None:
+            check_alias_expansion(node)
+        return node
+
+
+def check_alias_expansion(root: yaml.Node) -> None:
+    """Refuse a composed document whose aliases would expand it by more than
+    :data:`MAX_ALIAS_VALUES` values, or that contains itself (``&a [*a]``). Linear in the
+    distinct nodes: the expanded size of each node is computed once."""
+    expanded: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:  # iterative post-order: a deeply nested document must not hit the recursion limit
+        node, children_done = stack.pop()
+        if id(node) in expanded:
+            continue
+        children = _children(node)
+        if children_done:
+            on_path.discard(id(node))
+            expanded[id(node)] = 1 + sum(expanded[id(c)] for c in children)
+            continue
+        on_path.add(id(node))
+        stack.append((node, True))
+        for child in children:
+            if id(child) in on_path:  # the nodes being expanded: this one's ancestors
+                raise AliasBomb(
+                    f"an alias (line {child.start_mark.line + 1}) refers to a value that contains it; "
+                    "a config cannot be recursive"
+                )
+            if id(child) not in expanded:
+                stack.append((child, False))
+    added = expanded[id(root)] - len(expanded)
+    if added > MAX_ALIAS_VALUES:
+        raise AliasBomb(
+            f"its aliases (*name) expand it by {added:,} values, more than the {MAX_ALIAS_VALUES:,} "
+            "a config may add that way; write the values out instead of repeating aliases"
+        )
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def load_yaml(text: str) -> Any:
+    """``text`` as YAML with the config loader's rules (safe types, no key given twice, aliases
+    bounded); YAMLError, RecursionError or :class:`AliasBomb` otherwise."""
+    return yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader subclass
+
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     """The top-level mapping of a YAML config file; ConfigError (one line) for anything else."""
@@ -60,7 +124,9 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
             f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); a config is a YAML file"
         ) from None
     try:
-        data = yaml.load(text, Loader=_ConfigLoader)  # noqa: S506 - a SafeLoader subclass
+        data = load_yaml(text)
+    except AliasBomb as exc:
+        raise AliasBomb(f"{path}: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -86,7 +152,9 @@ def parse_set(assignments: Iterable[str]) -> list[tuple[list[str], Any]]:
         if any(not part.strip() for part in path):
             raise ConfigError(f"--set {item!r}: {key.strip()!r} has an empty part; expected dotted.key=value")
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = load_yaml(raw) if raw.strip() else ""
+        except AliasBomb as exc:
+            raise AliasBomb(f"--set {key.strip()}: {exc}") from None
         except (yaml.YAMLError, RecursionError):
             value = raw
         parsed.append((path, value))

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from forgerl import runs
-from forgerl.errors import UserError
+from forgerl.errors import ConfigError, UserError
 
 
 class NotARun(UserError):
@@ -97,10 +97,13 @@ def load_run(path: str | Path, label: str | None = None) -> RunData:
 def _read_config(path: Path) -> dict[str, Any]:
     import yaml
 
+    from forgerl.config_sources import load_yaml
+
     try:
-        loaded = yaml.safe_load(path.read_text())
-    except (OSError, ValueError, yaml.YAMLError):  # missing or malformed: only the config table is lost
-        return {}
+        # The config loader's rules: a run directory from elsewhere may hold an alias bomb.
+        loaded = load_yaml(path.read_text())
+    except (OSError, ValueError, RecursionError, yaml.YAMLError, ConfigError):
+        return {}  # missing or malformed: only the config table is lost
     return loaded if isinstance(loaded, dict) else {}
 
 
