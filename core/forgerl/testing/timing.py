@@ -13,6 +13,7 @@ check measured speed, not behaviour.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import signal
 import time
@@ -22,14 +23,26 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+#: Beyond this a deadline is no deadline (and ``signal.alarm`` cannot hold it): a day per second.
+MAX_SCALE = 86400.0
+
+
 def scale() -> float:
-    """The factor from ``FORGE_TEST_TIMEOUT_SCALE`` (at least 1)."""
-    raw = os.environ.get("FORGE_TEST_TIMEOUT_SCALE", "1")
+    """The factor from ``FORGE_TEST_TIMEOUT_SCALE``: a finite number from 1 to :data:`MAX_SCALE`
+    (default 1). Anything else is a ValueError saying so: a NaN, 0 or -5 once became 1
+    silently, and inf overflowed later inside a test, far from the variable."""
+    raw = os.environ.get("FORGE_TEST_TIMEOUT_SCALE", "").strip() or "1"
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"FORGE_TEST_TIMEOUT_SCALE must be a number, got {raw!r}") from None
-    return max(1.0, value)
+        value = math.nan
+    # Written so that NaN fails it: every comparison with NaN is false.
+    if not 1.0 <= value <= MAX_SCALE:
+        raise ValueError(
+            f"FORGE_TEST_TIMEOUT_SCALE={raw!r}: give a number from 1 to {MAX_SCALE:g} that stretches "
+            "every test deadline (e.g. 3 on a loaded machine), or unset it for 1"
+        )
+    return value
 
 
 def scaled(seconds: float) -> float:
