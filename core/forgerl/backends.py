@@ -1,12 +1,13 @@
-"""Backend records: what a plugin's hooks return to make a backend selectable by name.
+"""Backend records: what the registry keeps of each backend selectable by name.
 
-A record names a backend, carries its options model (pydantic, ``extra="forbid"``) and a
-factory. The factory may be given as ``"module:attr"`` so that listing backends never
-imports a heavy dependency: the module is imported only when the backend is built.
+A plugin registers a backend as one class (:mod:`forgerl.backend_classes`), from which the
+registry makes its record; a record written by hand (the earlier shape) names a factory
+and an options model, either as ``"module:attr"``, imported only when used.
 
-Each kind of record builds its backend with one typed method, ``build``, whose keyword
-arguments are the runtime objects of that kind (:mod:`forgerl.contract`): it validates
-the options once into the options model and calls ``factory(options_model, **runtime)``.
+Every record builds its backend with one method, ``build(options, **runtime)``, whose
+keyword arguments are the runtime objects :data:`forgerl.contract.CONTRACT` gives for
+its kind: it validates the options once into the options model and calls
+``factory(options_model, **runtime)``.
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias
 
-from forgerl.contract import check_factory
+from forgerl.contract import CONTRACT, check_factory
 from forgerl.errors import BackendContractError, BackendLoadError
 
 if TYPE_CHECKING:  # pragma: no cover
     from pydantic import BaseModel
 
-    from forgerl.interfaces import Generator, Reward, RunContext, Scheduler, Task, Trainer, Transport
+    from forgerl.interfaces import RunContext
     from forgerl.types import RoleSpec
 
 #: What ``build`` takes as options: the validated model, or a mapping (a config's options
@@ -118,11 +119,28 @@ class Backend:
         """The options model, imported on first use when given as "module:attr"."""
         return self.load_part(self.options, "options model")
 
-    def _build(self, options: Options, **runtime: Any) -> Any:
-        """``factory(validated options, **runtime)``: the one way every kind is built. The
+    def build(self, options: Options, **runtime: Any) -> Any:
+        """``factory(validated options, **runtime)``: the one way every kind is built, with
+        the keyword arguments :data:`forgerl.contract.CONTRACT` gives for this kind. The
         options are validated here once (a model of the right class passes as is); a
         factory that cannot take ``runtime`` is refused before it is called."""
-        return self._call(self.factory, "factory", self.kind, self.validate_options(options), runtime)
+        expected = CONTRACT[self.kind].keywords
+        if set(runtime) != expected:
+            raise TypeError(f"a {self.kind} is built with {sorted(expected)}, not {sorted(runtime)}")
+        return self._built(self._call(self.factory, "factory", self.kind, self.validate_options(options), runtime))
+
+    def _built(self, product: Any) -> Any:
+        """What was built, checked or converted as its kind requires."""
+        return product
+
+    def server_roles(self, options: Options, *, context: RunContext) -> list[RoleSpec]:
+        """The server roles this backend needs with ``options`` (none when it declares no
+        ``roles``; only generators and rewards can)."""
+        roles = getattr(self, "roles", None)
+        if roles is None:
+            return []
+        validated = self.validate_options(options)
+        return list(self._call(roles, "roles", f"{self.kind} roles", validated, {"context": context}))
 
     def _call(self, ref: Any, part: str, what: str, options: BaseModel, runtime: Mapping[str, Any]) -> Any:
         if ref is None:
@@ -194,65 +212,34 @@ def _importable(module: str) -> bool:
 
 @dataclass(frozen=True)
 class GeneratorBackend(Backend):
-    """``factory(options, *, context: RunContext, transport: Transport) -> Generator``.
-
-    ``transport`` is the run's transport: the generator receives new weights through
-    receivers it makes from it (``transport.receiver(...)`` in this process, or
-    ``transport.receiver_spec()`` handed to the engine's worker processes).
-
-    ``roles`` (optional) is ``roles(options, *, context: RunContext) -> list[RoleSpec]``:
-    server processes the scheduler must start beside the trainer (e.g. vLLM replicas).
-    In-process generators have none.
-    """
+    """A generator: built with the run's transport, through which it receives new weights
+    (``transport.receiver(...)`` in this process, or ``transport.receiver_spec()`` handed
+    to the engine's worker processes). ``roles`` (optional): server processes the scheduler
+    starts beside the trainer (e.g. vLLM replicas); in-process generators have none."""
 
     kind: ClassVar[str] = "generator"
     roles: Callable[..., Any] | str | None = None
 
-    def build(self, options: Options, *, context: RunContext, transport: Transport) -> Generator:
-        return self._build(options, context=context, transport=transport)
-
-    def server_roles(self, options: Options, *, context: RunContext) -> list[RoleSpec]:
-        """The server roles of a run (none when the generator declares no ``roles``)."""
-        if self.roles is None:
-            return []
-        validated = self.validate_options(options)
-        return list(self._call(self.roles, "roles", "generator roles", validated, {"context": context}))
-
 
 @dataclass(frozen=True)
 class TrainerBackend(Backend):
-    """``factory(options, *, context: RunContext) -> Trainer`` (called on every trainer rank)."""
+    """A trainer, built on every trainer rank."""
 
     kind: ClassVar[str] = "trainer"
-
-    def build(self, options: Options, *, context: RunContext) -> Trainer:
-        return self._build(options, context=context)
 
 
 @dataclass(frozen=True)
 class RewardBackend(Backend):
-    """``factory(options) -> Reward``.
-
-    ``roles`` (optional) is ``roles(options, *, context: RunContext) -> list[RoleSpec]``,
-    as for a generator: server processes the scheduler starts beside the trainer (e.g. a
-    vLLM server for a large reward model). Roles of the same name from several rewards
-    must be identical, and are started once (two rewards may share a server).
-    """
+    """A reward. ``roles`` (optional), as for a generator: server processes for it (e.g. a
+    vLLM server for a large reward model). Roles of the same name from several rewards must
+    be identical, and are started once (two rewards may share a server)."""
 
     kind: ClassVar[str] = "reward"
     roles: Callable[..., Any] | str | None = None
 
-    def server_roles(self, options: Options, *, context: RunContext) -> list[RoleSpec]:
-        """The server roles this reward needs with ``options`` (often none)."""
-        if self.roles is None:
-            return []
-        validated = self.validate_options(options)
-        return list(self._call(self.roles, "roles", "reward roles", validated, {"context": context}))
-
-    def build(self, options: Options) -> Reward:
+    def _built(self, reward: Any) -> Any:
         from forgerl.interfaces import Reward
 
-        reward = self._build(options)
         if isinstance(reward, Reward) and not reward.implements_scoring():
             raise BackendContractError(
                 f"{self._label()}: {type(reward).__name__} implements neither score nor ascore; "
@@ -263,44 +250,31 @@ class RewardBackend(Backend):
 
 @dataclass(frozen=True)
 class TransportBackend(Backend):
-    """``factory(options, *, context: RunContext | None) -> Transport``; ``context`` is None
-    for a transport built outside a run (a receiver in a generator's worker process)."""
+    """A transport; built with ``context=None`` outside a run (a receiver in a generator's
+    worker process)."""
 
     kind: ClassVar[str] = "transport"
-
-    def build(self, options: Options, *, context: RunContext | None) -> Transport:
-        return self._build(options, context=context)
 
 
 @dataclass(frozen=True)
 class SchedulerBackend(Backend):
-    """``factory(options) -> Scheduler``."""
-
     kind: ClassVar[str] = "scheduler"
-
-    def build(self, options: Options) -> Scheduler:
-        return self._build(options)
 
 
 @dataclass(frozen=True)
 class TaskBackend(Backend):
-    """``factory(options, *, seed: int) -> Task``."""
-
     kind: ClassVar[str] = "task"
-
-    def build(self, options: Options, *, seed: int) -> Task:
-        return self._build(options, seed=seed)
 
 
 @dataclass(frozen=True)
 class ModelBackend(Backend):
-    """A named model source: ``factory(options, *, cache_dir: Path) -> Path`` returns a
-    local Hugging Face folder (building or converting it on first use)."""
+    """A named model source: building it returns a local Hugging Face folder (building or
+    converting it on first use)."""
 
     kind: ClassVar[str] = "model"
 
-    def build(self, options: Options, *, cache_dir: Path) -> Path:
-        return Path(self._build(options, cache_dir=cache_dir))
+    def _built(self, folder: Any) -> Path:
+        return Path(folder)
 
 
 BACKEND_KINDS: dict[str, type[Backend]] = {

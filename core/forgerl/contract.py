@@ -1,25 +1,12 @@
-"""The build contract: how forgerl calls the factory of each kind of backend.
+"""The build contract: how forgerl calls the class (or factory) of each kind of backend.
 
-A backend record (:mod:`forgerl.backends`) names a factory: a class or a function. forgerl
-calls it with the backend's options, already validated into the backend's options model
-(never a dict), followed by the runtime objects of its kind as keyword arguments:
-
-==========  ====================================================================
-kind        factory call
-==========  ====================================================================
-generator   ``factory(options, *, context: RunContext, transport: Transport) -> Generator``
-trainer     ``factory(options, *, context: RunContext) -> Trainer`` (on every rank)
-transport   ``factory(options, *, context: RunContext | None) -> Transport``
-task        ``factory(options, *, seed: int) -> Task``
-reward      ``factory(options) -> Reward``
-scheduler   ``factory(options) -> Scheduler``
-model       ``factory(options, *, cache_dir: Path) -> Path``
-==========  ====================================================================
-
-A generator's or a reward's optional ``roles`` callable is called as
-``roles(options, *, context: RunContext) -> list[RoleSpec]``. A transport's ``context``
-is None when it is built outside a run (a receiver in a generator's worker process, a
-benchmark): it then learns where the sender is from :meth:`Transport.receiver_spec`.
+forgerl calls a backend's class with its options, already validated into the backend's
+options model (never a dict), followed by the runtime objects of its kind as keyword
+arguments. The calls, kind by kind, are :data:`CONTRACT`, the one place they are written
+(the records' ``build``, error messages and the table in docs/plugins.md come from it).
+A transport's ``context`` is None when it is built outside a run (a receiver in a
+generator's worker process, a benchmark): it then learns where the sender is from
+:meth:`Transport.receiver_spec`.
 
 Runtime objects are named arguments: nothing travels through an untyped dict. A factory
 that does not accept these arguments (one written for an older forgerl, e.g.
@@ -34,61 +21,60 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from forgerl.errors import BackendContractError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from pathlib import Path
 
-    from forgerl.interfaces import Generator, Reward, RunContext, Scheduler, Task, Trainer, Transport
-    from forgerl.types import RoleSpec
+@dataclass(frozen=True)
+class Call:
+    """How forgerl calls one part of a backend: the validated options model first, then
+    these keyword arguments (name, type as the docs write it), returning ``returns``."""
 
+    callee: str
+    runtime: tuple[tuple[str, str], ...]
+    returns: str
+    note: str = ""
 
-class GeneratorFactory(Protocol):
-    def __call__(self, options: Any, /, *, context: RunContext, transport: Transport) -> Generator: ...
+    @property
+    def signature(self) -> str:
+        keywords = ", ".join(f"{name}: {kind}" for name, kind in self.runtime)
+        return f"{self.callee}(options{', *, ' + keywords if keywords else ''}) -> {self.returns}"
 
-
-class GeneratorRoles(Protocol):
-    def __call__(self, options: Any, /, *, context: RunContext) -> list[RoleSpec]: ...
-
-
-class TrainerFactory(Protocol):
-    def __call__(self, options: Any, /, *, context: RunContext) -> Trainer: ...
-
-
-class TransportFactory(Protocol):
-    def __call__(self, options: Any, /, *, context: RunContext | None) -> Transport: ...
+    @property
+    def keywords(self) -> frozenset[str]:
+        return frozenset(name for name, _ in self.runtime)
 
 
-class TaskFactory(Protocol):
-    def __call__(self, options: Any, /, *, seed: int) -> Task: ...
+_CONTEXT = ("context", "RunContext")
+_ROLES = Call("roles", (_CONTEXT,), "list[RoleSpec]", "server processes started beside the trainer")
 
-
-class RewardFactory(Protocol):
-    def __call__(self, options: Any, /) -> Reward: ...
-
-
-class SchedulerFactory(Protocol):
-    def __call__(self, options: Any, /) -> Scheduler: ...
-
-
-class ModelFactory(Protocol):
-    def __call__(self, options: Any, /, *, cache_dir: Path) -> Path: ...
-
+#: The build contract, the one place it is written: kind (or "<kind> roles") -> the call.
+#: Error messages, the records' ``build`` and docs/plugins.md's table come from it.
+CONTRACT: dict[str, Call] = {
+    "generator": Call("factory", (_CONTEXT, ("transport", "Transport")), "Generator"),
+    "trainer": Call("factory", (_CONTEXT,), "Trainer", "on every trainer rank"),
+    "transport": Call("factory", (("context", "RunContext | None"),), "Transport", "context is None outside a run"),
+    "task": Call("factory", (("seed", "int"),), "Task"),
+    "reward": Call("factory", (), "Reward"),
+    "scheduler": Call("factory", (), "Scheduler"),
+    "model": Call("factory", (("cache_dir", "Path"),), "Path", "a local Hugging Face folder"),
+    "generator roles": _ROLES,
+    "reward roles": _ROLES,
+}
 
 #: The call each kind's factory must accept, as error messages and docs write it.
-SIGNATURES: dict[str, str] = {
-    "generator": "factory(options, *, context: RunContext, transport: Transport) -> Generator",
-    "generator roles": "roles(options, *, context: RunContext) -> list[RoleSpec]",
-    "reward roles": "roles(options, *, context: RunContext) -> list[RoleSpec]",
-    "trainer": "factory(options, *, context: RunContext) -> Trainer",
-    "transport": "factory(options, *, context: RunContext | None) -> Transport",
-    "task": "factory(options, *, seed: int) -> Task",
-    "reward": "factory(options) -> Reward",
-    "scheduler": "factory(options) -> Scheduler",
-    "model": "factory(options, *, cache_dir: Path) -> Path",
-}
+SIGNATURES: dict[str, str] = {what: call.signature for what, call in CONTRACT.items()}
+
+
+def contract_table() -> str:
+    """docs/plugins.md's table of the contract (a docs test checks the page holds it)."""
+    rows = ["| kind | how forgerl calls it |", "|---|---|"]
+    for what, call in CONTRACT.items():
+        note = f" ({call.note})" if call.note else ""
+        rows.append(f"| {what} | `{call.signature.replace('|', chr(92) + '|')}`{note} |")
+    return "\n".join(rows)
 
 
 def check_factory(

@@ -22,22 +22,12 @@ import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from importlib import metadata
-from typing import Any, Literal, overload
+from typing import Any
 
 import pluggy
 
 from forgerl import hookspecs
-from forgerl.backends import (
-    BACKEND_KINDS,
-    Backend,
-    GeneratorBackend,
-    ModelBackend,
-    RewardBackend,
-    SchedulerBackend,
-    TaskBackend,
-    TrainerBackend,
-    TransportBackend,
-)
+from forgerl.backends import BACKEND_KINDS, Backend
 from forgerl.env import env_flag
 from forgerl.errors import BackendUnavailable, DuplicateBackend, PluginLoadError, UnknownBackend
 from forgerl.kinds import KINDS, REGISTRATION_HOOKS
@@ -202,25 +192,6 @@ class Registry:
 
     def clash(self, kind: str, name: str) -> BackendClash | None:
         return self._clashes.get((kind, name))
-
-    # The record of each kind is of that kind's class, whose ``build`` is typed with the
-    # kind's runtime arguments: `require("generator", n).build(options, context=..., transport=...)`.
-    @overload
-    def require(self, kind: Literal["generator"], name: str) -> GeneratorBackend: ...
-    @overload
-    def require(self, kind: Literal["trainer"], name: str) -> TrainerBackend: ...
-    @overload
-    def require(self, kind: Literal["transport"], name: str) -> TransportBackend: ...
-    @overload
-    def require(self, kind: Literal["task"], name: str) -> TaskBackend: ...
-    @overload
-    def require(self, kind: Literal["reward"], name: str) -> RewardBackend: ...
-    @overload
-    def require(self, kind: Literal["scheduler"], name: str) -> SchedulerBackend: ...
-    @overload
-    def require(self, kind: Literal["model"], name: str) -> ModelBackend: ...
-    @overload
-    def require(self, kind: str, name: str) -> Backend: ...
 
     def require(self, kind: str, name: str) -> Backend:
         """Like :meth:`get`, but raises BackendUnavailable when it cannot run here."""

@@ -233,3 +233,26 @@ def test_what_the_loop_and_the_cli_call_is_required_of_every_backend():
         with pytest.raises(TypeError, match=method):
             cls()
     assert Scheduler.supports_logs is False  # logs are a capability a scheduler declares
+
+
+def test_the_plugin_guide_shows_the_contract_as_written_in_one_place():
+    """docs/plugins.md's table is generated from forgerl.contract.CONTRACT, which the
+    records' build and the error messages use: the three cannot drift apart."""
+    from pathlib import Path
+
+    from forgerl.contract import contract_table
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "plugins.md").read_text()
+    assert contract_table() in guide, (
+        "docs/plugins.md's contract table is stale: replace it with the output of "
+        "`python -c 'from forgerl.contract import contract_table; print(contract_table())'`"
+    )
+
+
+def test_a_backend_is_built_with_exactly_its_kinds_runtime_arguments():
+    from forgerl.plugins import build_registry
+
+    task = build_registry().require("task", "arithmetic")
+    assert task.build({}, seed=3).seed == 3
+    with pytest.raises(TypeError, match=r"a task is built with \['seed'\], not \['context', 'seed'\]"):
+        task.build({}, seed=3, context=None)

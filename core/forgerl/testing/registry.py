@@ -5,19 +5,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from importlib import metadata
-from typing import TYPE_CHECKING, Literal, overload
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.backends import (
-        Backend,
-        GeneratorBackend,
-        ModelBackend,
-        RewardBackend,
-        SchedulerBackend,
-        TaskBackend,
-        TrainerBackend,
-        TransportBackend,
-    )
+    from forgerl.backends import Backend
     from forgerl.plugins import Registry
 
 
@@ -35,39 +26,6 @@ def registry_for(plugins: Sequence[str] = ()) -> Registry:
     """The registry of the installed plugins plus ``plugins`` (import paths of plugin
     modules not installed, e.g. the plugin of a checkout under test), built once."""
     return _registry(tuple(plugins))
-
-
-# Typed per kind like Registry.require, so that a kit's `.build(...)` is checked.
-@overload
-def backend_under_test(
-    kind: Literal["generator"], name: str, plugins: Sequence[str] = ..., *, required: bool = ...
-) -> GeneratorBackend: ...
-@overload
-def backend_under_test(
-    kind: Literal["trainer"], name: str, plugins: Sequence[str] = ..., *, required: bool = ...
-) -> TrainerBackend: ...
-@overload
-def backend_under_test(
-    kind: Literal["transport"], name: str, plugins: Sequence[str] = ..., *, required: bool = ...
-) -> TransportBackend: ...
-@overload
-def backend_under_test(
-    kind: Literal["task"], name: str, plugins: Sequence[str] = ..., *, required: bool = ...
-) -> TaskBackend: ...
-@overload
-def backend_under_test(
-    kind: Literal["reward"], name: str, plugins: Sequence[str] = ..., *, required: bool = ...
-) -> RewardBackend: ...
-@overload
-def backend_under_test(
-    kind: Literal["scheduler"], name: str, plugins: Sequence[str] = ..., *, required: bool = ...
-) -> SchedulerBackend: ...
-@overload
-def backend_under_test(
-    kind: Literal["model"], name: str, plugins: Sequence[str] = ..., *, required: bool = ...
-) -> ModelBackend: ...
-@overload
-def backend_under_test(kind: str, name: str, plugins: Sequence[str] = ..., *, required: bool = ...) -> Backend: ...
 
 
 def backend_under_test(kind: str, name: str, plugins: Sequence[str] = (), *, required: bool = False) -> Backend:
