@@ -25,7 +25,8 @@ from forgerl.kinds import FLAGS, REGISTRATION_HOOKS
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.backends import Backend
     from forgerl.interfaces import Scheduler
-    from forgerl.plugins import PluginInfo, Registry
+    from forgerl.plugin_info import PluginInfo
+    from forgerl.plugins import Registry
 
 _Command = TypeVar("_Command", bound=Callable[..., Any])
 
@@ -325,7 +326,7 @@ def _job_scheduler(job: str, scheduler_name: str | None) -> tuple[Scheduler, str
         if sub is None:
             raise JobNotFound(f"{job!r} has no {runs.SUBMISSION_FILE}: it was never submitted")
         scheduler_name = scheduler_name or sub["scheduler"]
-        job_id = sub["job_id"]
+        job_id = runs.job_of_run_dir(Path(job), sub)
     if scheduler_name is None:
         raise JobNotFound(f"{job!r} is not a run directory; give the scheduler too, e.g. `--scheduler slurm`")
     backend = registry.require("scheduler", scheduler_name)
@@ -381,6 +382,11 @@ def logs(job: str, scheduler_name: str | None, role: str | None) -> None:
 def cancel(job: str, scheduler_name: str | None) -> None:
     """Stop a submitted run."""
     scheduler, job_id, _ = _job_scheduler(job, scheduler_name)
+    st = scheduler.status(job_id)
+    if st.state.finished:  # nothing is stopped or rewritten: the outcome stays what it was
+        exit_code = "" if st.exit_code is None else f" (exit {st.exit_code})"
+        click.echo(f"{job_id} had already finished: {st.state.value}{exit_code}; nothing to cancel")
+        return
     scheduler.cancel(job_id)
     click.echo(f"cancelled {job_id}")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl.diskerrors import write_failed
-from forgerl.errors import ConfigError, ResumeError
+from forgerl.errors import ConfigError, JobNotFound, ResumeError
 from forgerl.types import JobHandle, JobSpec, Resources, RoleSpec
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -212,6 +212,25 @@ def read_submission(run_dir: Path) -> dict[str, Any] | None:
         return json.loads((run_dir / SUBMISSION_FILE).read_text())
     except (OSError, ValueError):
         return None
+
+
+def job_of_run_dir(run_dir: Path, submission: dict[str, Any]) -> str:
+    """The job id ``forge status|logs|cancel RUN_DIR`` act on. A directory copied or moved
+    elsewhere keeps the submission.json of where it was submitted: a job named by its
+    directory (the local scheduler's) is then this directory's own; a job with an id of its
+    own (Slurm's, Kubernetes') belongs to the original directory, and acting on it from the
+    copy is refused, one line naming both."""
+    job_id = str(submission["job_id"])
+    recorded = submission.get("run_dir")
+    here = run_dir.resolve()
+    if not recorded or Path(recorded).resolve() == here:
+        return job_id
+    if job_id == recorded:
+        return str(here)
+    raise JobNotFound(
+        f"{str(run_dir)!r} is a copy of the run directory {recorded} ({SUBMISSION_FILE} says so): job "
+        f"{job_id} belongs to that run; give that directory, or the job id with --scheduler"
+    )
 
 
 def worker_command(run_dir: Path) -> tuple[str, ...]:

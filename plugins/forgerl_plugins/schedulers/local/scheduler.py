@@ -130,6 +130,14 @@ class LocalScheduler(Scheduler):
             state = JobState.UNKNOWN
         if state.finished:
             return JobStatus(state, record.get("exit_code"), record.get("detail", ""))
+        original = _copied_from(record, run_dir)
+        if original is not None:  # the processes it lists are the original job's, not this copy's
+            return JobStatus(
+                JobState.UNKNOWN,
+                None,
+                f"a copy of the run directory {original}, made while its job ran; that job's processes "
+                f"are not this directory's (`forge status {original}`)",
+            )
         supervisor = record.get("supervisor") or {}
         supervisor_alive = bool(supervisor.get("pid")) and procs.is_alive(
             supervisor["pid"], supervisor.get("starttime")
@@ -163,6 +171,12 @@ class LocalScheduler(Scheduler):
         record = jobfile.read_job(run_dir)
         if self.status(str(run_dir)).state.finished:
             return
+        original = _copied_from(record, run_dir)
+        if original is not None:
+            raise JobNotFound(
+                f"{run_dir} is a copy of the run directory {original}: the processes its job.json lists "
+                f"belong to that run, not to this copy; to stop them, `forge cancel {original}`"
+            )
         jobfile.request_cancel(run_dir)  # the supervisor, if alive, records CANCELLED itself
         jobfile.log_event(run_dir, f"cancel requested by pid {os.getpid()}: stopping every process")
         # A live process with another start time took a dead child's pid: not ours to signal.
@@ -192,8 +206,11 @@ class LocalScheduler(Scheduler):
                     f"job {run_dir} has no role {role!r}; roles: {', '.join([*roles, 'scheduler'])}"
                 )
             paths = []
+            original = _copied_from(record, run_dir)
             for p in record.get("processes", []):
                 path = Path(p["log"])
+                if original is not None and path.is_relative_to(original):  # this copy's own logs
+                    path = run_dir / path.relative_to(original)
                 if (role is None or p["role"] == role) and path not in paths:
                     paths.append(path)
         paths = [p for p in paths if p.is_file()]
@@ -258,6 +275,16 @@ def _key(job_id: str) -> str:
 
 def _started(record: dict) -> list[dict]:
     return [p for p in record.get("processes", []) if p.get("pid")]
+
+
+def _copied_from(record: dict[str, Any], run_dir: Path) -> Path | None:
+    """The run directory a job record was written in, when that is not ``run_dir``: the
+    directory was copied or moved, and the pids and log paths in the record are the
+    original's."""
+    recorded = record.get("run_dir")
+    if not recorded or Path(recorded).resolve() == run_dir:
+        return None
+    return Path(recorded)
 
 
 def _validate(job: JobSpec) -> None:
