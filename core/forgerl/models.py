@@ -2,8 +2,9 @@
 
 A name is, in this order: a named model a plugin provides (``forge plugins list`` shows
 them; built or converted once into the cache directory), an existing local folder with a
-``config.json``, or a hub id, fetched with huggingface_hub where the network allows
-(``HF_HUB_OFFLINE=1`` uses only what the hub cache already holds).
+``config.json``, or a hub id ``owner/name``, fetched with huggingface_hub where the network
+allows (``HF_HUB_OFFLINE=1`` uses only what the hub cache already holds). A bare word that
+is none of these is a typo, refused with the close named model, never asked of the hub.
 """
 
 from __future__ import annotations

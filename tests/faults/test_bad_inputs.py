@@ -482,6 +482,19 @@ def test_bad_input_is_one_line_exit_2_nothing_created(case: Case) -> None:
     check_case(case)
 
 
+def test_machine_checks_are_left_to_the_machine_that_runs_the_job() -> None:
+    """A login node submitting to Slurm lacks the GPU (NCCL) and maybe the token its nodes
+    have: the same config that is refused for the local scheduler passes Slurm's pre-flight."""
+    machine_bound = ["--set", "trainer.options.backend=nccl", *REMOTE, "--set",
+                     "rewards.0.options.auth_env=FORGE_TEST_NO_TOKEN", "--dry-run"]
+    with workdir() as root, environment({"FORGE_TEST_NO_TOKEN": None}, root):
+        code, _out, err = run_in_process([*RUN, *machine_bound, "--scheduler", "slurm"])
+        assert code == 0, err
+        if not _dist_backend_here("nccl"):
+            code, out, err = run_in_process([*RUN, *machine_bound])
+            assert_refused(code, out, err, ("trainer.options.backend",), "local scheduler")
+
+
 @pytest.fixture
 def read_only_dir(tmp_path: Path) -> Any:
     """A directory on a read-only filesystem: a tmpfs mounted read-only where this user may
