@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from forgerl import runs
-from forgerl.config import RunConfig, build_config, resolve
+from forgerl.config import RunConfig, build_config
 from forgerl.interfaces import Scheduler
 from forgerl.plugins import Registry, build_registry
+from forgerl.resolve import resolve
 from forgerl.types import JobHandle, JobSpec, JobStatus
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -30,7 +30,6 @@ from forgerl.config_limits import (
     MAX_SEED,
     MAX_STEPS,
     MAX_TOKENS,
-    check_values,
 )
 from forgerl.config_sections import (
     DEFAULT_MODEL,
@@ -58,11 +57,8 @@ from forgerl.config_sources import (
     read_yaml,
     writable_section,
 )
-from forgerl.errors import BackendUnavailable, ConfigError
+from forgerl.errors import ConfigError
 from forgerl.kinds import FLAGS, SINGLE_BACKEND_FIELDS
-
-if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.plugins import Registry
 
 __all__ = [
     "DEFAULT_MODEL",
@@ -97,7 +93,6 @@ __all__ = [
     "format_validation_error",
     "parse_set",
     "read_yaml",
-    "resolve",
     "validate_config",
 ]
 
@@ -181,45 +176,6 @@ def format_validation_error(exc: ValidationError, prefix: str = "") -> str:
                 msg = f"{msg} (got {got if len(got) <= 80 else got[:77] + '...'})"
         parts.append(f"{loc}: {msg}" if loc else msg)
     return "; ".join(parts)
-
-
-def resolve(config: RunConfig, registry: Registry, *, check_available: bool = False) -> RunConfig:
-    """Check every backend name against the registry and validate every options block
-    with the backend's own model; fill in their defaults. ``generator: auto`` becomes the
-    fastest available generator. With ``check_available`` a backend that cannot run here
-    (missing extra, not built yet) is an error."""
-    config = config.model_copy(deep=True)
-    if config.generator.name == "auto":
-        config.generator.name = "vllm" if "vllm" in registry.available("generator") else "hf"
-    choices: list[tuple[str, str, BackendChoice]] = [
-        (kind, field, getattr(config, field)) for field, kind in SINGLE_BACKEND_FIELDS.items()
-    ]
-    choices += [("reward", f"rewards.{i}", r) for i, r in enumerate(config.rewards)]
-    for kind, field, choice in choices:
-        backend = registry.get(kind, choice.name)
-        try:
-            options = backend.validate_options(choice.options)
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, prefix=f"{field}.options")) from None
-        choice.options = options.model_dump(mode="json")
-        if check_available and (reason := backend.unavailable_reason()):
-            raise BackendUnavailable(f"{kind} {choice.name!r} is unavailable: {reason}")
-    _check_model_name(config, registry)
-    check_values(config.model_dump(mode="python"))
-    return config
-
-
-def _check_model_name(config: RunConfig, registry: Registry) -> None:
-    name = config.model.name
-    if name in registry.backends("model"):
-        backend = registry.get("model", name)
-        try:
-            config.model.options = backend.validate_options(config.model.options).model_dump(mode="json")
-        except ValidationError as exc:
-            raise ConfigError(format_validation_error(exc, prefix="model.options")) from None
-        return
-    if config.model.options:
-        raise ConfigError(f"model.options is only for named models; {name!r} is not one")
 
 
 def config_schema() -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 Every section refuses unknown keys and checks its ranges (bounds in
 :mod:`forgerl.config_limits`); a backend choice's ``options`` block is left to the
-backend's own model, checked when the config is resolved (:func:`forgerl.config.resolve`).
+backend's own model, checked when the config is resolved (:func:`forgerl.resolve.resolve`).
 Import these from :mod:`forgerl.config`.
 """
 

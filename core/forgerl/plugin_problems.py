@@ -11,15 +11,13 @@ import difflib
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from forgerl import hookspecs
 from forgerl.backend_classes import record_for_class
 from forgerl.backends import Backend
 from forgerl.errors import BrokenPlugin, PluginError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.plugins import PluginInfo, Registry
+from forgerl.plugin_info import PluginInfo
 
 
 def warn(message: str) -> None:
@@ -149,14 +147,14 @@ def registration_failure(hook: str, exc: Exception) -> str:
 # ------------------------------------------------------------------ FORGE_DISABLE_PLUGINS
 
 
-def warn_unmatched_disabled(disabled: set[str], source: str, registry: Registry) -> None:
+def warn_unmatched_disabled(disabled: set[str], source: str, plugins: Mapping[str, PluginInfo]) -> None:
     """A name in FORGE_DISABLE_PLUGINS that matches no plugin blocks nothing: most likely a
     typo, or a backend's name where its plugin's is meant."""
-    names = sorted({info.name for info in registry.plugins.values()})
+    names = sorted({info.name for info in plugins.values()})
     unmatched = sorted(disabled - set(names))
     if not unmatched:
         return
-    owners = {b.name: info for info in registry.plugins.values() for b in info.backends}
+    owners = {b.name: info for info in plugins.values() for b in info.backends}
     notes = []
     for name in unmatched:
         close = difflib.get_close_matches(name, names, n=1)

@@ -20,7 +20,6 @@ import importlib
 import os
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -31,6 +30,7 @@ from forgerl.backends import BACKEND_KINDS, Backend
 from forgerl.env import env_flag
 from forgerl.errors import BackendUnavailable, DuplicateBackend, PluginLoadError, UnknownBackend
 from forgerl.kinds import KINDS, REGISTRATION_HOOKS
+from forgerl.plugin_info import EXPLICIT_OBJECT, EXPLICIT_REF, FIRST_PARTY_DIST, PluginInfo
 from forgerl.plugin_problems import (
     BackendClash,
     broken,
@@ -41,36 +41,6 @@ from forgerl.plugin_problems import (
 )
 
 ENTRY_POINT_GROUP = "forgerl"
-FIRST_PARTY_DIST = "forgerl"
-#: The "distribution" of plugins given by import path (FORGE_PLUGINS) or as objects.
-EXPLICIT_REF = "<FORGE_PLUGINS>"
-EXPLICIT_OBJECT = "<embedded>"
-
-@dataclass
-class PluginInfo:
-    """What ``forge plugins list`` shows about one plugin."""
-
-    name: str
-    distribution: str
-    version: str
-    status: str = "loaded"  # loaded | blocked | broken
-    error: str | None = None
-    hooks: list[str] = field(default_factory=list)
-    backends: list[Backend] = field(default_factory=list)
-
-    @property
-    def first_party(self) -> bool:
-        return self.distribution == FIRST_PARTY_DIST
-
-    @property
-    def explicit(self) -> bool:
-        """Named by the caller (an import path or an object), not found through an entry point."""
-        return self.distribution in (EXPLICIT_REF, EXPLICIT_OBJECT)
-
-    @property
-    def label(self) -> str:
-        """How messages name it: ``plugin 'echo' (fake-plugin 1.2.3)``."""
-        return f"plugin {self.name!r} ({' '.join(p for p in (self.distribution, self.version) if p)})"
 
 
 def _env_list_ordered(name: str) -> list[str]:
@@ -319,7 +289,7 @@ def build_registry(
         if plugin is not None:
             info.hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or ())
     registry = Registry(pm, infos, refs, strict=strict)
-    warn_unmatched_disabled(disabled, disabled_from, registry)
+    warn_unmatched_disabled(disabled, disabled_from, registry.plugins)
     return registry
 
 

@@ -41,8 +41,9 @@ def no_allocator_choice(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 def _roles(tmp_path: Path, flags: dict[str, str], sets: list[str] | None = None) -> dict:
-    from forgerl.config import build_config, resolve
+    from forgerl.config import build_config
     from forgerl.plugins import build_registry
+    from forgerl.resolve import resolve
     from forgerl.runs import build_job
 
     registry = build_registry()

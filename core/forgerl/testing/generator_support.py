@@ -202,7 +202,8 @@ def open_site(
     to ``run_dir`` as a run writes it, and the backend's server roles started there by the
     local scheduler, as ``forge run`` starts them; stopped at the end."""
     from forgerl import runs
-    from forgerl.config import build_config, resolve
+    from forgerl.config import build_config
+    from forgerl.resolve import resolve
 
     record = backend_under_test("generator", backend, plugins)
     registry = registry_for(plugins)

@@ -1,0 +1,57 @@
+"""A run config resolved against the installed plugins: every backend name checked, every
+options block validated by the backend's own model (its defaults filled in), ``generator:
+auto`` made concrete. Every process that builds backends from a config resolves it first."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from forgerl.config import RunConfig, format_validation_error
+from forgerl.config_limits import check_values
+from forgerl.config_sections import BackendChoice
+from forgerl.errors import BackendUnavailable, ConfigError
+from forgerl.kinds import SINGLE_BACKEND_FIELDS
+
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.plugins import Registry
+
+
+def resolve(config: RunConfig, registry: Registry, *, check_available: bool = False) -> RunConfig:
+    """Check every backend name against the registry and validate every options block
+    with the backend's own model; fill in their defaults. ``generator: auto`` becomes the
+    fastest available generator. With ``check_available`` a backend that cannot run here
+    (missing extra, not built yet) is an error."""
+    config = config.model_copy(deep=True)
+    if config.generator.name == "auto":
+        config.generator.name = "vllm" if "vllm" in registry.available("generator") else "hf"
+    choices: list[tuple[str, str, BackendChoice]] = [
+        (kind, field, getattr(config, field)) for field, kind in SINGLE_BACKEND_FIELDS.items()
+    ]
+    choices += [("reward", f"rewards.{i}", r) for i, r in enumerate(config.rewards)]
+    for kind, field, choice in choices:
+        backend = registry.get(kind, choice.name)
+        try:
+            options = backend.validate_options(choice.options)
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, prefix=f"{field}.options")) from None
+        choice.options = options.model_dump(mode="json")
+        if check_available and (reason := backend.unavailable_reason()):
+            raise BackendUnavailable(f"{kind} {choice.name!r} is unavailable: {reason}")
+    _check_model_name(config, registry)
+    check_values(config.model_dump(mode="python"))
+    return config
+
+
+def _check_model_name(config: RunConfig, registry: Registry) -> None:
+    name = config.model.name
+    if name in registry.backends("model"):
+        backend = registry.get("model", name)
+        try:
+            config.model.options = backend.validate_options(config.model.options).model_dump(mode="json")
+        except ValidationError as exc:
+            raise ConfigError(format_validation_error(exc, prefix="model.options")) from None
+        return
+    if config.model.options:
+        raise ConfigError(f"model.options is only for named models; {name!r} is not one")
