@@ -345,7 +345,7 @@ def test_every_flags_key_is_documented():
 
 
 def test_run_directory_files_are_documented():
-    from forgerl import checkpoint, checkpoint_format, runs
+    from forgerl import checkpoint, checkpoint_format, metrics, runs
     from forgerl_plugins.generators.common import launcher
     from forgerl_plugins.schedulers.local import jobfile
     from forgerl_plugins.transports.common import auth
@@ -355,6 +355,7 @@ def test_run_directory_files_are_documented():
         checkpoint_format.LOOP_FILE, checkpoint_format.ARRAYS_FILE, checkpoint.MANIFEST, checkpoint.LATEST,
         jobfile.JOB_FILE, f"logs/{jobfile.EVENT_LOG}", jobfile.CANCEL_FILE,
         auth.SECRET_FILE, f"{launcher.ENDPOINT_DIR}/",
+        metrics.DAMAGED_FILE, metrics.RESTART_FILE.format(n="N"),
     }
     text = section("concepts.md", "## Run directories, checkpoints and resume")
     missing = {f for f in files if f not in text}
