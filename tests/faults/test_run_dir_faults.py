@@ -212,3 +212,8 @@ def test_resume_repairs_a_garbled_and_torn_metrics_file(finished_run: Path, tmp_
     rows = metrics(run)
     assert [r["step"] for r in rows] == [1, 3]
     assert rows[0] == json.loads(first)
+
+
+def test_resume_and_restart_together_are_refused(finished_run: Path):
+    line = one_error_line(forge("run", "--resume", str(finished_run), "--restart", str(finished_run)))
+    assert "--resume" in line and "--restart" in line and "not both" in line, line
