@@ -6,7 +6,9 @@ its own: the slot reads the pool's job queue and reports starts and failures to 
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import signal
 import socket
 import subprocess
@@ -16,10 +18,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.reward_workers import RewardWorkerPool
+from typing import Any
 
 #: (value, sub-components, error): value is None when the reward failed, error says why.
 Outcome = tuple["float | None", "dict[str, float]", "str | None"]
@@ -37,14 +36,63 @@ class Job:
     future: Future[Outcome]
 
 
+log = logging.getLogger("forgerl.rewards")
+
+# A worker that cannot start this many times in a row (its plugin fails to import, its
+# reward cannot be built) will not start the next time either: fail fast from then on.
+_MAX_START_FAILURES = 3
+
+
+class PoolState:
+    """What the slots of one pool share: the job queue, the limits, the message that tells
+    a new worker what to build, and the pool's bookkeeping (whether it is closed or broken,
+    what happened to its workers). The pool owns it and hands it to each slot: a slot
+    knows nothing else of the pool."""
+
+    def __init__(self, *, size: int, timeout: float, start_timeout: float, init: dict[str, Any]):
+        self.size = size
+        self.timeout = float(timeout)
+        self.start_timeout = float(start_timeout)
+        self.init = init
+        self.jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.closed = False
+        self.broken: str | None = None  # why workers cannot start, once that is certain
+        #: Workers killed for a timeout, workers found dead, workers started (replacements included).
+        self.timeouts = self.deaths = self.starts = 0
+        #: Seconds from a kill to the replacement reporting ready, one entry per replacement.
+        self.replacement_seconds: list[float] = []
+        self.started_at = 0.0
+        self._start_failures = 0
+        self._ready_once = 0  # workers that reported ready; the first `size` of them: the pool is up
+
+    def start_failed(self, why: str) -> None:
+        with self.lock:
+            if self.closed:  # close() killed a starting worker: not a failure to start
+                return
+            self._start_failures += 1
+            if self._start_failures >= _MAX_START_FAILURES and self.broken is None:
+                self.broken = why
+                log.error("reward workers cannot start; every blocking reward is scored failed: %s", why)
+                print(f"forge: error: reward workers cannot start: {why}", file=sys.stderr)
+
+    def worker_ready(self) -> None:
+        with self.lock:
+            self._start_failures = 0
+            self._ready_once += 1
+            first_time_all = self._ready_once == self.size
+        if first_time_all:
+            log.info("%d reward worker processes ready in %.2fs", self.size, time.monotonic() - self.started_at)
+
+
 class WorkerStartError(Exception):
-    """This slot's worker could not start (the pool counts it; see ``RewardWorkerPool.broken``)."""
+    """This slot's worker could not start (the pool counts it; see ``PoolState.broken``)."""
 
 
 class WorkerSlot:
     """One worker process and the thread that feeds it jobs, kills and replaces it."""
 
-    def __init__(self, pool: RewardWorkerPool, number: int):
+    def __init__(self, pool: PoolState, number: int):
         self.pool = pool
         self.number = number
         self.proc: subprocess.Popen[bytes] | None = None
@@ -66,7 +114,7 @@ class WorkerSlot:
                     self._wait_ready()
                 except WorkerStartError:
                     pass  # counted; the next job tries again, or fails once the pool is broken
-            job = self.pool._jobs.get()
+            job = self.pool.jobs.get()
             if job is None:
                 break
             if job.future.set_running_or_notify_cancel():
@@ -141,7 +189,7 @@ class WorkerSlot:
             )
         except OSError as exc:
             ours.close()
-            pool._startfailed(f"{type(exc).__name__}: {exc}")
+            pool.start_failed(f"{type(exc).__name__}: {exc}")
             return
         finally:
             theirs.close()
@@ -149,7 +197,7 @@ class WorkerSlot:
             self.proc, self.conn, self.ready = proc, Connection(ours.detach()), False
         pool.starts += 1
         try:
-            self.conn.send(pool._init)
+            self.conn.send(pool.init)
         except OSError:
             pass  # it died at once; _wait_ready reports how
 
@@ -167,20 +215,20 @@ class WorkerSlot:
             if not conn.poll(self.pool.start_timeout):
                 self._discard(kill=True)
                 why = f"not ready within {self.pool.start_timeout:g}s"
-                self.pool._startfailed(why)
+                self.pool.start_failed(why)
                 raise WorkerStartError(why)
             kind, detail = conn.recv()
         except (OSError, EOFError):
             status = self._discard(kill=True)
             why = f"it exited while starting ({describe_status(status)})"
-            self.pool._startfailed(why)
+            self.pool.start_failed(why)
             raise WorkerStartError(why) from None
         if kind != "ready":
             self._discard(kill=True)
-            self.pool._startfailed(detail)
+            self.pool.start_failed(detail)
             raise WorkerStartError(detail)
         self.ready = True
-        self.pool._started()
+        self.pool.worker_ready()
         if self.killed_at is not None:
             self.pool.replacement_seconds.append(time.monotonic() - self.killed_at)
             self.killed_at = None

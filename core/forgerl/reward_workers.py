@@ -35,7 +35,6 @@ import os
 import queue
 import signal
 import sys
-import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -44,15 +43,10 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from forgerl.reward_slots import Job, WorkerSlot, failed
+from forgerl.reward_slots import Job, PoolState, WorkerSlot, failed
 from forgerl.reward_slots import Outcome as Outcome  # re-exported: what the pool's futures complete with
 
 log = logging.getLogger("forgerl.rewards")
-
-# A worker that cannot start this many times in a row (its plugin fails to import, its
-# reward cannot be built) will not start the next time either: fail fast from then on.
-_MAX_START_FAILURES = 3
-
 
 @dataclass(frozen=True)
 class RewardRecipe:
@@ -95,25 +89,13 @@ class RewardWorkerPool:
             raise ValueError(f"a reward pool needs at least one worker, got size={size}")
         self.recipes = list(recipes)
         self.size = size
-        self.timeout = float(timeout)
-        self.start_timeout = float(start_timeout)
-        self._init = {
+        init = {
             "sys_path": list(sys.path),
             "plugins": list(plugins),
             "recipes": [(r.backend, dict(r.options)) for r in self.recipes],
         }
-        self._jobs: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._state = PoolState(size=size, timeout=timeout, start_timeout=start_timeout, init=init)
         self._slots: list[WorkerSlot] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        self._start_failures = 0
-        self._ready_once = 0  # workers that reported ready; the first `size` of them: the pool is up
-        self._started_at = 0.0
-        self.broken: str | None = None  # why workers cannot start, once that is certain
-        #: Workers killed for a timeout, workers found dead, workers started (replacements included).
-        self.timeouts = self.deaths = self.starts = 0
-        #: Seconds from a kill to the replacement reporting ready, one entry per replacement.
-        self.replacement_seconds: list[float] = []
         # The run may end without closing the pool (an exception, an embedding caller that
         # forgot): close it at interpreter exit. A weak reference, so that registering does
         # not keep every pool alive.
@@ -133,22 +115,22 @@ class RewardWorkerPool:
         """Start the workers in the background (returns at once); idempotent. A worker is
         started by its own long-lived slot thread: the kernel's parent-death signal follows
         the *thread* that started a process, so a short-lived caller's thread must not."""
-        with self._lock:
-            if self._closed or self._slots:
+        with self._state.lock:
+            if self._state.closed or self._slots:
                 return
-            self._started_at = time.monotonic()
-            self._slots = [WorkerSlot(self, i) for i in range(self.size)]
+            self._state.started_at = time.monotonic()
+            self._slots = [WorkerSlot(self._state, i) for i in range(self.size)]
             for slot in self._slots:
                 slot.thread.start()
 
     def submit(self, index: int, sample: Any) -> Future[Outcome]:
         """Score ``sample`` with reward ``index`` of the recipes."""
         future: Future[Outcome] = Future()
-        if self._closed:
+        if self._state.closed:
             future.set_result(failed("the reward workers were closed"))
             return future
         self.start()
-        self._jobs.put(Job(index, sample, future))
+        self._state.jobs.put(Job(index, sample, future))
         return future
 
     def pids(self) -> list[int]:
@@ -158,14 +140,14 @@ class RewardWorkerPool:
     def close(self) -> None:
         """Stop every worker (politely when idle, SIGKILL when busy) and wait for them;
         jobs not yet answered complete as failed. Idempotent."""
-        with self._lock:
-            if self._closed:
+        with self._state.lock:
+            if self._state.closed:
                 return
-            self._closed = True
+            self._state.closed = True
             slots = list(self._slots)
         atexit.unregister(self._at_exit)
         for _ in slots:
-            self._jobs.put(None)
+            self._state.jobs.put(None)
         for slot in slots:
             slot.interrupt()
         for slot in slots:
@@ -173,15 +155,11 @@ class RewardWorkerPool:
         # Jobs queued behind the stop marks, or submitted while closing.
         while True:
             try:
-                job = self._jobs.get_nowait()
+                job = self._state.jobs.get_nowait()
             except queue.Empty:
                 break
             if job is not None and job.future.set_running_or_notify_cancel():
                 job.future.set_result(failed("the reward workers were closed"))
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def __enter__(self) -> RewardWorkerPool:
         return self
@@ -189,25 +167,44 @@ class RewardWorkerPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ slots' bookkeeping
+    # ------------------------------------------------------------------ what happened (read-only)
 
-    def _startfailed(self, why: str) -> None:
-        with self._lock:
-            if self._closed:  # close() killed a starting worker: not a failure to start
-                return
-            self._start_failures += 1
-            if self._start_failures >= _MAX_START_FAILURES and self.broken is None:
-                self.broken = why
-                log.error("reward workers cannot start; every blocking reward is scored failed: %s", why)
-                print(f"forge: error: reward workers cannot start: {why}", file=sys.stderr)
+    @property
+    def closed(self) -> bool:
+        return self._state.closed
 
-    def _started(self) -> None:
-        with self._lock:
-            self._start_failures = 0
-            self._ready_once += 1
-            first_time_all = self._ready_once == self.size
-        if first_time_all:
-            log.info("%d reward worker processes ready in %.2fs", self.size, time.monotonic() - self._started_at)
+    @property
+    def broken(self) -> str | None:
+        """Why workers cannot start, once that is certain (every job then fails at once)."""
+        return self._state.broken
+
+    @property
+    def timeout(self) -> float:
+        return self._state.timeout
+
+    @property
+    def start_timeout(self) -> float:
+        return self._state.start_timeout
+
+    @property
+    def timeouts(self) -> int:
+        """Workers killed because a sample outlived the timeout."""
+        return self._state.timeouts
+
+    @property
+    def deaths(self) -> int:
+        """Workers found dead."""
+        return self._state.deaths
+
+    @property
+    def starts(self) -> int:
+        """Workers started, replacements included."""
+        return self._state.starts
+
+    @property
+    def replacement_seconds(self) -> list[float]:
+        """Seconds from a kill to the replacement reporting ready, one entry per replacement."""
+        return self._state.replacement_seconds
 
 
 # ---------------------------------------------------------------------- outcomes
