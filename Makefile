@@ -7,7 +7,7 @@ STAMP := $(VENV)/.forgerl-setup
 
 setup: $(STAMP)
 
-$(STAMP): scripts/setup.sh pyproject.toml setup.py constraints.txt
+$(STAMP): scripts/setup.sh pyproject.toml constraints.txt
 	bash scripts/setup.sh
 	@touch $@
 
