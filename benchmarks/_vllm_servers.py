@@ -25,7 +25,6 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
     from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
     from forgerl_plugins.generators.vllm.generator import VLLMGenerator
     from forgerl_plugins.generators.vllm.server import roles
-    from forgerl_plugins.schedulers.local import LocalSchedulerOptions
     from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
 
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -34,7 +33,7 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
     job = JobSpec(
         "vllm-bench", str(run_dir), tuple(roles(options, context=RunContext(config=config, run_dir=run_dir)))
     )
-    scheduler = LocalScheduler(LocalSchedulerOptions(stop_timeout=10))
+    scheduler = LocalScheduler(LocalScheduler.Options(stop_timeout=10))
     started = threading.Event()
 
     def supervise() -> None:  # children die with the thread that started them

@@ -43,17 +43,15 @@ def worker(backend: str, model_dir: Path, run_dir: Path, options: dict[str, Any]
     from trainer_floor import grpo_batch, run_context
 
     if backend == "fsdp":
-        from forgerl_plugins.trainers.fsdp import FSDPTrainerOptions as Options
         from forgerl_plugins.trainers.fsdp.trainer import FSDPTrainer as Trainer
     else:
         import torchtitan.models.llama3  # noqa: F401 - its import, not the trainer's memory
 
-        from forgerl_plugins.trainers.torchtitan import TorchTitanTrainerOptions as Options
         from forgerl_plugins.trainers.torchtitan.trainer import TorchTitanTrainer as Trainer
     import transformers  # noqa: F401 - likewise (the fsdp trainer imports it when built)
 
     baseline_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    trainer = Trainer(Options(**options), context=run_context(model_dir, run_dir))
+    trainer = Trainer(Trainer.Options(**options), context=run_context(model_dir, run_dir))
     try:
         batch = grpo_batch(model_dir)
         batch = dataclasses.replace(batch, behaviour_logprobs=trainer.logprobs(batch) * batch.loss_mask)

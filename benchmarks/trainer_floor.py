@@ -123,10 +123,9 @@ def run_context(model_dir: Path, run_dir: Path):
 
 
 def make_trainer(model_dir: Path, run_dir: Path, options: dict[str, Any]):
-    from forgerl_plugins.trainers.fsdp import FSDPTrainerOptions
     from forgerl_plugins.trainers.fsdp.trainer import FSDPTrainer
 
-    return FSDPTrainer(FSDPTrainerOptions(**options), context=run_context(model_dir, run_dir))
+    return FSDPTrainer(FSDPTrainer.Options(**options), context=run_context(model_dir, run_dir))
 
 
 class BareStep:

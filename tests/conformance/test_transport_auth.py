@@ -265,13 +265,12 @@ def test_shm_directory_is_private_and_its_files_too(tmp_path):
     finally:
         sender.close()
     # A directory the user names is created private too.
-    from forgerl_plugins.transports.shm import ShmTransportOptions
     from forgerl_plugins.transports.shm.transport import ShmTransport
 
     named = tmp_path / "deep" / "weights"
     old = os.umask(0o022)
     try:
-        options = ShmTransportOptions(directory=str(named), **OPTIONS["shm"])
+        options = ShmTransport.Options(directory=str(named), **OPTIONS["shm"])
         sender = ShmTransport(options, context=None).sender()
     finally:
         os.umask(old)

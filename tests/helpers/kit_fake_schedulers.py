@@ -13,7 +13,7 @@ from forgerl.hookspecs import hookimpl
 from forgerl.types import JobHandle, JobState, JobStatus
 from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
 
-OPTIONS = "forgerl_plugins.schedulers.local.options:LocalSchedulerOptions"
+OPTIONS = "forgerl_plugins.schedulers.local.scheduler:LocalScheduler.Options"
 
 
 class CancelSparesChildren(LocalScheduler):

@@ -10,7 +10,7 @@ from forgerl.hookspecs import hookimpl
 from forgerl.types import WeightSet
 from forgerl_plugins.trainers.fsdp.trainer import FSDPTrainer
 
-OPTIONS = "forgerl_plugins.trainers.fsdp.options:FSDPTrainerOptions"
+OPTIONS = "forgerl_plugins.trainers.fsdp.trainer:FSDPTrainer.Options"
 
 
 class PrefixedNames(FSDPTrainer):

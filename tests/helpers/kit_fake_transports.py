@@ -73,7 +73,7 @@ def waits_past_its_timeout(options: Any, *, context: Any) -> Any:
 
 @hookimpl
 def forge_transports():
-    options = "forgerl_plugins.transports.shm.options:ShmTransportOptions"
+    options = "forgerl_plugins.transports.shm.transport:ShmTransport.Options"
     return [
         TransportBackend(name="kit_leaves_its_directory", factory=leaves_its_directory, options=options),
         TransportBackend(name="kit_leaves_a_thread", factory=leaves_a_thread, options=options),

@@ -164,10 +164,10 @@ def test_auto_bf16_autocast_follows_the_hardware_and_sets_the_ratio(
     with AMX, 3x slower without): "auto", the default, decides from the hardware. Under
     autocast the importance ratio is taken against the trainer's own logprobs (algorithm
     ratio "auto"): an fp32 sampler's logprobs, a few percent away, must not trip the clip."""
-    from forgerl_plugins.trainers.fsdp import FSDPTrainerOptions
+    from forgerl_plugins.trainers.fsdp.trainer import FSDPTrainer
     from forgerl_plugins.trainers.shared import base as trainer_base
 
-    assert FSDPTrainerOptions().autocast_bf16 == "auto"
+    assert FSDPTrainer.Options().autocast_bf16 == "auto"
     monkeypatch.setattr(trainer_base, "native_bf16", lambda device: native)
     trainer = worker.make_trainer(tiny_model_dir, tmp_path, micro_batch_size=2, autocast_bf16="auto")
     try:

@@ -14,7 +14,6 @@ from forgerl.interfaces import RunContext
 from forgerl.types import Completion, GenerationRequest, SamplingParams, WeightSet
 from forgerl_plugins.generators.hf import HFGeneratorOptions
 from forgerl_plugins.generators.hf.generator import HFGenerator
-from forgerl_plugins.transports.shm import ShmTransportOptions
 from forgerl_plugins.transports.shm.transport import ShmTransport
 from tests.helpers.timing import scaled
 
@@ -58,7 +57,7 @@ def _ctx(model_dir: Path, run_dir: Path, *, timeout: float | None = None) -> Run
 
 
 def _shm(folder: Path) -> ShmTransport:
-    return ShmTransport(ShmTransportOptions(directory=str(folder), poll_interval=0.01), context=None)
+    return ShmTransport(ShmTransport.Options(directory=str(folder), poll_interval=0.01), context=None)
 
 
 def _generator(options: HFGeneratorOptions, model_dir: Path, run_dir: Path, *, transport=None, timeout=None):

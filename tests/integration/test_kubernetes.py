@@ -16,7 +16,6 @@ import yaml
 
 from forgerl.errors import JobNotFound, UserError
 from forgerl.types import JobSpec, JobState, JobStatus, Resources, RoleSpec
-from forgerl_plugins.schedulers.kubernetes.options import KubernetesSchedulerOptions
 
 kmock = pytest.importorskip("kmock")
 kubernetes = pytest.importorskip("kubernetes")
@@ -56,7 +55,7 @@ def controller(server) -> Any:
 
 
 def _scheduler(kubeconfig: Path, **kw) -> KubernetesScheduler:
-    opts = KubernetesSchedulerOptions(
+    opts = KubernetesScheduler.Options(
         namespace=NS, image="ghcr.io/example/forgerl:0.1", kubeconfig=str(kubeconfig), poll_interval=0.5,
         volumes=[{"name": "runs", "pvc": "forge-runs", "mount_path": "/runs"}], **kw)
     return KubernetesScheduler(opts)
@@ -203,11 +202,11 @@ def test_missing_kubeconfig_is_a_one_line_user_error(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.delenv("KUBECONFIG", raising=False)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    sched = KubernetesScheduler(KubernetesSchedulerOptions(namespace=NS))
+    sched = KubernetesScheduler(KubernetesScheduler.Options(namespace=NS))
     with pytest.raises(UserError, match="no kubeconfig") as err:
         sched.status("grpo-1")
     assert "\n" not in str(err.value)
-    sched = KubernetesScheduler(KubernetesSchedulerOptions(namespace=NS, kubeconfig=str(tmp_path / "nope")))
+    sched = KubernetesScheduler(KubernetesScheduler.Options(namespace=NS, kubeconfig=str(tmp_path / "nope")))
     with pytest.raises(UserError, match="does not exist"):
         sched.status("grpo-1")
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from forgerl.types import JobSpec, JobState, RoleSpec
-from forgerl_plugins.schedulers.local import LocalSchedulerOptions
 from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
 from tests.helpers.timing import scaled, wait_until
 
@@ -101,7 +100,7 @@ def pid_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def scheduler() -> LocalScheduler:
-    return LocalScheduler(LocalSchedulerOptions(stop_timeout=1.0))
+    return LocalScheduler(LocalScheduler.Options(stop_timeout=1.0))
 
 
 # ---------------------------------------------------------------------- no orphans
@@ -148,7 +147,6 @@ DRIVER = textwrap.dedent(
     """
     import json, sys
     from forgerl.types import JobSpec, RoleSpec
-    from forgerl_plugins.schedulers.local import LocalSchedulerOptions
     from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
     run_dir, spawner, pid_dir = sys.argv[1:4]
     py = sys.executable
@@ -156,7 +154,7 @@ DRIVER = textwrap.dedent(
         RoleSpec("server", (py, "-c", spawner, pid_dir)),
         RoleSpec("trainer", (py, "-c", spawner, pid_dir), ranks_per_replica=2, primary=True),
     ))
-    scheduler = LocalScheduler(LocalSchedulerOptions(stop_timeout=1.0))
+    scheduler = LocalScheduler(LocalScheduler.Options(stop_timeout=1.0))
     status = scheduler.wait(scheduler.submit(job))
     print(json.dumps({"state": status.state.value, "exit_code": status.exit_code}), flush=True)
     sys.exit(status.exit_code)
@@ -470,7 +468,7 @@ def test_status_and_cancel_from_another_scheduler_instance(tmp_path, pid_dir, sc
     pids: list[int] = []
     try:
         pids = recorded_pids(pid_dir, 2)
-        other = LocalScheduler(LocalSchedulerOptions(stop_timeout=1.0))
+        other = LocalScheduler(LocalScheduler.Options(stop_timeout=1.0))
         assert other.status(handle.job_id).state is JobState.RUNNING
         other.cancel(handle.job_id)
         supervisor.join(timeout=scaled(20))

@@ -89,7 +89,6 @@ def run(classifier_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     from forgerl.config import build_config, resolve
     from forgerl.plugins import build_registry
     from forgerl.types import JobSpec
-    from forgerl_plugins.schedulers.local import LocalSchedulerOptions
     from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
 
     run_dir = tmp_path_factory.mktemp("rm-run")
@@ -103,7 +102,7 @@ def run(classifier_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     assert [role.name for role in servers] == [_role(served)], (
         "the run's job has the reward-model server role"
     )
-    scheduler = LocalScheduler(LocalSchedulerOptions(stop_timeout=10))
+    scheduler = LocalScheduler(LocalScheduler.Options(stop_timeout=10))
     started = threading.Event()
 
     def supervise() -> None:

@@ -15,7 +15,6 @@ import pytest
 
 from forgerl.errors import ForgeError, JobNotFound, UserError
 from forgerl.types import JobSpec, JobState, Resources, RoleSpec
-from forgerl_plugins.schedulers.slurm.options import SlurmSchedulerOptions
 from forgerl_plugins.schedulers.slurm.scheduler import SbatchRejected, SlurmScheduler
 from tests.helpers.requires import slurm_unavailable
 from tests.helpers.timing import scaled, wait_until
@@ -33,7 +32,7 @@ def slurm() -> SlurmScheduler:
         if os.environ.get("FORGE_REQUIRE_SLURM") == "1":
             pytest.fail(msg)
         pytest.skip(msg)
-    return SlurmScheduler(SlurmSchedulerOptions(poll_interval=0.5, stop_timeout=10))
+    return SlurmScheduler(SlurmScheduler.Options(poll_interval=0.5, stop_timeout=10))
 
 
 @pytest.fixture(autouse=True)
@@ -149,7 +148,7 @@ def test_requeued_job_runs_again_with_forge_requeued(slurm, run_dir):
         "n == '0' and time.sleep(600)"
     )
     attempts = run_dir / "attempts"
-    scheduler = SlurmScheduler(SlurmSchedulerOptions(poll_interval=0.5, requeue=True))
+    scheduler = SlurmScheduler(SlurmScheduler.Options(poll_interval=0.5, requeue=True))
     handle = scheduler.submit(_job(run_dir, RoleSpec(name="trainer", command=(PY, "-c", code), primary=True)))
     try:
         _wait_for(attempts.exists, 60, "the first attempt to start")
@@ -189,7 +188,7 @@ def test_two_ranks_rendezvous_with_torch_distributed(slurm, run_dir):
 
 
 def test_unknown_partition_is_a_one_line_user_error(slurm, run_dir):
-    scheduler = SlurmScheduler(SlurmSchedulerOptions(partition="no-such-partition"))
+    scheduler = SlurmScheduler(SlurmScheduler.Options(partition="no-such-partition"))
     with pytest.raises(SbatchRejected) as err:
         scheduler.submit(_job(run_dir, RoleSpec(name="trainer", command=("true",), primary=True)))
     msg = str(err.value)

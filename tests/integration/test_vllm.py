@@ -96,9 +96,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
     from forgerl_plugins.generators.vllm.generator import VLLMGenerator
     from forgerl_plugins.generators.vllm.server import roles
-    from forgerl_plugins.schedulers.local import LocalSchedulerOptions
     from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
-    from forgerl_plugins.transports.shm import ShmTransportOptions
     from forgerl_plugins.transports.shm.transport import ShmTransport
 
     run_dir = tmp_path_factory.mktemp("vllm-run")
@@ -123,7 +121,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     job = JobSpec(
         "vllm-test", str(run_dir), tuple(roles(options, context=RunContext(config=config, run_dir=run_dir)))
     )
-    scheduler = LocalScheduler(LocalSchedulerOptions(stop_timeout=10))
+    scheduler = LocalScheduler(LocalScheduler.Options(stop_timeout=10))
     started = threading.Event()
 
     def supervise() -> None:
@@ -136,7 +134,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     thread = threading.Thread(target=supervise, name="vllm-test-scheduler", daemon=True)
     thread.start()
     started.wait(scaled(30))
-    transport = ShmTransport(ShmTransportOptions(directory=str(run_dir / "weights")), context=None)
+    transport = ShmTransport(ShmTransport.Options(directory=str(run_dir / "weights")), context=None)
     ctx = RunContext(config=config, run_dir=run_dir, model_path=model_dir)
     generator = sender = None
     try:

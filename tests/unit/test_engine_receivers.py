@@ -35,10 +35,9 @@ def _weights(version: int) -> WeightSet:
 def test_shm_stages_a_version_alone_in_a_folder_and_releases_it(tmp_path):
     from safetensors.torch import load_file
 
-    from forgerl_plugins.transports.shm import ShmTransportOptions
     from forgerl_plugins.transports.shm.transport import ShmTransport
 
-    transport = ShmTransport(ShmTransportOptions(directory=str(tmp_path / "w")), context=None)
+    transport = ShmTransport(ShmTransport.Options(directory=str(tmp_path / "w")), context=None)
     assert transport.engine_receivers == ("files",)
     sender = transport.sender()
     receiver = transport.engine_receiver("sglang-0", "files")
@@ -95,10 +94,9 @@ def _engine_side(conn) -> None:
 
 
 def test_nccl_broadcasts_each_bucket_to_an_engines_own_group():
-    from forgerl_plugins.transports.nccl import NcclTransportOptions
     from forgerl_plugins.transports.nccl.transport import NcclTransport
 
-    transport = NcclTransport(NcclTransportOptions(backend="gloo", bucket_mb=1), context=None)
+    transport = NcclTransport(NcclTransport.Options(backend="gloo", bucket_mb=1), context=None)
     assert transport.engine_receivers == ("broadcast",)
     sender = transport.sender()
     receiver = transport.engine_receiver("sglang-0", "broadcast", ranks=1)
@@ -152,10 +150,9 @@ def test_nccl_broadcasts_each_bucket_to_an_engines_own_group():
 
 
 def test_a_send_names_the_engine_that_did_not_take_the_version():
-    from forgerl_plugins.transports.nccl import NcclTransportOptions
     from forgerl_plugins.transports.nccl.transport import NcclTransport
 
-    transport = NcclTransport(NcclTransportOptions(backend="gloo"), context=None)
+    transport = NcclTransport(NcclTransport.Options(backend="gloo"), context=None)
     sender = transport.sender()
     receiver = transport.engine_receiver("sglang-7", "broadcast")
     try:

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from forgerl.errors import ConfigError
 from forgerl.types import JobSpec, Resources, RoleSpec
 from forgerl_plugins.schedulers.kubernetes.manifests import render_objects, render_yaml
-from forgerl_plugins.schedulers.kubernetes.options import KubernetesSchedulerOptions
+from forgerl_plugins.schedulers.kubernetes.scheduler import KubernetesScheduler
 
 kubernetes_validate = pytest.importorskip("kubernetes_validate")
 jsonschema = pytest.importorskip("jsonschema")
@@ -82,7 +82,7 @@ GENERATOR = RoleSpec(name="generator", command=("python", "-m", "vllm.entrypoint
                      resources=Resources(cpus=8, gpus=1, memory="32Gi"), max_restarts=2)
 
 
-def _opts(**kw) -> KubernetesSchedulerOptions:
+def _opts(**kw) -> KubernetesScheduler.Options:
     base = dict(
         image="ghcr.io/example/forgerl:0.1", namespace="rl", volumes=VOLUMES, node_selector={"gpu": "h100"},
         tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
@@ -90,7 +90,7 @@ def _opts(**kw) -> KubernetesSchedulerOptions:
         image_pull_policy="IfNotPresent", env={"HF_HOME": "/models/hf"}, labels={"team": "rl"},
         annotations={"example.com/owner": "rl"}, active_deadline_seconds=86400, ttl_seconds_after_finished=3600,
     )
-    return KubernetesSchedulerOptions(**{**base, **kw})
+    return KubernetesScheduler.Options(**{**base, **kw})
 
 
 def _job(tmp_path=None, *roles: RoleSpec, run_dir: str = "/runs/grpo-1") -> JobSpec:
@@ -243,7 +243,7 @@ def test_bad_input_is_a_config_error(job, opts, message):
 )
 def test_invalid_options_are_refused(field, value):
     with pytest.raises(ValidationError):
-        KubernetesSchedulerOptions(**{field: value})
+        KubernetesScheduler.Options(**{field: value})
 
 
 def test_this_machines_python_becomes_the_images():

@@ -17,7 +17,6 @@ from forgerl.config import RunConfig
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext
 from forgerl.types import WeightSet
-from forgerl_plugins.transports.shm import ShmTransportOptions
 from forgerl_plugins.transports.shm import transport as shm
 from forgerl_plugins.transports.shm.transport import ShmTransport
 from tests.helpers.timing import scaled
@@ -26,7 +25,7 @@ from tests.helpers.timing import scaled
 def _transport(tmp_path: Path, **options) -> ShmTransport:
     options.setdefault("directory", str(tmp_path / "weights"))
     options.setdefault("poll_interval", 0.01)
-    return ShmTransport(ShmTransportOptions(**options), context=None)
+    return ShmTransport(ShmTransport.Options(**options), context=None)
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -235,7 +234,7 @@ def test_receiver_waits_for_a_version_sent_later(tmp_path):
 
 def test_close_removes_everything_the_sender_wrote(tmp_path):
     # A directory the transport created is removed whole.
-    owned = ShmTransport(ShmTransportOptions(poll_interval=0.01), context=None)
+    owned = ShmTransport(ShmTransport.Options(poll_interval=0.01), context=None)
     sender = owned.sender()
     sender.send(WeightSet(1, {"w": torch.ones(4)}))
     receiver = owned.receiver("gen-0")
@@ -269,7 +268,7 @@ def test_a_new_sender_clears_versions_left_by_a_crashed_run(tmp_path):
 def test_receiver_in_another_process_needs_the_spec(tmp_path):
     transport = _transport(tmp_path)
     spec = json.loads(json.dumps(transport.receiver_spec()))  # what crosses a process boundary
-    remote = ShmTransport(ShmTransportOptions(), context=None)
+    remote = ShmTransport(ShmTransport.Options(), context=None)
     assert remote.receiver("gen-1", spec).directory == transport.directory
     with pytest.raises(TransportError, match="receiver_spec"):
         remote.receiver("gen-1")
@@ -278,12 +277,12 @@ def test_receiver_in_another_process_needs_the_spec(tmp_path):
 def test_default_directory_is_shared_memory_else_the_run_dir(tmp_path, monkeypatch):
     ctx = RunContext(config=RunConfig(), run_dir=tmp_path / "run")
     if shm.SHM_ROOT.is_dir():
-        t = ShmTransport(ShmTransportOptions(), context=ctx)
+        t = ShmTransport(ShmTransport.Options(), context=ctx)
         assert t.directory.parent == shm.SHM_ROOT and t.directory.name.startswith("forgerl-")
         t.close()
         assert not t.directory.exists()
     monkeypatch.setattr(shm, "SHM_ROOT", tmp_path / "no-shm-here")
-    t = ShmTransport(ShmTransportOptions(), context=ctx)
+    t = ShmTransport(ShmTransport.Options(), context=ctx)
     assert t.directory == tmp_path / "run" / "weights"
     with t.sender() as sender:
         sender.send(WeightSet(1, {"w": torch.ones(1)}))
@@ -292,10 +291,9 @@ def test_default_directory_is_shared_memory_else_the_run_dir(tmp_path, monkeypat
 
 _CHILD = """
 import json, sys, torch
-from forgerl_plugins.transports.shm import ShmTransportOptions
 from forgerl_plugins.transports.shm.transport import ShmTransport
 spec = json.loads(sys.argv[1])
-receiver = ShmTransport(ShmTransportOptions(poll_interval=0.01), context=None).receiver("gen-9", spec)
+receiver = ShmTransport(ShmTransport.Options(poll_interval=0.01), context=None).receiver("gen-9", spec)
 got = dict(receiver.receive(2, timeout=float(sys.argv[2])))
 print(json.dumps({k: v.double().sum().item() for k, v in got.items()}))
 """

@@ -13,9 +13,9 @@ from pydantic import ValidationError
 from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.plugins import Registry  # noqa: F401  (the registry must import with the plugin)
 from forgerl.types import JobSpec, JobState, Resources, RoleSpec
-from forgerl_plugins.schedulers.slurm.options import SlurmSchedulerOptions, memory_mb, slurm_memory
 from forgerl_plugins.schedulers.slurm.render import _FUNCTIONS, _SELF_REQUEUE, place
 from forgerl_plugins.schedulers.slurm.scheduler import SlurmScheduler, _detail, _exit_code, _one_line
+from forgerl_plugins.schedulers.slurm.syntax import memory_mb, slurm_memory
 from tests.helpers.timing import scaled
 
 
@@ -32,7 +32,7 @@ GENERATOR = RoleSpec(name="generator", command=("python", "-m", "vllm.entrypoint
 
 def render(tmp_path: Path, *roles: RoleSpec, env=None, **opts) -> str:
     job = _job(tmp_path, *(roles or (GENERATOR, TRAINER)), env=env or {})
-    return SlurmScheduler(SlurmSchedulerOptions(**opts)).render(job)
+    return SlurmScheduler(SlurmScheduler.Options(**opts)).render(job)
 
 
 def sbatch_lines(script: str) -> list[str]:
@@ -99,19 +99,19 @@ def test_placement_packs_by_gpus_and_gives_multi_node_replicas_their_own_nodes()
                    resources=Resources(cpus=16, gpus=8, nodes=2))
     gen = RoleSpec(name="gen", command=("g",), replicas=3, resources=Resources(cpus=12, gpus=4))
     job = JobSpec(name="j", run_dir="/r", roles=(gen, big))
-    plan = place(job, SlurmSchedulerOptions(gpus_per_node=8))
+    plan = place(job, SlurmScheduler.Options(gpus_per_node=8))
     where = {s.label: s.nodes for s in plan.steps}
     assert where == {"gen-0": (0,), "gen-1": (0,), "gen-2": (1,), "trainer-0": (2, 3)}, where
     assert plan.nodes == 4 and plan.gpus_per_node == 8
     trainer = plan.steps[-1]
     assert (trainer.ranks, trainer.ranks_per_node, trainer.cpus_per_task) == (16, 8, 2)
     # cpus_per_node bounds packing too.
-    plan = place(job, SlurmSchedulerOptions(gpus_per_node=8, cpus_per_node=20))
+    plan = place(job, SlurmScheduler.Options(gpus_per_node=8, cpus_per_node=20))
     assert [s.nodes for s in plan.steps[:3]] == [(0,), (1,), (2,)]
     # A larger `nodes` is honoured; a smaller one is an error that says how many are needed.
-    assert place(job, SlurmSchedulerOptions(gpus_per_node=8, nodes=6)).nodes == 6
+    assert place(job, SlurmScheduler.Options(gpus_per_node=8, nodes=6)).nodes == 6
     with pytest.raises(ConfigError, match="need 4 nodes"):
-        place(job, SlurmSchedulerOptions(gpus_per_node=8, nodes=2))
+        place(job, SlurmScheduler.Options(gpus_per_node=8, nodes=2))
 
 
 @pytest.mark.parametrize(
@@ -138,14 +138,14 @@ def test_bad_roles_are_config_errors(tmp_path, role, opts, message):
 )
 def test_invalid_option_strings_are_refused(field, value):
     with pytest.raises(ValidationError):
-        SlurmSchedulerOptions(**{field: value})
+        SlurmScheduler.Options(**{field: value})
 
 
 def test_resource_string_syntax():
     assert [slurm_memory(m) for m in ("16G", "512m", "16Gi", "2048")] == ["16G", "512M", "16G", "2048"]
     assert [memory_mb(m) for m in ("16G", "512M", "1T", "2048", "1024K")] == [16384, 512, 1048576, 2048, 1]
     for t in ("90", "30:00", "1:00:00", "2-00:00:00", "2-12", "UNLIMITED"):
-        assert SlurmSchedulerOptions(time=t).time == t
+        assert SlurmScheduler.Options(time=t).time == t
 
 
 def test_dry_run_writes_nothing(tmp_path):
@@ -155,7 +155,7 @@ def test_dry_run_writes_nothing(tmp_path):
 
 def test_submit_without_sbatch_is_a_user_error_and_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    sched = SlurmScheduler(SlurmSchedulerOptions())
+    sched = SlurmScheduler(SlurmScheduler.Options())
     with pytest.raises(BackendUnavailable, match="sbatch not found on PATH"):
         sched.submit(_job(tmp_path, RoleSpec(name="t", command=("x",), primary=True)))
     assert not (tmp_path / "run").exists()

@@ -158,11 +158,11 @@ def test_micro_batches_fill_up_to_a_token_budget() -> None:
 def test_some_micro_batch_limit_is_required() -> None:
     from pydantic import ValidationError
 
-    from forgerl_plugins.trainers.fsdp import FSDPTrainerOptions
+    from forgerl_plugins.trainers.fsdp.trainer import FSDPTrainer
 
-    assert FSDPTrainerOptions().micro_batch_tokens == 2048 and FSDPTrainerOptions().micro_batch_size is None
+    assert FSDPTrainer.Options().micro_batch_tokens == 2048 and FSDPTrainer.Options().micro_batch_size is None
     with pytest.raises(ValidationError, match="set one of them"):
-        FSDPTrainerOptions(micro_batch_size=None, micro_batch_tokens=None)
+        FSDPTrainer.Options(micro_batch_size=None, micro_batch_tokens=None)
 
 
 def test_native_bf16_reads_the_cpu_flags() -> None:

@@ -23,10 +23,9 @@ def _ctx(run_dir: Path) -> RunContext:
 def _generator(options: VLLMGeneratorOptions, run_dir: Path):
     """A vllm generator as a run builds it; its transport carries nothing in these tests."""
     from forgerl_plugins.generators.vllm.generator import VLLMGenerator
-    from forgerl_plugins.transports.shm import ShmTransportOptions
     from forgerl_plugins.transports.shm.transport import ShmTransport
 
-    transport = ShmTransport(ShmTransportOptions(directory=str(run_dir / "weights")), context=None)
+    transport = ShmTransport(ShmTransport.Options(directory=str(run_dir / "weights")), context=None)
     return VLLMGenerator(options, context=_ctx(run_dir), transport=transport)
 
 

@@ -38,11 +38,14 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from pydantic import Field
+
 from forgerl.errors import ConfigError, JobNotFound, SchedulerError
 from forgerl.interfaces import Scheduler
+from forgerl.options import OptionsModel
 from forgerl.types import JobHandle, JobSpec, JobState, JobStatus
 
-from . import LocalSchedulerOptions, jobfile, placement, procs
+from . import jobfile, placement, procs
 from .supervisor import LiveJob
 
 _ROLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -50,13 +53,29 @@ _CANCELLED_CODE = 128 + signal.SIGTERM
 
 
 class LocalScheduler(Scheduler):
-    Options = LocalSchedulerOptions
+    name = "local"
+    description = "subprocesses on this machine"
+
+    class Options(OptionsModel):
+        stop_timeout: float = Field(
+            30.0,
+            gt=0,
+            le=86_400,
+            description="Seconds between SIGTERM and SIGKILL when stopping roles (time to checkpoint).",
+        )
+        master_addr: str = Field("127.0.0.1", description="Rendezvous address for multi-rank roles.")
+        oversubscribe: bool = Field(
+            False,
+            description="Start the run even when its processes need more CPUs than this machine lets forge "
+            "use (by default each role must fit the usable cores, and all roles together twice that).",
+        )
+
     detached = False
     runs_here = True
     supports_logs = True
 
-    def __init__(self, options: LocalSchedulerOptions | None = None):
-        self.options = options if options is not None else LocalSchedulerOptions()
+    def __init__(self, options: Options | None = None):
+        self.options = options if options is not None else LocalScheduler.Options()
         self._jobs: dict[str, LiveJob] = {}
 
     # ------------------------------------------------------------------ submit / wait

@@ -21,10 +21,14 @@ import re
 import shlex
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from forgerl.errors import ConfigError
 from forgerl.types import JobSpec, RoleSpec
-from forgerl_plugins.schedulers.slurm.options import SlurmSchedulerOptions, memory_mb
+from forgerl_plugins.schedulers.slurm.syntax import memory_mb
+
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl_plugins.schedulers.slurm.scheduler import SlurmScheduler
 
 # Rendezvous ports: below Linux's default ephemeral range (32768+), so that an outgoing
 # connection never holds the port a job derives; 40 consecutive ports per job.
@@ -66,7 +70,7 @@ class Placement:
     mem_mb_per_node: int | None
 
 
-def place(job: JobSpec, opts: SlurmSchedulerOptions) -> Placement:
+def place(job: JobSpec, opts: SlurmScheduler.Options) -> Placement:
     """Pack replicas onto nodes, first fit: multi-node replicas take whole nodes of their
     own; single-node replicas share nodes within ``gpus_per_node`` and ``cpus_per_node``."""
     if not job.roles:
@@ -134,7 +138,7 @@ def place(job: JobSpec, opts: SlurmSchedulerOptions) -> Placement:
 
 
 def _first_fit(load: list[list[int]], shared: list[bool], gpus: int, cpus: int, mem: int,
-               opts: SlurmSchedulerOptions) -> int:
+               opts: SlurmScheduler.Options) -> int:
     for i, (g, c, _) in enumerate(load):
         if not shared[i]:
             continue
@@ -188,7 +192,7 @@ def log_path(run_dir: str, role: str, replica: int) -> str:
     return os.path.join(run_dir, "logs", f"{role}-{replica}.log")
 
 
-def render_script(job: JobSpec, opts: SlurmSchedulerOptions) -> str:
+def render_script(job: JobSpec, opts: SlurmScheduler.Options) -> str:
     plan = place(job, opts)
     run_dir = run_dir_of(job)
     q = shlex.quote
@@ -279,7 +283,7 @@ def _var(step: Step) -> str:
     return str(step.index)
 
 
-def _step_block(step: Step, opts: SlurmSchedulerOptions, run_dir: str) -> list[str]:
+def _step_block(step: Step, opts: SlurmScheduler.Options, run_dir: str) -> list[str]:
     q = shlex.quote
     role = step.role
     hosts = ",".join(f"${{FORGE_NODES[{i}]}}" for i in step.nodes)

@@ -18,16 +18,19 @@ from typing import TYPE_CHECKING, Any
 from forgerl.types import WeightSet
 from forgerl_plugins.trainers.shared.base import ShardedTrainer, sum_gradients
 from forgerl_plugins.trainers.shared.head import head_selection_works
-
-from . import FSDPTrainerOptions
+from forgerl_plugins.trainers.shared.options import ShardedTrainerOptions
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 
 class FSDPTrainer(ShardedTrainer):
-    Options = FSDPTrainerOptions
     name = "fsdp"
+    description = "torch FSDP2 fully_shard, AdamW, DCP checkpoints"
+    requires = ("torch", "transformers")
+
+    class Options(ShardedTrainerOptions):
+        """The shared trainer options; FSDP2 itself needs none (one unit per decoder layer)."""
 
     def _build(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh

@@ -34,6 +34,7 @@ from forgerl.types import TrainBatch, tie_key
 
 from .batching import MicroBatch, global_count, micro_batches, rank_rows
 from .distributed import init_distributed, native_bf16, pick_device
+from .distributed import local_preflight as check_backend_here
 from .head import head_at
 from .metrics import MetricAccumulator
 
@@ -46,8 +47,15 @@ log = logging.getLogger(__name__)
 
 
 class ShardedTrainer(Trainer, abc.ABC):
-    #: The name in messages ("the fsdp trainer needs ...").
+    #: The name in messages ("the fsdp trainer needs ..."), and the one users select a
+    #: subclass by (each sets its own; forgerl.backend_classes).
     name = "sharded"
+
+    @staticmethod
+    def local_preflight(options: ShardedTrainerOptions) -> None:
+        """Every trainer built on this base checks its process-group ``backend`` on the
+        machine its ranks start on (:func:`.distributed.local_preflight`)."""
+        check_backend_here(options)
 
     def __init__(self, options: ShardedTrainerOptions, *, context: RunContext) -> None:
         import torch

@@ -1,4 +1,5 @@
-"""Options every trainer built on :class:`.base.ShardedTrainer` takes (imported only when validated)."""
+"""Options every trainer built on :class:`.base.ShardedTrainer` takes: the base of
+``FSDPTrainer.Options`` and ``TorchTitanTrainer.Options``."""
 
 from __future__ import annotations
 

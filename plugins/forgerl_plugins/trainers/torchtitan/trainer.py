@@ -23,13 +23,14 @@ gradients with plain SUM collectives (gloo has no PREMUL_SUM).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field
 
 from forgerl.errors import ConfigError
 from forgerl.types import TrainBatch, WeightSet
 from forgerl_plugins.trainers.shared.base import ShardedTrainer, check_batch, sum_gradients
-
-from . import TorchTitanTrainerOptions
+from forgerl_plugins.trainers.shared.options import ShardedTrainerOptions
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -60,9 +61,40 @@ def torch_mismatch(error: ImportError) -> str:
 
 
 class TorchTitanTrainer(ShardedTrainer):
-    Options = TorchTitanTrainerOptions
     name = "torchtitan"
-    options: TorchTitanTrainerOptions
+    description = "TorchTitan Llama 3 / Qwen models, FSDP2 + tensor parallel, DCP checkpoints"
+    requires = ("torch", "torchtitan", "spmd_types", "tyro", "safetensors")
+    extra = "torchtitan"
+    # Not the plain extra: TorchTitan's declared dependencies would replace torch.
+    install_hint = (
+        "pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3 tyro typeguard (scripts/setup.sh does)"
+    )
+
+    class Options(ShardedTrainerOptions):
+        """The shared trainer options (the same update as ``fsdp``), plus TorchTitan's parallelism."""
+
+        tp: int = Field(
+            1, ge=1, le=1024,
+            description="Tensor-parallel degree: ranks that split each layer's heads and feed-forward "
+            "(must divide trainer.ranks and the model's key/value heads).",
+        )
+        dp_shard: int | None = Field(
+            None, ge=1, le=65_536,
+            description="FSDP degree: ranks the parameters are sharded over (default: trainer.ranks / tp; "
+            "dp_shard * tp must equal trainer.ranks).",
+        )
+        activation_checkpointing: Literal["none", "full", "selective"] = Field(
+            "none",
+            description="Recompute activations in the backward pass: 'full' whole decoder layers, 'selective' "
+            "per op (less memory, more compute).",
+        )
+        compile: bool = Field(
+            False,
+            description="torch.compile each decoder layer (off by default: minutes to compile, and on CPU a C++ "
+            "compiler).",
+        )
+
+    options: TorchTitanTrainer.Options
 
     def _build(self) -> None:
         from .models import model_spec

@@ -9,7 +9,8 @@ every receiver's acknowledgement:
 * :mod:`.layout`: a version's flat layout, its chunks and their checksums;
 * :mod:`.endpoints`: the bookkeeping their senders and receivers have in common;
 * :mod:`.hosting`: the transport object that hosts the store and tells receivers where it is;
-* :mod:`.options`: the options both take (host, port, secret file, timeouts), declared once.
+* :mod:`.options`: the options both take (host, port, secret file, timeouts), declared once
+  (the base of ``NcclTransport.Options`` and ``RdmaTransport.Options``).
 
 Not a plugin: it registers no backend.
 """

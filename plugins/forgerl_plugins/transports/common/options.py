@@ -1,6 +1,6 @@
 """The options the store-hosted transports (``nccl``, ``rdma``) share, declared once:
 where the control store listens, how its messages are signed, and how long to wait.
-Imported only when a transport's options are validated (never by a registration module).
+The base of ``NcclTransport.Options`` and ``RdmaTransport.Options``.
 """
 
 from __future__ import annotations

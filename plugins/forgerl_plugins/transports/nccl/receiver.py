@@ -28,7 +28,7 @@ from forgerl_plugins.transports.nccl.protocol import NAMESPACE, WITHDRAWN, accep
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from forgerl_plugins.transports.nccl import NcclTransportOptions
+    from forgerl_plugins.transports.nccl.transport import NcclTransport
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class NcclReceiver(StoreReceiver):
     namespace = NAMESPACE
 
     def __init__(
-        self, options: NcclTransportOptions, worker_id: str, host: str, port: int, timeout: float, secret: str
+        self, options: NcclTransport.Options, worker_id: str, host: str, port: int, timeout: float, secret: str
     ) -> None:
         super().__init__(options, worker_id, host, port, timeout, secret)
         self._seq = 0

@@ -45,7 +45,7 @@ from forgerl_plugins.transports.nccl.protocol import (
 from forgerl_plugins.transports.nccl.staging import Slot, Staging, Version
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl_plugins.transports.nccl import NcclTransportOptions
+    from forgerl_plugins.transports.nccl.transport import NcclTransport
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class NcclSender(StoreSender):
 
     def __init__(
         self,
-        options: NcclTransportOptions,
+        options: NcclTransport.Options,
         server: Any,
         store_host: str,
         port: int,

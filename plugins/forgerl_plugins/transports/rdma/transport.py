@@ -29,7 +29,9 @@ import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import Field
 
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import Transport
@@ -50,12 +52,11 @@ from forgerl_plugins.transports.common.endpoints import StoreReceiver, StoreSend
 from forgerl_plugins.transports.common.hosting import StoreHostedTransport
 from forgerl_plugins.transports.common.layout import Layout
 from forgerl_plugins.transports.common.membership import LATEST, SENDER_CLOSED, Member, member_key
+from forgerl_plugins.transports.common.options import StoreHostedOptions
 from forgerl_plugins.transports.rdma.engine import Engine
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from forgerl_plugins.transports.rdma import RdmaTransportOptions
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class RdmaSender(StoreSender):
 
     def __init__(
         self,
-        options: RdmaTransportOptions,
+        options: RdmaTransport.Options,
         server: Any,
         store_host: str,
         port: int,
@@ -245,7 +246,7 @@ class RdmaReceiver(StoreReceiver):
     namespace = NAMESPACE
 
     def __init__(
-        self, options: RdmaTransportOptions, worker_id: str, host: str, port: int, timeout: float, secret: str
+        self, options: RdmaTransport.Options, worker_id: str, host: str, port: int, timeout: float, secret: str
     ) -> None:
         super().__init__(options, worker_id, host, port, timeout, secret)
         self._engine: Engine | None = Engine(local_address(host), options.protocol, options.device_name)
@@ -374,6 +375,20 @@ class RdmaTransport(StoreHostedTransport, Transport):
     trainer side hosts the control store, receivers get :meth:`receiver_spec`."""
 
     name = "rdma"
+    description = "one-sided RDMA reads with a TCP fallback (Mooncake)"
+    requires = ("mooncake",)
+    extra = "rdma"
+
+    class Options(StoreHostedOptions):
+        """The store-hosted transports' options (host, port, timeouts, ...) and rdma's own."""
+
+        protocol: Literal["rdma", "tcp"] = Field(
+            "rdma", description="Mooncake protocol; rdma falls back to TCP by itself where no RDMA NIC exists."
+        )
+        device_name: str = Field(
+            "", description="RDMA NIC(s) to use, e.g. mlx5_0 (empty: Mooncake discovers them)."
+        )
+        chunk_mb: int = Field(64, ge=1, description="Size of each read request of a batch, in MiB.")
     namespace = NAMESPACE
 
     sender_class = RdmaSender

@@ -28,14 +28,14 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import EngineReceiver, RunContext, Transport, TransportReceiver, TransportSender
 from forgerl.types import WeightSet, tie_key
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from forgerl_plugins.transports.shm import ShmTransportOptions
 
 log = logging.getLogger(__name__)
 
@@ -343,28 +343,41 @@ class ShmReceiver(TransportReceiver):
         self._closed = True
 
 
-def preflight(options: ShmTransportOptions) -> None:
-    """Before ``forge run`` starts anything: a given ``directory`` is (or can be created as)
-    a writable directory; a file there failed the trainer's first send with a raw
-    ``FileExistsError``."""
-    if options.directory is None:
-        return
-    from forgerl.errors import ConfigError
-    from forgerl.writable import directory_problem
-
-    problem = directory_problem(Path(options.directory))
-    if problem:
-        raise ConfigError(
-            f"transport.options.directory {options.directory!r} {problem}; give a writable directory "
-            "(or leave it unset for /dev/shm)"
-        )
-
-
 class ShmTransport(Transport):
     """Factory ``ShmTransport(options, *, context)``; ``context`` is None in a receiver process
     (then :meth:`receiver` needs the sender's :meth:`receiver_spec` or ``options.directory``)."""
 
-    def __init__(self, options: ShmTransportOptions, *, context: RunContext | None = None) -> None:
+    name = "shm"
+    description = "safetensors in shared memory, written atomically"
+    requires = ("torch", "safetensors")
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        directory: str | None = Field(
+            None, description="Where versions are written (default: /dev/shm when large enough, else a temp dir)."
+        )
+        keep_versions: int = Field(2, ge=1, description="Versions kept on disk; older ones are removed.")
+        poll_interval: float = Field(0.05, gt=0, description="Seconds between checks while a receiver waits.")
+
+    @staticmethod
+    def preflight(options: ShmTransport.Options) -> None:
+        """Before ``forge run`` starts anything: a given ``directory`` is (or can be created as)
+        a writable directory; a file there failed the trainer's first send with a raw
+        ``FileExistsError``."""
+        if options.directory is None:
+            return
+        from forgerl.errors import ConfigError
+        from forgerl.writable import directory_problem
+
+        problem = directory_problem(Path(options.directory))
+        if problem:
+            raise ConfigError(
+                f"transport.options.directory {options.directory!r} {problem}; give a writable directory "
+                "(or leave it unset for /dev/shm)"
+            )
+
+    def __init__(self, options: Options, *, context: RunContext | None = None) -> None:
         self.options = options
         self.ctx = context
         self._directory: Path | None = Path(options.directory) if options.directory else None
