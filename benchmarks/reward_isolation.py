@@ -17,14 +17,13 @@ import time
 from forgerl.reward_workers import RewardRecipe
 from forgerl.rewarding import NamedReward, RewardSet
 from forgerl.types import Problem, RewardInput
-from forgerl_plugins.rewards import FormatOptions, MathAnswerOptions
 from forgerl_plugins.rewards.format import FormatReward
 from forgerl_plugins.rewards.math_answer import MathAnswerReward
 
 BACKTRACKING = "^(.+)+\\x00"
 REWARDS = {
-    "format": (lambda o: FormatReward(FormatOptions(**o)), {}),
-    "math_answer": (lambda o: MathAnswerReward(MathAnswerOptions(**o)), {}),
+    "format": (lambda o: FormatReward(FormatReward.Options(**o)), {}),
+    "math_answer": (lambda o: MathAnswerReward(MathAnswerReward.Options(**o)), {}),
 }
 
 
@@ -59,7 +58,7 @@ def main() -> None:
 
         # A hung sample on each worker; the replacement's start is timed by the pool.
         hang = {"pattern": BACKTRACKING}
-        bad = NamedReward("format", 1.0, FormatReward(FormatOptions(**hang)), RewardRecipe("format", hang))
+        bad = NamedReward("format", 1.0, FormatReward(FormatReward.Options(**hang)), RewardRecipe("format", hang))
         rewards = [bad] + ([NamedReward(name, 1.0, make(options), RewardRecipe(name, options))]
                            if name != "format" else [])
         with RewardSet(rewards, timeout=0.5, max_workers=2) as rs:

@@ -56,10 +56,9 @@ PROMPTS = [
 
 def model_folder(name: str, tmp: Path) -> Path:
     if name == "tiny":
-        from forgerl_plugins.models import TinyModelOptions
-        from forgerl_plugins.models.tiny import build_tiny_model
+        from forgerl_plugins.models.tiny import TinyModel, build_tiny_model
 
-        return build_tiny_model(TinyModelOptions(), cache_dir=tmp)
+        return build_tiny_model(TinyModel.Options(), cache_dir=tmp)
     from forgerl.config import build_config, resolve
     from forgerl.models import resolve_model
     from forgerl.plugins import build_registry

@@ -311,9 +311,8 @@ def _forgerl_scorers():
     from forgerl.types import Problem, RewardInput
     from forgerl_plugins.rewards.format import FormatReward
     from forgerl_plugins.rewards.math_answer import MathAnswerReward
-    from forgerl_plugins.rewards.options import FormatOptions, MathAnswerOptions
 
-    math_answer, fmt = MathAnswerReward(MathAnswerOptions()), FormatReward(FormatOptions())
+    math_answer, fmt = MathAnswerReward(MathAnswerReward.Options()), FormatReward(FormatReward.Options())
 
     def score(text: str, answer: str) -> tuple[float, float, float]:
         problem = Problem(id="check", prompt="", answer=answer, metadata={"answer_type": "integer"})

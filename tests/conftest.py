@@ -18,10 +18,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A Hugging Face folder with the tiny random Qwen2 (tied embeddings, vocab 512, ChatML
     template, eos ``<|im_end|>``), built once per test session (about 5 s)."""
-    from forgerl_plugins.models import TinyModelOptions
-    from forgerl_plugins.models.tiny import build_tiny_model
+    from forgerl_plugins.models.tiny import TinyModel, build_tiny_model
 
-    return build_tiny_model(TinyModelOptions(), cache_dir=tmp_path_factory.mktemp("models"))
+    return build_tiny_model(TinyModel.Options(), cache_dir=tmp_path_factory.mktemp("models"))
 
 
 #: The built-in transports the transport suites (tests/conformance, tests/faults) run a

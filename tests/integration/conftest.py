@@ -29,10 +29,9 @@ def _with_random_biases(source: Path, folder: Path) -> Path:
 
 
 def _tiny(tmp_path_factory: pytest.TempPathFactory, **options) -> Path:
-    from forgerl_plugins.models import TinyModelOptions
-    from forgerl_plugins.models.tiny import build_tiny_model
+    from forgerl_plugins.models.tiny import TinyModel, build_tiny_model
 
-    return build_tiny_model(TinyModelOptions(**options), cache_dir=tmp_path_factory.mktemp("models"))
+    return build_tiny_model(TinyModel.Options(**options), cache_dir=tmp_path_factory.mktemp("models"))
 
 
 @pytest.fixture(scope="session")

@@ -57,10 +57,9 @@ def classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-    from forgerl_plugins.models import TinyModelOptions
-    from forgerl_plugins.models.tiny import build_tiny_model
+    from forgerl_plugins.models.tiny import TinyModel, build_tiny_model
 
-    base = build_tiny_model(TinyModelOptions(), cache_dir=tmp_path_factory.mktemp("models"))
+    base = build_tiny_model(TinyModel.Options(), cache_dir=tmp_path_factory.mktemp("models"))
     config = AutoConfig.from_pretrained(base, num_labels=3)
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_config(config)
@@ -125,10 +124,10 @@ def run(classifier_dir: Path, tmp_path_factory: pytest.TempPathFactory):
 
 
 def _role(options: dict[str, object]) -> str:
-    from forgerl_plugins.rewards.options import RewardModelOptions
+    from forgerl_plugins.rewards.reward_model import RewardModelReward
     from forgerl_plugins.rewards.reward_server import role_name
 
-    return role_name(RewardModelOptions.model_validate(options))
+    return role_name(RewardModelReward.Options.model_validate(options))
 
 
 def _build(options: dict[str, object]):

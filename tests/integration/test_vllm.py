@@ -51,10 +51,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from forgerl_plugins.models import TinyModelOptions
-    from forgerl_plugins.models.tiny import build_tiny_model
+    from forgerl_plugins.models.tiny import TinyModel, build_tiny_model
 
-    built = build_tiny_model(TinyModelOptions(hidden_size=128), cache_dir=tmp_path_factory.mktemp("models"))
+    built = build_tiny_model(TinyModel.Options(hidden_size=128), cache_dir=tmp_path_factory.mktemp("models"))
     model = AutoModelForCausalLM.from_pretrained(built, dtype=torch.float32)
     assert model.config.tie_word_embeddings, "the tied-embedding trap needs a tied model"
     with torch.no_grad():

@@ -16,7 +16,7 @@ import pytest
 from forgerl.errors import ConfigError, RewardError
 from forgerl.plugins import build_registry
 from forgerl.types import Problem, RewardInput
-from forgerl_plugins.rewards.options import RewardModelOptions
+from forgerl_plugins.rewards.reward_model import RewardModelReward
 from forgerl_plugins.rewards.reward_server import endpoint_file, role_name
 
 QUESTION = Problem(id="q", prompt=[{"role": "user", "content": "Say hi."}], answer="")
@@ -59,7 +59,7 @@ def _served(model: str = "/models/rm", **more: Any) -> dict[str, Any]:
 def test_a_served_reward_model_adds_one_server_role_to_the_run(tmp_path):
     job = _job(tmp_path, [_served(), {"name": "format"}])
     [server] = [role for role in job.roles if not role.primary]
-    assert server.name == role_name(RewardModelOptions(model="/models/rm", server="vllm"))
+    assert server.name == role_name(RewardModelReward.Options(model="/models/rm", server="vllm"))
     assert server.command[-4:] == ("--run-dir", str(tmp_path), "--role", server.name)
     assert server.max_restarts == 3
 
@@ -67,7 +67,7 @@ def test_a_served_reward_model_adds_one_server_role_to_the_run(tmp_path):
 def test_rewards_served_alike_share_one_server_and_others_get_their_own(tmp_path):
     same = _job(tmp_path, [_served(label=0), _served(activation="none")])
     assert [r.name for r in same.roles if not r.primary] == [
-        role_name(RewardModelOptions(model="/models/rm"))
+        role_name(RewardModelReward.Options(model="/models/rm"))
     ]
     apart = _job(tmp_path, [_served(), _served("/models/other")])
     assert len([r for r in apart.roles if not r.primary]) == 2
@@ -83,9 +83,9 @@ def test_in_process_and_url_scoring_start_no_server(tmp_path):
 
 def test_url_and_a_run_server_together_are_refused():
     with pytest.raises(ValueError, match="either url"):
-        RewardModelOptions(model="m", server="vllm", url="http://127.0.0.1:1")
+        RewardModelReward.Options(model="m", server="vllm", url="http://127.0.0.1:1")
     with pytest.raises(ValueError, match="auth_env is the key of the server at url"):
-        RewardModelOptions(model="m", auth_env="KEY")
+        RewardModelReward.Options(model="m", auth_env="KEY")
 
 
 # ------------------------------------------------------------ a stand-in server
@@ -195,7 +195,7 @@ def test_a_refusing_or_absent_server_fails_the_samples_not_the_run(classifier_di
 
 
 def _publish(run_dir: Path, options: dict[str, Any], data: dict[str, Any]) -> None:
-    path = endpoint_file(run_dir, role_name(RewardModelOptions.model_validate(options)))
+    path = endpoint_file(run_dir, role_name(RewardModelReward.Options.model_validate(options)))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data))
 

@@ -8,7 +8,6 @@ import pytest
 
 from forgerl.plugins import build_registry
 from forgerl.types import Problem, RewardInput, RewardResult
-from forgerl_plugins.rewards import FormatOptions, MathAnswerOptions
 from forgerl_plugins.rewards.format import FormatReward
 from forgerl_plugins.rewards.math_answer import MathAnswerReward, last_number
 from tests.helpers.timing import scaled
@@ -22,7 +21,7 @@ def sample(text, answer="42", **metadata):
 
 
 def math(**kw):
-    return MathAnswerReward(MathAnswerOptions(**kw))
+    return MathAnswerReward(MathAnswerReward.Options(**kw))
 
 
 def scored(reward, text, answer="42", **metadata):
@@ -116,7 +115,7 @@ def test_last_number():
 
 
 def fmt(**kw):
-    return FormatReward(FormatOptions(**kw))
+    return FormatReward(FormatReward.Options(**kw))
 
 
 def test_format_default_wants_a_non_empty_answer_tag():
@@ -135,7 +134,7 @@ def test_format_modes():
 
 def test_format_bad_pattern_is_refused_when_validating():
     with pytest.raises(Exception, match="not a valid regular expression"):
-        FormatOptions(pattern="(unclosed")
+        FormatReward.Options(pattern="(unclosed")
 
 
 def test_rewards_are_registered_and_built_by_name():

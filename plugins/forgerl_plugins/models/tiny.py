@@ -14,7 +14,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import Field
+
+from forgerl.options import OptionsModel
+from forgerl_plugins.models.folder import ModelFolder
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PretrainedConfig, PreTrainedModel
@@ -58,6 +63,27 @@ def _corpus() -> list[str]:
 def _options_key(options: Any) -> str:
     payload = json.dumps({"v": BUILDER_VERSION, **options.model_dump()}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+class TinyModel(ModelFolder):
+    """The folder of the tiny model for the options, built on first use (torch and
+    transformers are imported only then)."""
+
+    name = "tiny"
+    description = "tiny random model with a small BPE tokenizer, built offline"
+    requires = ("torch", "transformers", "tokenizers")
+    # max_position_embeddings of the folder it builds (checked against max_tokens).
+    info: ClassVar[dict[str, Any]] = {"context_length": 1024}
+
+    class Options(OptionsModel):
+        architecture: str = Field("qwen2", pattern="^(qwen2|llama)$")
+        hidden_size: int = Field(64, ge=8, le=4096)
+        layers: int = Field(2, ge=1, le=64)
+        vocab_size: int = Field(512, ge=300, le=262_144)
+        seed: int = Field(0, ge=0, le=2**32 - 1)
+
+    def __init__(self, options: Options, *, cache_dir: Path) -> None:
+        super().__init__(build_tiny_model(options, cache_dir=cache_dir))
 
 
 def build_tiny_model(options: Any, *, cache_dir: Path) -> Path:

@@ -25,9 +25,11 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from pydantic import Field
+
 from forgerl.interfaces import Reward
+from forgerl.options import OptionsModel
 from forgerl.types import RewardInput, RewardResult
-from forgerl_plugins.rewards import CodeOptions
 from forgerl_plugins.rewards.code_tests import run_tests
 from forgerl_plugins.rewards.sandbox import Job, Limits, RunOutcome, Sandbox, run_all
 
@@ -50,12 +52,7 @@ def extract_code(text: str, mode: str) -> str:
     return text
 
 
-def preflight(options: CodeOptions) -> None:
-    """Before ``forge run`` creates the run directory: the isolation asked for exists here."""
-    sandbox_for(options)
-
-
-def sandbox_for(options: CodeOptions) -> Sandbox:
+def sandbox_for(options: CodeReward.Options) -> Sandbox:
     return Sandbox(
         isolation=options.isolation,
         limits=Limits(
@@ -74,7 +71,52 @@ def sandbox_for(options: CodeOptions) -> Sandbox:
 
 
 class CodeReward(Reward):
-    def __init__(self, options: CodeOptions):
+    name = "code"
+    description = "the completion's program passes the problem's tests (sandboxed)"
+
+    class Options(OptionsModel):
+        value: str = Field(
+            "pass_rate",
+            pattern="^(pass_rate|all_passed)$",
+            description="The reward: share of tests passed, or 1 if all.",
+        )
+        code_from: str = Field(
+            "fenced_or_raw",
+            pattern="^(fenced|raw|fenced_or_raw)$",
+            description="The program: the first python code block, the whole text, or the block else the text.",
+        )
+        isolation: str = Field(
+            "auto",
+            pattern="^(auto|namespace|bwrap|process)$",
+            description="Sandbox level; an explicit level that this machine lacks stops the run at start.",
+        )
+        timeout: float = Field(5.0, gt=0, le=600, description="Wall-clock seconds per program run.")
+        cpu_seconds: int | None = Field(
+            None, ge=1, le=600, description="CPU seconds per run (default: timeout)."
+        )
+        memory_mb: int = Field(1024, ge=64, le=1 << 20, description="Address space per run, MiB.")
+        processes: int = Field(
+            32, ge=1, le=4096, description="Processes the program may have (RLIMIT_NPROC)."
+        )
+        file_size_mb: int = Field(
+            16, ge=1, le=1 << 20, description="Largest file the program may write, MiB."
+        )
+        open_files: int = Field(64, ge=16, le=65536, description="Open file descriptors per run.")
+        max_output_kb: int = Field(64, ge=1, le=1 << 20, description="Stdout/stderr read back per run, KiB.")
+        concurrency: int | None = Field(
+            None, ge=1, le=1024, description="Programs at once on this machine (default: the usable cores)."
+        )
+        python: str | None = Field(None, description="Interpreter for the programs (default: this one).")
+        workdir: str | None = Field(
+            None, description="Where the per-run directories go (default: the temp dir)."
+        )
+
+    @staticmethod
+    def preflight(options: CodeReward.Options) -> None:
+        """Before ``forge run`` creates the run directory: the isolation asked for exists here."""
+        sandbox_for(options)
+
+    def __init__(self, options: Options):
         self.options = options
         self.sandbox = sandbox_for(options)
         log.info("code reward: %s", self.sandbox.describe())

@@ -9,13 +9,34 @@ from __future__ import annotations
 
 import re
 
+from pydantic import Field, field_validator
+
 from forgerl.interfaces import Reward
+from forgerl.options import OptionsModel
 from forgerl.types import RewardInput
-from forgerl_plugins.rewards import FormatOptions
 
 
 class FormatReward(Reward):
-    def __init__(self, options: FormatOptions):
+    name = "format"
+    description = "the completion matches a regular expression"
+
+    class Options(OptionsModel):
+        # Non-empty content: "<answer></answer>" alone must not earn the format reward.
+        pattern: str = Field(
+            r"<answer>\s*[^<\s][^<]*</answer>", description="Regular expression the completion should match."
+        )
+        mode: str = Field("search", pattern="^(search|fullmatch)$", description="re.search or re.fullmatch.")
+
+        @field_validator("pattern")
+        @classmethod
+        def _compiles(cls, pattern: str) -> str:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"not a valid regular expression: {exc}") from None
+            return pattern
+
+    def __init__(self, options: Options):
         self.options = options
         regex = re.compile(options.pattern, re.DOTALL)
         self._match = regex.fullmatch if options.mode == "fullmatch" else regex.search

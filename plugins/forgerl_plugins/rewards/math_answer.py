@@ -23,11 +23,11 @@ import logging
 import re
 from typing import Any
 
-from math_verify import parse, verify
+from pydantic import Field
 
 from forgerl.interfaces import Reward
+from forgerl.options import OptionsModel
 from forgerl.types import RewardInput, RewardResult
-from forgerl_plugins.rewards import MathAnswerOptions
 
 # A number, with thousands separators and decimals; a minus sign counts only when it does
 # not follow a word ("17-25" ends with 25, "x = -8" with -8).
@@ -52,6 +52,10 @@ def last_number(text: str) -> str | None:
 
 
 def _parse(text: str) -> list[Any]:
+    # Imported here: the registry imports this module for every `forge` command, and
+    # math-verify brings in sympy.
+    from math_verify import parse
+
     return parse(text, parsing_timeout=None)
 
 
@@ -67,11 +71,36 @@ def _equal(reference: str, answer: str) -> bool:
     if not gold or not answer.strip():
         return False
     pred = _parse(answer)
-    return bool(pred) and bool(verify(gold, pred, timeout_seconds=None))
+    if not pred:
+        return False
+    from math_verify import verify
+
+    return bool(verify(gold, pred, timeout_seconds=None))
 
 
 class MathAnswerReward(Reward):
-    def __init__(self, options: MathAnswerOptions):
+    name = "math_answer"
+    description = "the answer equals the reference (math-verify)"
+    requires = ("math_verify",)
+
+    class Options(OptionsModel):
+        tag: str | None = Field(
+            "answer",
+            pattern=r"^[A-Za-z_][\w-]*$",
+            description="Read the answer inside the last <tag></tag>; None: the whole text.",
+        )
+        fallback_last_number: bool = Field(
+            True, description="Without a tagged answer, compare the last number in the text."
+        )
+        fallback_credit: float = Field(
+            0.5, ge=0, le=1, description="Credit for a right answer found only by the fallback."
+        )
+
+    def __init__(self, options: Options):
+        # A missing math-verify fails here, when the reward is built, as when it was
+        # imported at the top of this module (not at the first sample scored).
+        import math_verify  # noqa: F401
+
         self.options = options
         self._tag = (
             re.compile(

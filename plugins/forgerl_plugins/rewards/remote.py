@@ -24,24 +24,15 @@ import urllib.request
 import weakref
 from typing import Any
 
+from pydantic import Field
+
 from forgerl.errors import ConfigError, RewardError
 from forgerl.interfaces import Reward
+from forgerl.options import OptionsModel
 from forgerl.types import RewardInput, RewardResult
-from forgerl_plugins.rewards import RemoteOptions
 
 #: Answers worth asking again: the service is overloaded or briefly down.
 RETRY_STATUSES = frozenset({408, 425, 429, 500, 502, 503, 504})
-
-
-def local_preflight(options: RemoteOptions) -> None:
-    """Before ``forge run`` starts the trainer on this machine (which inherits this
-    environment): the variable ``auth_env`` names is set. Otherwise the reward failed to
-    build inside the trainer, after the generator servers had started."""
-    if options.auth_env and not os.environ.get(options.auth_env):
-        raise ConfigError(
-            f"rewards: remote: the environment variable {options.auth_env!r} (options.auth_env) is not set "
-            "or empty; export it with the service's token before `forge run`"
-        )
 
 
 class _Retryable(Exception):
@@ -49,7 +40,47 @@ class _Retryable(Exception):
 
 
 class RemoteReward(Reward):
-    def __init__(self, options: RemoteOptions):
+    name = "remote"
+    description = "an HTTP scoring service scores each sample"
+
+    class Options(OptionsModel):
+        url: str = Field(
+            pattern=r"^https?://", description="Where to POST each sample (http:// or https://)."
+        )
+        timeout: float = Field(10.0, gt=0, le=3600, description="Seconds per request.")
+        retries: int = Field(
+            2, ge=0, le=20, description="Retries after a connection error, timeout, 429 or 5xx."
+        )
+        backoff: float = Field(
+            0.5, ge=0, le=60, description="Seconds before the first retry, doubled for each next."
+        )
+        concurrency: int = Field(16, ge=1, le=4096, description="Requests in flight at once (per process).")
+        auth_env: str | None = Field(
+            None,
+            pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+            description="Name of the environment variable holding the auth token (the token is never in "
+            "the config).",
+        )
+        auth_header: str = Field("Authorization", min_length=1, description="Header the token goes in.")
+        auth_scheme: str = Field("Bearer", description="Put before the token ('' for none).")
+        score_field: str = Field("score", description="Field of the answer holding the score.")
+        components_field: str = Field(
+            "components", description="Field of the answer holding named components."
+        )
+        max_response_bytes: int = Field(1 << 20, ge=64, description="Largest answer read.")
+
+    @staticmethod
+    def local_preflight(options: RemoteReward.Options) -> None:
+        """Before ``forge run`` starts the trainer on this machine (which inherits this
+        environment): the variable ``auth_env`` names is set. Otherwise the reward failed to
+        build inside the trainer, after the generator servers had started."""
+        if options.auth_env and not os.environ.get(options.auth_env):
+            raise ConfigError(
+                f"rewards: remote: the environment variable {options.auth_env!r} (options.auth_env) is not "
+                "set or empty; export it with the service's token before `forge run`"
+            )
+
+    def __init__(self, options: Options):
         self.options = options
         self.headers = {"Content-Type": "application/json", "Accept": "application/json"}
         if options.auth_env:

@@ -28,26 +28,16 @@ from forgerl.errors import ConfigError, RewardError
 from .reward_server import SERVED_MODEL_NAME, endpoint_file, log_file, role_name
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl_plugins.rewards.options import RewardModelOptions
+    from forgerl_plugins.rewards.reward_model import RewardModelReward
 
 #: Largest answer read (a batch of logits is a few KiB per sample).
 MAX_RESPONSE_BYTES = 64 << 20
 
 
-def local_preflight(options: RewardModelOptions) -> None:
-    """Before ``forge run`` starts the trainer on this machine: the API key of a server at
-    ``url`` is in the environment (as the ``remote`` reward's)."""
-    if options.url is not None and options.auth_env and not os.environ.get(options.auth_env):
-        raise ConfigError(
-            f"rewards: reward_model: the environment variable {options.auth_env!r} (options.auth_env) is not "
-            "set or empty; export it with the API key of the server at url before `forge run`"
-        )
-
-
 class ServedClassifier:
     """``logits(batch of token-id lists) -> list of logit lists`` through ``/classify``."""
 
-    def __init__(self, options: RewardModelOptions, *, wait: float | None = None) -> None:
+    def __init__(self, options: RewardModelReward.Options, *, wait: float | None = None) -> None:
         self.options = options
         self.endpoint: Path | None = None
         self.model: str | None = None

@@ -38,7 +38,7 @@ from forgerl_plugins.generators.vllm.server import engine_arg_flags, is_cpu_buil
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
     from forgerl.types import RoleSpec
-    from forgerl_plugins.rewards.options import RewardModelOptions
+    from forgerl_plugins.rewards.reward_model import RewardModelReward
 
 ENDPOINT_DIR = "rewards"
 MODULE = "forgerl_plugins.rewards.reward_server"
@@ -48,7 +48,7 @@ HEALTH_INTERVAL = 2.0
 LIVENESS_TIMEOUT = 60.0
 
 
-def role_name(options: RewardModelOptions) -> str:
+def role_name(options: RewardModelReward.Options) -> str:
     """The role serving these options' model; equal options give equal names."""
     shaping = {
         "model": options.model,
@@ -74,7 +74,7 @@ def log_file(run_dir: Path, role: str, replica: int = 0) -> Path:
     return launcher.log_file(run_dir, role, replica)
 
 
-def roles(options: RewardModelOptions, *, context: RunContext) -> list[RoleSpec]:
+def roles(options: RewardModelReward.Options, *, context: RunContext) -> list[RoleSpec]:
     """One vLLM pooling server when ``server: vllm``; none otherwise."""
     from forgerl.types import Resources, RoleSpec
 
@@ -94,7 +94,7 @@ def roles(options: RewardModelOptions, *, context: RunContext) -> list[RoleSpec]
 # ------------------------------------------------------------------- the vLLM command
 
 
-def server_command(options: RewardModelOptions, port: int) -> list[str]:
+def server_command(options: RewardModelReward.Options, port: int) -> list[str]:
     args = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", options.model,
@@ -128,7 +128,7 @@ def _model_positions(model: str) -> int | None:
         return None  # a hub id: vLLM reads the config itself
 
 
-def server_env(options: RewardModelOptions, api_key: str) -> dict[str, str]:
+def server_env(options: RewardModelReward.Options, api_key: str) -> dict[str, str]:
     env = launcher.server_env(options.env)
     env[KEY_ENV] = api_key  # in the environment, where `ps` does not show it
     return env
@@ -137,19 +137,19 @@ def server_env(options: RewardModelOptions, api_key: str) -> dict[str, str]:
 # ----------------------------------------------------------------------- the launcher
 
 
-def find_options(run_dir: Path, role: str) -> RewardModelOptions | None:
+def find_options(run_dir: Path, role: str) -> RewardModelReward.Options | None:
     """The options of the run's reward_model reward served by ``role``."""
     import yaml
 
     from forgerl import runs
     from forgerl.config import validate_config
-    from forgerl_plugins.rewards.options import RewardModelOptions
+    from forgerl_plugins.rewards.reward_model import RewardModelReward
 
     config = validate_config(yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text()), source=str(run_dir))
     for choice in config.rewards:
         if choice.name != "reward_model":
             continue
-        options = RewardModelOptions.model_validate(choice.options)
+        options = RewardModelReward.Options.model_validate(choice.options)
         if options.server == "vllm" and role_name(options) == role:
             return options
     return None
