@@ -2,9 +2,10 @@
 
 Loading a checkpoint must never execute anything its author put there, so nothing here
 is pickled: plain state is JSON, arrays are safetensors (a JSON header plus raw bytes).
-Every value read back is checked against the version-1 layout below; anything else (a
-wrong type, a missing or unknown key, arrays that do not add up) is refused with a
-:class:`~forgerl.errors.CheckpointUnusable` naming the file.
+Every value read back is checked against the version-1 layout below (the pydantic models
+of :mod:`forgerl.checkpoint_layout`); anything else (a wrong type, a missing or unknown
+key, arrays that do not add up) is refused with a
+:class:`~forgerl.errors.CheckpointUnusable` naming the file and the field.
 
 ``loop.json`` (version 1)::
 
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from forgerl.checkpoint_layout import LOOP_FORMAT, LOOP_VERSION, LoopState, first_problem
 from forgerl.errors import CheckpointUnusable
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -41,17 +43,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 LOOP_FILE = "loop.json"
 ARRAYS_FILE = "arrays.safetensors"
-LOOP_FORMAT = "forgerl.loop-state"
-LOOP_VERSION = 1
 
 PROMPT_IDS = "rollouts/prompt_token_ids"
 COMPLETION_IDS = "rollouts/completion_token_ids"
 LOGPROBS = "rollouts/completion_logprobs"
 TORCH_RNG = "rng/torch"
 _ARRAY_DTYPES = {PROMPT_IDS: "int64", COMPLETION_IDS: "int64", LOGPROBS: "float64", TORCH_RNG: "uint8"}
-
-_MT_WORDS = 624  # Mersenne Twister state words (Python keeps one more: the position)
-_FINISH_REASONS = ("stop", "length", "abort")
 
 
 @dataclass
@@ -163,29 +160,16 @@ def capture_rng() -> tuple[dict[str, Any], dict[str, np.ndarray]]:
 
 def decode(text: str, arrays: dict[str, np.ndarray], where: Path) -> Snapshot:
     """Parse and check ``loop.json`` (``where``) with its arrays; refuse anything else."""
+    from pydantic import ValidationError
+
     try:
         raw = json.loads(text)
     except ValueError as exc:
         raise CheckpointUnusable(f"{where}: not JSON ({exc})") from None
-    c = _Checker(where)
-    c.obj(raw, "", {
-        "format", "version", "step", "policy_version", "next_rollout_index", "task_state",
-        "time_totals", "eval_start", "eval_last", "rng", "pending_rollouts",
-    })
-    if raw["format"] != LOOP_FORMAT:
-        c.fail("format", f"is {raw['format']!r}, not {LOOP_FORMAT!r}")
-    if raw["version"] != LOOP_VERSION:
-        c.fail("version", f"is {raw['version']!r}; this forgerl reads version {LOOP_VERSION}")
-    step = c.int(raw["step"], "step")
-    c.int(raw["policy_version"], "policy_version")
-    c.int(raw["next_rollout_index"], "next_rollout_index", minimum=step)
-    c.dict(raw["task_state"], "task_state")
-    for k, v in c.dict(raw["time_totals"], "time_totals").items():
-        c.float(v, f"time_totals.{k}")
-    for key in ("eval_start", "eval_last"):
-        if raw[key] is not None:
-            c.float(raw[key], key)
-    _check_rng(c, raw["rng"])
+    try:
+        loop = LoopState.model_validate(raw)
+    except ValidationError as exc:
+        raise CheckpointUnusable(f"{where}: {first_problem(exc)}") from None
     for name, dtype in _ARRAY_DTYPES.items():
         if name not in arrays:
             raise CheckpointUnusable(f"{where.with_name(ARRAYS_FILE)}: no array {name!r}")
@@ -194,7 +178,7 @@ def decode(text: str, arrays: dict[str, np.ndarray], where: Path) -> Snapshot:
                 f"{where.with_name(ARRAYS_FILE)}: {name!r} must be a 1-d {dtype} array, got "
                 f"{arrays[name].ndim}-d {arrays[name].dtype}"
             )
-    rollouts = _decode_rollouts(c, raw["pending_rollouts"], arrays, step)
+    rollouts = _rollouts(loop, arrays, where)
     state = {k: v for k, v in raw.items() if k not in ("format", "version", "pending_rollouts")}
     return Snapshot(state=state, rollouts=rollouts, arrays={TORCH_RNG: arrays[TORCH_RNG]})
 
@@ -226,30 +210,9 @@ def restore_rng(snapshot: Snapshot) -> None:
     torch.set_rng_state(torch.from_numpy(saved.copy()))
 
 
-def _check_rng(c: _Checker, rng: Any) -> None:
-    c.obj(rng, "rng", {"python", "numpy"})
-    py = rng["python"]
-    c.obj(py, "rng.python", {"version", "state", "gauss_next"})
-    if py["version"] != 3:
-        c.fail("rng.python.version", f"is {py['version']!r}; Python's random state is version 3")
-    words = c.list(py["state"], "rng.python.state", length=_MT_WORDS + 1)
-    for i, w in enumerate(words[:-1]):
-        c.int(w, f"rng.python.state[{i}]", maximum=2**32 - 1)
-    c.int(words[-1], f"rng.python.state[{_MT_WORDS}]", maximum=_MT_WORDS)
-    if py["gauss_next"] is not None:
-        c.float(py["gauss_next"], "rng.python.gauss_next")
-    np_ = rng["numpy"]
-    c.obj(np_, "rng.numpy", {"bit_generator", "key", "pos", "has_gauss", "gauss"})
-    if np_["bit_generator"] != "MT19937":
-        c.fail("rng.numpy.bit_generator", f"is {np_['bit_generator']!r}, not 'MT19937'")
-    for i, w in enumerate(c.list(np_["key"], "rng.numpy.key", length=_MT_WORDS)):
-        c.int(w, f"rng.numpy.key[{i}]", maximum=2**32 - 1)
-    c.int(np_["pos"], "rng.numpy.pos", maximum=_MT_WORDS)
-    c.int(np_["has_gauss"], "rng.numpy.has_gauss", maximum=1)
-    c.float(np_["gauss"], "rng.numpy.gauss")
-
-
-def _decode_rollouts(c: _Checker, raw: Any, arrays: dict[str, np.ndarray], step: int) -> list[RolloutBatch]:
+def _rollouts(loop: LoopState, arrays: dict[str, np.ndarray], where: Path) -> list[RolloutBatch]:
+    """The pending batches, their token ids and logprobs cut from the arrays; the arrays
+    must hold exactly what the episodes' lengths add up to."""
     from forgerl.rollout import RolloutBatch
     from forgerl.types import Completion, Episode, Problem
 
@@ -258,141 +221,58 @@ def _decode_rollouts(c: _Checker, raw: Any, arrays: dict[str, np.ndarray], step:
     logprobs = arrays[LOGPROBS].tolist()
     at_prompt = at_completion = 0
     batches = []
-    for i, b in enumerate(c.list(raw, "pending_rollouts")):
-        w = f"pending_rollouts[{i}]"
-        c.obj(b, w, {
-            "index", "policy_version", "task_state", "gen_seconds", "reward_seconds", "gen_tokens",
-            "rewards_failed", "extra", "episodes",
-        })
+    for i, b in enumerate(loop.pending_rollouts):
         episodes = []
-        for j, e in enumerate(c.list(b["episodes"], f"{w}.episodes")):
-            we = f"{w}.episodes[{j}]"
-            c.obj(e, we, {
-                "problem", "group_id", "prompt_len", "completion", "reward", "reward_components",
-                "reward_failed", "advantage",
-            })
-            p = e["problem"]
-            c.obj(p, f"{we}.problem", {"id", "prompt", "answer", "metadata"})
-            c.str(p["id"], f"{we}.problem.id")
-            c.str(p["answer"], f"{we}.problem.answer")
-            c.dict(p["metadata"], f"{we}.problem.metadata")
-            prompt = p["prompt"]
-            if not isinstance(prompt, str):
-                for k, m in enumerate(c.list(prompt, f"{we}.problem.prompt")):
-                    for key, value in c.dict(m, f"{we}.problem.prompt[{k}]").items():
-                        c.str(value, f"{we}.problem.prompt[{k}].{key}")
-            comp = e["completion"]
-            c.obj(comp, f"{we}.completion", {"len", "finish_reason", "policy_version", "text"})
-            if comp["finish_reason"] not in _FINISH_REASONS:
-                c.fail(f"{we}.completion.finish_reason", f"is {comp['finish_reason']!r}, not one of {_FINISH_REASONS}")
-            c.str(comp["text"], f"{we}.completion.text")
-            n_prompt = c.int(e["prompt_len"], f"{we}.prompt_len")
-            n_comp = c.int(comp["len"], f"{we}.completion.len")
+        for j, e in enumerate(b.episodes):
+            n_prompt, n_comp = e.prompt_len, e.completion.len
             if at_prompt + n_prompt > len(prompt_ids) or at_completion + n_comp > len(completion_ids):
-                c.fail(f"{we}", "has more tokens than the arrays hold")
-            comps = {k: c.float(v, f"{we}.reward_components.{k}") for k, v in c.dict(e["reward_components"], f"{we}.reward_components").items()}
+                raise CheckpointUnusable(
+                    f"{where}: pending_rollouts[{i}].episodes[{j}] has more tokens than the arrays hold"
+                )
+            p, c = e.problem, e.completion
             episodes.append(
                 Episode(
-                    problem=Problem(id=p["id"], prompt=prompt, answer=p["answer"], metadata=p["metadata"]),
-                    group_id=c.int(e["group_id"], f"{we}.group_id"),
-                    prompt_token_ids=prompt_ids[at_prompt:at_prompt + n_prompt],
+                    problem=Problem(id=p.id, prompt=p.prompt, answer=p.answer, metadata=p.metadata),
+                    group_id=e.group_id,
+                    prompt_token_ids=prompt_ids[at_prompt : at_prompt + n_prompt],
                     completion=Completion(
-                        token_ids=completion_ids[at_completion:at_completion + n_comp],
-                        logprobs=logprobs[at_completion:at_completion + n_comp],
-                        finish_reason=comp["finish_reason"],
-                        policy_version=c.int(comp["policy_version"], f"{we}.completion.policy_version"),
-                        text=comp["text"],
+                        token_ids=completion_ids[at_completion : at_completion + n_comp],
+                        logprobs=logprobs[at_completion : at_completion + n_comp],
+                        finish_reason=c.finish_reason,
+                        policy_version=c.policy_version,
+                        text=c.text,
                     ),
-                    reward=c.float(e["reward"], f"{we}.reward"),
-                    reward_components=comps,
-                    reward_failed=c.bool(e["reward_failed"], f"{we}.reward_failed"),
-                    advantage=c.float(e["advantage"], f"{we}.advantage"),
+                    reward=e.reward,
+                    reward_components=dict(e.reward_components),
+                    reward_failed=e.reward_failed,
+                    advantage=e.advantage,
                 )
             )
             at_prompt += n_prompt
             at_completion += n_comp
         batches.append(
             RolloutBatch(
-                index=c.int(b["index"], f"{w}.index", minimum=step),
+                index=b.index,
                 episodes=episodes,
-                policy_version=c.int(b["policy_version"], f"{w}.policy_version"),
-                task_state=c.dict(b["task_state"], f"{w}.task_state"),
-                gen_seconds=c.float(b["gen_seconds"], f"{w}.gen_seconds"),
-                reward_seconds=c.float(b["reward_seconds"], f"{w}.reward_seconds"),
-                gen_tokens=c.int(b["gen_tokens"], f"{w}.gen_tokens"),
-                rewards_failed=c.int(b["rewards_failed"], f"{w}.rewards_failed"),
-                extra={k: c.float(v, f"{w}.extra.{k}") for k, v in c.dict(b["extra"], f"{w}.extra").items()},
+                policy_version=b.policy_version,
+                task_state=b.task_state,
+                gen_seconds=b.gen_seconds,
+                reward_seconds=b.reward_seconds,
+                gen_tokens=b.gen_tokens,
+                rewards_failed=b.rewards_failed,
+                extra=dict(b.extra),
             )
         )
-    if (at_prompt, at_completion) != (len(prompt_ids), len(completion_ids)) or len(logprobs) != len(completion_ids):
-        c.fail(
-            "pending_rollouts",
-            f"account for {at_prompt} prompt and {at_completion} completion tokens, the arrays hold "
-            f"{len(prompt_ids)}, {len(completion_ids)} and {len(logprobs)} logprobs",
+    if (at_prompt, at_completion) != (len(prompt_ids), len(completion_ids)) or len(logprobs) != len(
+        completion_ids
+    ):
+        raise CheckpointUnusable(
+            f"{where}: pending_rollouts account for {at_prompt} prompt and {at_completion} completion tokens, "
+            f"the arrays hold {len(prompt_ids)}, {len(completion_ids)} and {len(logprobs)} logprobs"
         )
-    expected = [step + k for k in range(len(batches))]
+    expected = [loop.step + k for k in range(len(batches))]
     if [b.index for b in batches] != expected:
-        c.fail("pending_rollouts", f"are batches {[b.index for b in batches]}, expected {expected}")
+        raise CheckpointUnusable(
+            f"{where}: pending_rollouts are batches {[b.index for b in batches]}, expected {expected}"
+        )
     return batches
-
-
-class _Checker:
-    """Type checks that name the file and the field of the first thing that is wrong."""
-
-    def __init__(self, where: Path):
-        self.where = where
-
-    def fail(self, field: str, problem: str) -> None:
-        raise CheckpointUnusable(f"{self.where}: {field or 'the top level'} {problem}")
-
-    def obj(self, value: Any, field: str, keys: set[str]) -> dict[str, Any]:
-        self.dict(value, field)
-        missing, unknown = keys - value.keys(), value.keys() - keys
-        if missing or unknown:
-            what = []
-            if missing:
-                what.append(f"lacks {', '.join(sorted(missing))}")
-            if unknown:
-                what.append(f"has unknown {', '.join(sorted(unknown))}")
-            self.fail(field, " and ".join(what))
-        return value
-
-    def dict(self, value: Any, field: str) -> dict[str, Any]:
-        if not isinstance(value, dict):
-            self.fail(field, f"must be an object, got {_kind(value)}")
-        return value
-
-    def list(self, value: Any, field: str, length: int | None = None) -> list[Any]:
-        if not isinstance(value, list):
-            self.fail(field, f"must be a list, got {_kind(value)}")
-        if length is not None and len(value) != length:
-            self.fail(field, f"must hold {length} items, got {len(value)}")
-        return value
-
-    def int(self, value: Any, field: str, minimum: int = 0, maximum: int | None = None) -> int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.fail(field, f"must be an integer, got {_kind(value)}")
-        if value < minimum or (maximum is not None and value > maximum):
-            self.fail(field, f"is {value}, outside [{minimum}, {maximum if maximum is not None else '...'}]")
-        return value
-
-    def float(self, value: Any, field: str) -> float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            self.fail(field, f"must be a number, got {_kind(value)}")
-        return float(value)
-
-    def bool(self, value: Any, field: str) -> bool:
-        if not isinstance(value, bool):
-            self.fail(field, f"must be true or false, got {_kind(value)}")
-        return value
-
-    def str(self, value: Any, field: str) -> str:
-        if not isinstance(value, str):
-            self.fail(field, f"must be a string, got {_kind(value)}")
-        return value
-
-
-def _kind(value: Any) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
-        type(value), f"{type(value).__name__} {value!r}"[:60]
-    )
