@@ -7,6 +7,7 @@ tests/gpu/test_sglang_cuda.py.)"""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import httpx
@@ -44,12 +45,14 @@ def test_the_server_command_is_sglangs_launch_server_with_the_options(tmp_path):
         tensor_parallel_size=2, mem_fraction_static=0.5, context_length=512,
         server_args={"chunked_prefill_size": 4096, "enable_metrics": True, "disable_radix_cache": False},
     )  # fmt: skip
-    cmd = server.server_command(options, tmp_path, "bfloat16", 4321, "key")
+    cmd = server.server_command(options, tmp_path, "bfloat16", 4321)
     text = " ".join(cmd)
-    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    # Under the key guard, which adds the key (from the environment) in the server's process only.
+    assert cmd[:5] == [sys.executable, "-m", "forgerl_plugins.generators.sglang.guard", "-m", "sglang.launch_server"]
+    assert "api-key" not in text, "a key on the command line is visible to every user through ps"
     for part in (
         f"--model-path {tmp_path}", "--host 127.0.0.1", "--port 4321", "--dtype bfloat16", "--tp-size 2",
-        "--api-key=key", "--weight-version 0", "--mem-fraction-static 0.5", "--context-length 512",
+        "--weight-version 0", "--mem-fraction-static 0.5", "--context-length 512",
         "--chunked-prefill-size 4096", "--enable-metrics",
     ):  # fmt: skip
         assert part in text, part
@@ -59,29 +62,30 @@ def test_the_server_command_is_sglangs_launch_server_with_the_options(tmp_path):
         tmp_path,
         "float32",
         1,
-        "k",
     )
-    assert custom[:3] == ["/opt/x/python", "-m", "sglang.launch_server"]
+    assert custom[:5] == ["/opt/x/python", "-m", "forgerl_plugins.generators.sglang.guard", "-m", "sglang.launch_server"]
     assert "--dtype float32" in " ".join(custom)
 
 
 def test_the_command_is_one_the_double_accepts_and_the_double_refuses_others(tmp_path, capsys):
     """The double's command line takes SGLang's flag names only: what we pass parses."""
-    cmd = server.server_command(  # a random key may start with "-": it is still the key
-        SGLangGeneratorOptions(mem_fraction_static=0.5, context_length=64), tmp_path, "float32", 1, "-k"
-    )
-    args = sglang_double.parser().parse_args(cmd[3:])
+    cmd = server.server_command(SGLangGeneratorOptions(mem_fraction_static=0.5, context_length=64), tmp_path, "float32", 1)
+    # What the guard hands the program: the arguments, then the key as one word with its flag
+    # (a random key may start with "-": it is still the key).
+    program = [*cmd[5:], "--api-key=-k"]
+    args = sglang_double.parser().parse_args(program)
     assert (args.model_path, args.port, args.api_key, args.weight_version) == (str(tmp_path), 1, "-k", "0")
     with pytest.raises(SystemExit) as refused:
-        sglang_double.parser().parse_args([*cmd[3:], "--no-such-flag"])
+        sglang_double.parser().parse_args([*program, "--no-such-flag"])
     assert refused.value.code == 2
 
 
 def test_the_servers_never_return_unscaled_logprobs_nor_see_the_trainers_rendezvous(monkeypatch):
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    env = server.server_env(SGLangGeneratorOptions(env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "X": "y"}))
+    env = server.server_env(SGLangGeneratorOptions(env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "X": "y"}), "k3y")
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env and "MASTER_PORT" not in env and env["X"] == "y"
+    assert env["FORGE_SGLANG_KEY"] == "k3y"
 
 
 def test_a_generate_body_asks_for_the_completions_logprobs_only():

@@ -79,6 +79,8 @@ class SGLangGeneratorOptions(OptionsModel):
     launch_command: list[str] | None = Field(
         None,
         min_length=1,
-        description="The command that starts one server, before its arguments (default: this Python's "
-        "`-m sglang.launch_server`): a wrapper script or another environment's Python.",
+        description="The Python and program that serve one replica, before its arguments (default: this Python's "
+        "`-m sglang.launch_server`), e.g. another environment's Python; run as PYTHON -m "
+        "forgerl_plugins.generators.sglang.guard PROGRAM (every endpoint behind the run's key), so forgerl "
+        "must be importable there.",
     )

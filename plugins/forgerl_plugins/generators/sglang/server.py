@@ -5,7 +5,8 @@
     python -m forgerl_plugins.generators.sglang.server --run-dir RUN_DIR
 
 Each copy (its replica index comes from ``FORGE_REPLICA``) resolves the run's model exactly
-as the trainer does and runs ``python -m sglang.launch_server`` through the launcher all
+as the trainer does and runs ``python -m sglang.launch_server`` under the key guard
+(:mod:`.guard`: every path needs the run's key) through the launcher all
 server generators share (:mod:`..common.launcher`: free port, ``/health``, one first
 ``/generate``, the endpoint file ``<run_dir>/generators/sglang-<replica>.json``, liveness,
 exit status). It imports neither SGLang nor torch: it only spawns them.
@@ -16,11 +17,13 @@ from __future__ import annotations
 import secrets
 import sys
 import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl import events
 from forgerl_plugins.generators.common import launcher
+from forgerl_plugins.generators.sglang import guard
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
@@ -58,23 +61,19 @@ def roles(options: SGLangGeneratorOptions, *, context: RunContext) -> list[RoleS
     ]
 
 
-def server_command(
-    options: SGLangGeneratorOptions, model_dir: Path, model_dtype: str, port: int, api_key: str
-) -> list[str]:
-    """``sglang.launch_server`` for ``model_dir`` on ``options.host:port`` with our options."""
+def server_command(options: SGLangGeneratorOptions, model_dir: Path, model_dtype: str, port: int) -> list[str]:
+    """``sglang.launch_server`` for ``model_dir`` on ``options.host:port`` with our options,
+    run by the launch command's Python under the key guard (:mod:`.guard`, which adds the
+    key, from the environment, to the server's own arguments in its process only)."""
     dtype = model_dtype if options.dtype == "auto" else options.dtype
-    launch = list(options.launch_command or [sys.executable, "-m", "sglang.launch_server"])
+    python, *program = options.launch_command or [sys.executable, "-m", "sglang.launch_server"]
     args = [
-        *launch,
+        python, "-m", guard.MODULE, *program,
         "--model-path", str(model_dir),
         "--host", options.host,
         "--port", str(port),
         "--dtype", dtype,
         "--tp-size", str(options.tensor_parallel_size),
-        # SGLang reads its key only from the command line; the server binds to loopback by
-        # default, and the endpoint file (0600) is where clients learn it. One word with
-        # its flag: a key that starts with "-" (token_urlsafe: 1 in 64) is not an option.
-        f"--api-key={api_key}",
         "--weight-version", INITIAL_VERSION,
         # The launcher sends its own first request; SGLang's warm-up would only add time.
         "--skip-server-warmup",
@@ -93,14 +92,29 @@ def server_arg_flags(server_args: dict[str, Any]) -> list[str]:
     return launcher.cli_flags(server_args, negative=False)
 
 
-def server_env(options: SGLangGeneratorOptions) -> dict[str, str]:
+def server_env(options: SGLangGeneratorOptions, api_key: str) -> dict[str, str]:
     env = launcher.server_env(options.env)
     env.pop(_UNSCALED_LOGPROBS_ENV, None)  # neither from our environment nor the env option
+    # For the guard, which takes it out of the environment before SGLang starts: never on a
+    # command line, which `ps` shows every user.
+    env[guard.KEY_ENV] = api_key
     return env
 
 
 def first_request(url: str, api_key: str, timeout: float = 120.0) -> str | None:
-    """None when a one-token ``/generate`` with logprobs works, else what went wrong."""
+    """None when a one-token ``/generate`` with logprobs works and ``/health`` without the
+    key is refused (the guard is in front of the app), else what went wrong."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=timeout) as r:
+            return (
+                f"GET /health answered HTTP {r.status} without the run's key: the server's endpoints are "
+                f"not guarded (does its launch command serve the app with uvicorn, under {guard.MODULE}?)"
+            )
+    except urllib.error.HTTPError as exc:
+        if exc.code != 401:
+            return f"GET /health without the run's key: HTTP {exc.code} {exc.reason}, expected 401"
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        return f"GET /health without the key: {type(exc).__name__}: {exc}"
     body = {
         "input_ids": [0],
         "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
@@ -143,8 +157,8 @@ def launch(run_dir: Path, replica: int) -> int:
         startup_timeout=options.startup_timeout,
         health_interval=options.health_interval,
         liveness_timeout=options.liveness_timeout,
-        command=lambda port: server_command(options, model_dir, config.model.dtype, port, api_key),
-        env=server_env(options),
+        command=lambda port: server_command(options, model_dir, config.model.dtype, port),
+        env=server_env(options, api_key),
         api_key=api_key,
         first_request=first_request,
         endpoint={"model_path": str(model_dir)},
