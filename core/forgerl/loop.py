@@ -102,7 +102,7 @@ class Loop:
         """Resume from the newest usable checkpoint (trainer on every rank, then the loop's
         state); returns its folder, or None when the run has no checkpoint yet."""
         found = ckpt.restore(
-            self.run_dir, lambda folder: self.driver.call("load", folder), keep=self.config.checkpoint.keep
+            self.run_dir, self.driver.load, keep=self.config.checkpoint.keep
         )
         if found is None:
             return None
@@ -255,7 +255,7 @@ class Loop:
         t = time.perf_counter()
         train_metrics: dict[str, float] = {}
         if prepared.batch is not None:
-            train_metrics = self.driver.call("train_step", prepared.batch)
+            train_metrics = self.driver.train_step(prepared.batch)
         train_s = time.perf_counter() - t
         self.step += 1
         t = time.perf_counter()
@@ -315,7 +315,7 @@ class Loop:
         if not self.receives_weights:
             self.policy_version = version
             return
-        weights = self.driver.call("export_weights", version)
+        weights = self.driver.export_weights(version)
         timeout = self.config.transport.timeout
         errors: list[BaseException] = []
 
@@ -392,7 +392,7 @@ class Loop:
             self.run_dir,
             self.step,
             self.snapshot(task_state, pending),
-            lambda folder: self.driver.call("save", folder),
+            self.driver.save,
             keep=self.config.checkpoint.keep,
         )
 
