@@ -43,7 +43,7 @@ def _registry() -> Registry:
     if _State.registry is None:
         from forgerl.plugins import build_registry
 
-        _State.registry = build_registry()
+        _State.registry = build_registry(collect=False)  # backends are collected when a command needs them
     return _State.registry
 
 

@@ -54,7 +54,9 @@ def _env_list(name: str) -> set[str]:
 class Registry:
     """The plugin manager plus every backend, by kind and name.
 
-    Build it with :func:`build_registry`. Backends are collected once, when built.
+    Build it with :func:`build_registry`. Backends are collected once, when first asked
+    for: collecting imports every backend class's module, which a command that needs no
+    backend (``forge --help``, ``forge status``) is spared.
     """
 
     def __init__(
@@ -66,15 +68,27 @@ class Registry:
         strict: bool = False,
     ):
         self.pm = pm
-        self.plugins = plugins
+        self._plugins = plugins
         #: Plugins given by import path: a run's processes load them too (FORGE_PLUGINS).
         self.plugin_refs = list(refs or [])
         self._backends: dict[str, dict[str, Backend]] = {kind: {} for kind in KINDS}
         self._owner: dict[tuple[str, str], PluginInfo] = {}
         self._clashes: dict[tuple[str, str], BackendClash] = {}
-        self._collect(strict)
+        self._strict = strict
+        self._collected = False
+
+    @property
+    def plugins(self) -> dict[str, PluginInfo]:
+        """Every plugin found, with the backends it registered."""
+        self._collect_once()
+        return self._plugins
 
     # -------------------------------------------------------------- collection
+
+    def _collect_once(self) -> None:
+        if not self._collected:
+            self._collected = True
+            self._collect(self._strict)
 
     def _collect(self, strict: bool) -> None:
         """Ask every plugin for its backends. A plugin whose registration hook raises or
@@ -87,7 +101,7 @@ class Registry:
                 if plugin_name in failed:
                     continue
                 try:
-                    label = self.plugins[plugin_name].label
+                    label = self._plugins[plugin_name].label
                     records = [
                         dataclasses.replace(record, provider=label)
                         for record in checked_records(hook_name, BACKEND_KINDS[kind], call())
@@ -97,14 +111,14 @@ class Registry:
                     continue
                 offered.setdefault(plugin_name, []).extend((kind, r) for r in records)
         for plugin_name, (why, error) in failed.items():
-            info = self.plugins[plugin_name]
+            info = self._plugins[plugin_name]
             self.pm.unregister(name=plugin_name)  # its event hooks must not run either
             info.hooks = []
             broken(info, why, strict, error)
         for plugin_name, kinds_and_records in offered.items():
             if plugin_name not in failed:
                 for kind, record in kinds_and_records:
-                    self._add(kind, record, self.plugins[plugin_name])
+                    self._add(kind, record, self._plugins[plugin_name])
         if strict and self._clashes:
             raise DuplicateBackend(next(iter(self._clashes.values())).message())
 
@@ -136,14 +150,17 @@ class Registry:
         return list(KINDS)
 
     def backends(self, kind: str) -> dict[str, Backend]:
+        self._collect_once()
         return dict(self._backends[kind])
 
     def owner(self, kind: str, name: str) -> PluginInfo:
+        self._collect_once()
         return self._owner[(kind, name)]
 
     def get(self, kind: str, name: str) -> Backend:
         """The record of backend ``name``, available or not; UnknownBackend if none,
         DuplicateBackend if two plugins claim it."""
+        self._collect_once()
         clash = self._clashes.get((kind, name))
         if clash is not None:
             raise DuplicateBackend(clash.message())
@@ -158,9 +175,11 @@ class Registry:
     @property
     def clashes(self) -> list[BackendClash]:
         """Backend names more than one plugin claims (none of their records is used)."""
+        self._collect_once()
         return list(self._clashes.values())
 
     def clash(self, kind: str, name: str) -> BackendClash | None:
+        self._collect_once()
         return self._clashes.get((kind, name))
 
     def require(self, kind: str, name: str) -> Backend:
@@ -172,6 +191,7 @@ class Registry:
         return backend
 
     def available(self, kind: str) -> list[str]:
+        self._collect_once()
         return [
             n
             for n, b in self._backends[kind].items()
@@ -211,6 +231,7 @@ def build_registry(
     disabled: Iterable[str] | None = None,
     strict: bool | None = None,
     trace: bool | None = None,
+    collect: bool = True,
 ) -> Registry:
     """Load plugins and collect their backends.
 
@@ -218,7 +239,9 @@ def build_registry(
     (``"pkg.module"``), which a run's processes load too, or objects (modules or
     instances), which exist in this process only. A plugin's name is its import path, or
     its ``forge_plugin_name``/``__name__``. ``disabled``/``strict``/``trace`` default to
-    the environment switches.
+    the environment switches. ``collect=False`` leaves collecting the backends (importing
+    their classes' modules, reporting what is wrong with them) to their first use: the
+    command line does so, since most of its commands use none.
     """
     disabled_from = "FORGE_DISABLE_PLUGINS" if disabled is None else "disabled"
     disabled = set(disabled) if disabled is not None else _env_list("FORGE_DISABLE_PLUGINS")
@@ -289,7 +312,11 @@ def build_registry(
         if plugin is not None:
             info.hooks = sorted(h.name for h in pm.get_hookcallers(plugin) or ())
     registry = Registry(pm, infos, refs, strict=strict)
-    warn_unmatched_disabled(disabled, disabled_from, registry.plugins)
+    if collect or strict:  # a strict registry fails at once, not at first use
+        registry.plugins  # noqa: B018 - collects the backends
+    if disabled - {info.name for info in infos.values()}:
+        # The warning names the backends of the plugins (a backend's name given for its plugin's).
+        warn_unmatched_disabled(disabled, disabled_from, registry.plugins)
     return registry
 
 
