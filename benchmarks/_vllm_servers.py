@@ -64,8 +64,9 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
 
 
 def resolved_config(model: str, sets: list[str], transport: str = "shm") -> Any:
-    from forgerl.config import build_config, resolve
+    from forgerl.config import build_config
     from forgerl.plugins import build_registry
+    from forgerl.resolve import resolve
 
     flags = {"model": model, "generator": "vllm", "transport": transport}
     return resolve(build_config(flags=flags, sets=sets), build_registry())

@@ -59,9 +59,10 @@ def model_folder(name: str, tmp: Path) -> Path:
         from forgerl_plugins.models.tiny import TinyModel, build_tiny_model
 
         return build_tiny_model(TinyModel.Options(), cache_dir=tmp)
-    from forgerl.config import build_config, resolve
+    from forgerl.config import build_config
     from forgerl.models import resolve_model
     from forgerl.plugins import build_registry
+    from forgerl.resolve import resolve
 
     config = resolve(build_config(flags={"model": name}, sets=[]), build_registry())
     return resolve_model(config.model, build_registry())

@@ -85,8 +85,9 @@ def _options(classifier_dir: Path, **more: object) -> dict[str, object]:
 def run(classifier_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """The run's reward-model server, started by the local scheduler from the run's job."""
     from forgerl import runs
-    from forgerl.config import build_config, resolve
+    from forgerl.config import build_config
     from forgerl.plugins import build_registry
+    from forgerl.resolve import resolve
     from forgerl.types import JobSpec
     from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
 

@@ -88,9 +88,10 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from forgerl import runs
-    from forgerl.config import build_config, resolve
+    from forgerl.config import build_config
     from forgerl.interfaces import RunContext
     from forgerl.plugins import build_registry
+    from forgerl.resolve import resolve
     from forgerl.types import JobSpec
     from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
     from forgerl_plugins.generators.vllm.generator import VLLMGenerator

@@ -40,7 +40,8 @@ def classifier_dir(tiny_model_dir, tmp_path_factory):
 
 def _job(tmp_path: Path, rewards: list[dict[str, Any]]):
     from forgerl import runs
-    from forgerl.config import build_config, resolve
+    from forgerl.config import build_config
+    from forgerl.resolve import resolve
 
     registry = build_registry()
     config = resolve(
