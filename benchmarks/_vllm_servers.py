@@ -31,7 +31,7 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
     runs.write_config(run_dir, config)
     options = VLLMGeneratorOptions.model_validate(config.generator.options)
     job = JobSpec(
-        "vllm-bench", str(run_dir), tuple(roles(options, context=RunContext(config=config, run_dir=run_dir)))
+        "vllm-bench", str(run_dir), tuple(roles(options, context=RunContext.for_run(config, run_dir)))
     )
     scheduler = LocalScheduler(LocalScheduler.Options(stop_timeout=10))
     started = threading.Event()
@@ -44,7 +44,7 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
     thread = threading.Thread(target=supervise, daemon=True)
     thread.start()
     started.wait(30)
-    ctx = RunContext(config=config, run_dir=run_dir, model_path=model_dir)
+    ctx = RunContext.for_run(config, run_dir, model_path=model_dir)
     transport = build_registry().require("transport", config.transport.name).build(
         config.transport.options, context=ctx
     )

@@ -119,7 +119,7 @@ def run_context(model_dir: Path, run_dir: Path):
     from forgerl.interfaces import RunContext
 
     config = RunConfig.model_validate({"loop": {"seed": 0, "sampling": {"temperature": TEMPERATURE}}})
-    return RunContext(config=config, run_dir=run_dir, model_path=model_dir, rank=0, world_size=1)
+    return RunContext.for_run(config, run_dir, model_path=model_dir, rank=0, world_size=1)
 
 
 def make_trainer(model_dir: Path, run_dir: Path, options: dict[str, Any]):

@@ -127,10 +127,11 @@ class Backend:
         expected = CONTRACT[self.kind].keywords
         if set(runtime) != expected:
             raise TypeError(f"a {self.kind} is built with {sorted(expected)}, not {sorted(runtime)}")
-        return self._built(self._call(self.factory, "factory", self.kind, self.validate_options(options), runtime))
+        validated = self.validate_options(options)
+        return self._built(self._call(self.factory, "factory", self.kind, validated, runtime), validated)
 
-    def _built(self, product: Any) -> Any:
-        """What was built, checked or converted as its kind requires."""
+    def _built(self, product: Any, options: BaseModel) -> Any:
+        """What was built with ``options``, checked or converted as its kind requires."""
         return product
 
     def server_roles(self, options: Options, *, context: RunContext) -> list[RoleSpec]:
@@ -237,7 +238,7 @@ class RewardBackend(Backend):
     kind: ClassVar[str] = "reward"
     roles: Callable[..., Any] | str | None = None
 
-    def _built(self, reward: Any) -> Any:
+    def _built(self, reward: Any, options: BaseModel) -> Any:
         from forgerl.interfaces import Reward
 
         if isinstance(reward, Reward) and not reward.implements_scoring():
@@ -254,6 +255,13 @@ class TransportBackend(Backend):
     worker process)."""
 
     kind: ClassVar[str] = "transport"
+
+    def _built(self, transport: Any, options: BaseModel) -> Any:
+        # What another process needs to build the same transport (Transport.describe).
+        from forgerl.interfaces import describe_transport
+
+        describe_transport(transport, self.name, options.model_dump(mode="json"))
+        return transport
 
 
 @dataclass(frozen=True)
@@ -273,7 +281,7 @@ class ModelBackend(Backend):
 
     kind: ClassVar[str] = "model"
 
-    def _built(self, folder: Any) -> Path:
+    def _built(self, folder: Any, options: BaseModel) -> Path:
         return Path(folder)
 
 

@@ -38,24 +38,72 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from typing_extensions import Self
 
+    from forgerl.algorithms.config import AlgorithmConfig
     from forgerl.config import RunConfig
+    from forgerl.config_sections import SamplingConfig
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunContext:
-    """What a backend may know about the run it is part of.
+    """The facts of the run a backend may use: where it lives, which model, which rank,
+    and the few run-wide settings a backend cannot do without. A backend reads its own
+    options and these facts, never another section of the run config.
 
     ``model_path`` is a local Hugging Face folder (resolved by the core before backends
     are built). ``rank``/``world_size`` describe this process among the trainer ranks.
+    ``seed`` is the run's seed, ``dtype`` the model's (``float32`` | ``bfloat16``),
+    ``transport_timeout`` the seconds a weight transfer may take, ``temperature`` the
+    sampling temperature (the trainer's logprobs are taken at it), ``sampling`` the run's
+    sampling settings (:class:`~forgerl.config_sections.SamplingConfig`: a generator that
+    cannot honour one refuses it when built) and ``algorithm`` the loss settings
+    (:class:`~forgerl.algorithms.config.AlgorithmConfig`, for trainers).
     Other backends a backend works with (a generator's transport) are build arguments of
-    their own (:mod:`forgerl.contract`), not part of the context.
+    their own (:mod:`forgerl.contract`), not part of the context. Build one for a run with
+    :meth:`for_run`.
     """
 
-    config: RunConfig
     run_dir: Path
     model_path: Path | None = None
     rank: int = 0
     world_size: int = 1
+    seed: int = 0
+    dtype: str = "float32"
+    transport_timeout: float = 120.0
+    temperature: float = 1.0
+    sampling: SamplingConfig | None = None
+    algorithm: AlgorithmConfig | None = None
+
+    @classmethod
+    def for_run(
+        cls, config: RunConfig, run_dir: Path, *, model_path: Path | None = None, rank: int = 0, world_size: int = 1
+    ) -> RunContext:
+        """The context of a run with ``config``: its facts, taken from their sections once."""
+        return cls(
+            run_dir=Path(run_dir),
+            model_path=model_path,
+            rank=rank,
+            world_size=world_size,
+            seed=config.loop.seed,
+            dtype=config.model.dtype,
+            transport_timeout=float(config.transport.timeout),
+            temperature=float(config.loop.sampling.temperature),
+            sampling=config.loop.sampling,
+            algorithm=config.algorithm,
+        )
+
+
+#: The format of :meth:`Transport.describe`'s description, and its version.
+TRANSPORT_FORMAT, TRANSPORT_VERSION = "forgerl.transport", 1
+
+
+def describe_transport(transport: Any, name: str, options: dict[str, Any]) -> None:
+    """Record how ``transport`` was built (by the registry), for :meth:`Transport.describe`
+    (an object that takes no attributes, e.g. with ``__slots__``, cannot describe itself)."""
+    description = {"format": TRANSPORT_FORMAT, "version": TRANSPORT_VERSION, "name": name, "options": options}
+    try:
+        transport._forge_description = description
+    except AttributeError:
+        pass
 
 
 class Closeable:
@@ -309,6 +357,21 @@ class Transport(Closeable, abc.ABC):
     def receiver_spec(self) -> dict[str, Any]:
         """What a receiver in another process needs to connect (addresses, paths)."""
         return {}
+
+    def describe(self) -> dict[str, Any]:
+        """How another process builds this transport (a generator's worker process builds
+        its receiving side from it, then connects with :meth:`receiver_spec`): the backend's
+        name and its validated options, in a typed, versioned description
+        (``{"format": "forgerl.transport", "version": 1, "name", "options"}``), which
+        :meth:`forgerl.plugins.Registry.transport_from` builds. The registry records it when
+        it builds the transport; one built by hand cannot describe itself."""
+        description = getattr(self, "_forge_description", None)
+        if description is None:
+            raise TransportError(
+                f"{type(self).__name__} was not built through the registry, so it cannot describe itself "
+                "to another process; build it with build_registry().require('transport', NAME).build(...)"
+            )
+        return dict(description)
 
     #: The kinds of :class:`EngineReceiver` that :meth:`engine_receiver` builds
     #: (``"files"``, ``"broadcast"``); empty: engines that load weights themselves cannot

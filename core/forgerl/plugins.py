@@ -28,7 +28,13 @@ import pluggy
 from forgerl import hookspecs
 from forgerl.backends import BACKEND_KINDS, Backend
 from forgerl.env import env_flag
-from forgerl.errors import BackendUnavailable, DuplicateBackend, PluginLoadError, UnknownBackend
+from forgerl.errors import (
+    BackendUnavailable,
+    DuplicateBackend,
+    PluginLoadError,
+    TransportError,
+    UnknownBackend,
+)
 from forgerl.kinds import KINDS, REGISTRATION_HOOKS
 from forgerl.plugin_info import EXPLICIT_OBJECT, EXPLICIT_REF, FIRST_PARTY_DIST, PluginInfo
 from forgerl.plugin_problems import (
@@ -189,6 +195,20 @@ class Registry:
         if reason:
             raise BackendUnavailable(f"{kind} {name!r} is unavailable: {reason}")
         return backend
+
+    def transport_from(self, description: Mapping[str, Any]) -> Any:
+        """The transport another process described (:meth:`Transport.describe`), built
+        here outside a run (``context=None``); a description of another format or version
+        is refused in one line."""
+        from forgerl.interfaces import TRANSPORT_FORMAT, TRANSPORT_VERSION
+
+        got = (description.get("format"), description.get("version"))
+        if got != (TRANSPORT_FORMAT, TRANSPORT_VERSION):
+            raise TransportError(
+                f"a transport description of format {got[0]!r} version {got[1]!r}; this forgerl reads "
+                f"{TRANSPORT_FORMAT!r} version {TRANSPORT_VERSION}: the two processes run different forgerl versions"
+            )
+        return self.require("transport", str(description["name"])).build(description.get("options") or {}, context=None)
 
     def available(self, kind: str) -> list[str]:
         self._collect_once()

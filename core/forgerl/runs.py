@@ -257,7 +257,7 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
             env=trainer_allocator_env(_launch_env(config)),
         )
     ]
-    context = RunContext(config=config, run_dir=run_dir)
+    context = RunContext.for_run(config, run_dir)
     gen_backend = registry.get("generator", config.generator.name)
     if isinstance(gen_backend, GeneratorBackend):  # always: the registry checks record types
         roles += gen_backend.server_roles(config.generator.options, context=context)

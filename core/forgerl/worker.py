@@ -115,7 +115,7 @@ def run_worker(run_dir: Path) -> int:
         with _phase(rank, run_dir, f"preparing model {config.model.name}", stage="model",
                     key=f"model:{config.model.name}", detail="a named model is built or converted on first use only"):
             model_path = resolve_model(config.model, registry)
-        ctx = RunContext(config=config, run_dir=run_dir, model_path=model_path, rank=rank, world_size=world)
+        ctx = RunContext.for_run(config, run_dir, model_path=model_path, rank=rank, world_size=world)
         log.info("model %s; trainer %s on %d rank(s)", model_path, config.trainer.name, world)
         with _phase(rank, run_dir, f"building trainer {config.trainer.name} on {world} rank(s)", stage="trainer",
                     key=f"trainer:{config.trainer.name}:{config.model.name}"):

@@ -67,7 +67,7 @@ def _make(kind: str) -> type:
                 super().update_weights(version)
                 self._version = before
             elif kind == "ignores_weights":  # takes the version number, not the weights
-                dict(self._get_receiver().receive(version, timeout=float(self.ctx.config.transport.timeout)))
+                dict(self._get_receiver().receive(version, timeout=self.ctx.transport_timeout))
                 self._version = int(version)
             else:
                 super().update_weights(version)

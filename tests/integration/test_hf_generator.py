@@ -53,7 +53,7 @@ def _ctx(model_dir: Path, run_dir: Path, *, timeout: float | None = None) -> Run
     # Default: how long the test waits for weights; a test of the timeout itself passes one.
     timeout = scaled(30.0) if timeout is None else timeout
     config = RunConfig.model_validate({"transport": {"name": "shm", "timeout": timeout}})
-    return RunContext(config=config, run_dir=run_dir, model_path=model_dir)
+    return RunContext.for_run(config, run_dir, model_path=model_dir)
 
 
 def _shm(folder: Path) -> ShmTransport:

@@ -119,7 +119,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     runs.write_config(run_dir, config)
     options = VLLMGeneratorOptions.model_validate(config.generator.options)
     job = JobSpec(
-        "vllm-test", str(run_dir), tuple(roles(options, context=RunContext(config=config, run_dir=run_dir)))
+        "vllm-test", str(run_dir), tuple(roles(options, context=RunContext.for_run(config, run_dir)))
     )
     scheduler = LocalScheduler(LocalScheduler.Options(stop_timeout=10))
     started = threading.Event()
@@ -135,7 +135,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     thread.start()
     started.wait(scaled(30))
     transport = ShmTransport(ShmTransport.Options(directory=str(run_dir / "weights")), context=None)
-    ctx = RunContext(config=config, run_dir=run_dir, model_path=model_dir)
+    ctx = RunContext.for_run(config, run_dir, model_path=model_dir)
     generator = sender = None
     try:
         generator = VLLMGenerator(options, context=ctx, transport=transport)

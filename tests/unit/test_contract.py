@@ -81,7 +81,7 @@ class Recorder:
 def test_every_kind_gets_its_options_model_and_its_named_runtime_arguments(tmp_path):
     plugin = Recorder()
     reg = build_registry(plugins=[plugin], entry_points=False)
-    ctx = RunContext(config=RunConfig(), run_dir=tmp_path)
+    ctx = RunContext.for_run(RunConfig(), tmp_path)
     transport = object()
     reg.require("generator", "g").build({"size": 2}, context=ctx, transport=transport)
     assert reg.require("generator", "g").server_roles({"size": 2}, context=ctx) == []
@@ -111,7 +111,7 @@ def test_a_validated_options_model_is_passed_through_as_is(tmp_path):
     plugin = Recorder()
     reg = build_registry(plugins=[plugin], entry_points=False)
     options = Opts(size=3)
-    reg.require("trainer", "t").build(options, context=RunContext(config=RunConfig(), run_dir=tmp_path))
+    reg.require("trainer", "t").build(options, context=RunContext.for_run(RunConfig(), tmp_path))
     assert plugin.calls["trainer"][0] is options  # validated once, not dumped and validated again
 
 
@@ -164,7 +164,7 @@ def _one_line(err: pytest.ExceptionInfo) -> str:
 
 
 def test_a_factory_of_the_old_calling_convention_is_refused_before_it_runs(old_plugin, tmp_path):
-    ctx = RunContext(config=RunConfig(), run_dir=tmp_path)
+    ctx = RunContext.for_run(RunConfig(), tmp_path)
     with pytest.raises(BackendContractError) as err:
         old_plugin.require("generator", "old").build({}, context=ctx, transport=object())
     message = _one_line(err)
@@ -256,3 +256,26 @@ def test_a_backend_is_built_with_exactly_its_kinds_runtime_arguments():
     assert task.build({}, seed=3).seed == 3
     with pytest.raises(TypeError, match=r"a task is built with \['seed'\], not \['context', 'seed'\]"):
         task.build({}, seed=3, context=None)
+
+
+def test_a_transport_describes_itself_to_another_process(tmp_path):
+    """What a generator ships to its worker processes: the transport's name and validated
+    options, typed and versioned; the other side builds the same transport from it."""
+    import json
+
+    from forgerl.errors import TransportError
+    from forgerl_plugins.transports.shm.transport import ShmTransport
+
+    registry = build_registry()
+    transport = registry.require("transport", "shm").build({"directory": str(tmp_path / "w")}, context=None)
+    described = json.loads(json.dumps(transport.describe()))  # it crosses as JSON
+    assert described["format"] == "forgerl.transport" and described["version"] == 1 and described["name"] == "shm"
+    again = registry.transport_from(described)
+    assert isinstance(again, ShmTransport) and again.options == transport.options
+    with pytest.raises(TransportError, match="version 2; this forgerl reads 'forgerl.transport' version 1"):
+        registry.transport_from({**described, "version": 2})
+    by_hand = ShmTransport(ShmTransport.Options(directory=str(tmp_path / "h")), context=None)
+    with pytest.raises(TransportError, match="was not built through the registry"):
+        by_hand.describe()
+    for t in (transport, again, by_hand):
+        t.close()

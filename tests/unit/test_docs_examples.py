@@ -174,7 +174,7 @@ def run_context(tmp_path: Path, model: Path | None = None, **config):
     from forgerl.config import RunConfig
     from forgerl.interfaces import RunContext
 
-    return RunContext(config=RunConfig.model_validate(config), run_dir=tmp_path, model_path=model)
+    return RunContext.for_run(RunConfig.model_validate(config), tmp_path, model_path=model)
 
 
 def test_mini_registration_module_stays_light(mini_src: Path):

@@ -146,7 +146,7 @@ def run_loop(run_dir: Path, generator: FakeGenerator, steps: int, staleness: int
     loop = Loop(
         config,
         build_registry(),
-        RunContext(config=config, run_dir=run_dir),
+        RunContext.for_run(config, run_dir),
         TrainerDriver(trainer, 1),
         generator,
         FakeTask(),

@@ -24,7 +24,7 @@ from tests.helpers import sglang_double
 
 
 def _ctx(run_dir: Path) -> RunContext:
-    return RunContext(config=RunConfig.model_validate({"generator": {"name": "sglang"}}), run_dir=run_dir)
+    return RunContext.for_run(RunConfig.model_validate({"generator": {"name": "sglang"}}), run_dir)
 
 
 def _request(n: int = 1, **sampling) -> GenerationRequest:

@@ -275,7 +275,7 @@ def test_receiver_in_another_process_needs_the_spec(tmp_path):
 
 
 def test_default_directory_is_shared_memory_else_the_run_dir(tmp_path, monkeypatch):
-    ctx = RunContext(config=RunConfig(), run_dir=tmp_path / "run")
+    ctx = RunContext.for_run(RunConfig(), tmp_path / "run")
     if shm.SHM_ROOT.is_dir():
         t = ShmTransport(ShmTransport.Options(), context=ctx)
         assert t.directory.parent == shm.SHM_ROOT and t.directory.name.startswith("forgerl-")

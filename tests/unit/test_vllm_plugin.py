@@ -17,7 +17,7 @@ from tests.helpers.timing import scaled
 
 
 def _ctx(run_dir: Path) -> RunContext:
-    return RunContext(config=RunConfig.model_validate({"generator": {"name": "vllm"}}), run_dir=run_dir)
+    return RunContext.for_run(RunConfig.model_validate({"generator": {"name": "vllm"}}), run_dir)
 
 
 def _generator(options: VLLMGeneratorOptions, run_dir: Path):

@@ -80,26 +80,22 @@ class GeneratorSite:
 
     # ------------------------------------------------------------- generators
 
-    def context(self, transport_dir: Path) -> RunContext:
-        """The RunContext of one generator: the site's config, its transport in ``transport_dir``
-        (the shm transport's directory; another transport, named by the kit's ``settings``,
-        keeps its own options)."""
+    def context(self) -> RunContext:
+        """The RunContext of the site's generators: the site's config and folders."""
         from forgerl.interfaces import RunContext
 
-        config = self.config.model_copy(deep=True)
-        if config.transport.name == "shm":
-            config.transport.options = {**config.transport.options, "directory": str(transport_dir)}
-        return RunContext(config=config, run_dir=self.run_dir, model_path=self.model_dir)
+        return RunContext.for_run(self.config, self.run_dir, model_path=self.model_dir)
 
     @contextlib.contextmanager
     def open(self) -> Iterator[OpenGenerator]:
         """A new generator (with a new transport and its sender, as a run builds them:
         transport, sender, generator) closed with them at the end, whatever happened."""
-        ctx = self.context(self.run_dir / f"weights-{next(self._serial)}")
+        transport_dir = self.run_dir / f"weights-{next(self._serial)}"  # the shm transport's, each its own
+        ctx = self.context()
         registry = registry_for(self.plugins)
-        transport = registry.require("transport", ctx.config.transport.name).build(
-            ctx.config.transport.options, context=ctx
-        )
+        choice = self.config.transport
+        options = {**choice.options, "directory": str(transport_dir)} if choice.name == "shm" else choice.options
+        transport = registry.require("transport", choice.name).build(options, context=ctx)
         sender = generator = None
         try:
             sender = transport.sender()
@@ -220,7 +216,7 @@ def open_site(
     config = resolve(build_config(base=base, sets=settings), registry)
     runs.write_config(run_dir, config)
     site = GeneratorSite(backend, dict(config.generator.options), tuple(plugins), model_dir, run_dir, config)
-    roles = record.server_roles(config.generator.options, context=site.context(run_dir / "weights"))
+    roles = record.server_roles(config.generator.options, context=site.context())
     try:
         if roles:
             site._stop_roles = start_roles(site, roles)

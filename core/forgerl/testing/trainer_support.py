@@ -54,9 +54,9 @@ def run_context(
     from forgerl.config import RunConfig
     from forgerl.interfaces import RunContext
 
-    return RunContext(
-        config=RunConfig.model_validate(dict(config)),
-        run_dir=Path(run_dir),
+    return RunContext.for_run(
+        RunConfig.model_validate(dict(config)),
+        Path(run_dir),
         model_path=Path(model_dir),
         rank=rank,
         world_size=world_size,

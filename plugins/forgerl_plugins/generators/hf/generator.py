@@ -144,7 +144,7 @@ class HFGenerator(Generator):
         self.options = options
         self.ctx = context
         self.transport = transport
-        dtype_name = options.dtype or context.config.model.dtype
+        dtype_name = options.dtype or context.dtype
         if dtype_name not in _DTYPES:
             raise ConfigError(f"hf generator: dtype {dtype_name!r} is not one of {', '.join(_DTYPES)}")
         self.dtype = getattr(torch, dtype_name)
@@ -331,7 +331,7 @@ class HFGenerator(Generator):
         if self._closed:
             raise GeneratorError("the hf generator is closed")
         receiver = self._get_receiver()
-        timeout = float(self.ctx.config.transport.timeout)
+        timeout = float(self.ctx.transport_timeout)
         try:
             staged = dict(receiver.receive(version, timeout=timeout))
         except TransportError:

@@ -78,7 +78,7 @@ class SGLangWeightUpdates(WeightUpdates):
             r.updating = False
 
     async def _load(self, r: Replica, version: int) -> None:
-        timeout = float(self.ctx.config.transport.timeout)
+        timeout = self.ctx.transport_timeout
         try:
             if version == 0:
                 await self._client.load(

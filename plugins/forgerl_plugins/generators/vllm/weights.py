@@ -68,7 +68,7 @@ class VLLMWeightUpdates(WeightUpdates):
     async def _load(self, r: Replica, version: int) -> None:
         """Load ``version`` on every worker of ``r`` (the transport's, or the model folder's
         for version 0). Sets ``r.version``; raises TransportError on failure."""
-        timeout = float(self.ctx.config.transport.timeout)
+        timeout = self.ctx.transport_timeout
         request: dict[str, Any] = {
             "version": version,
             "timeout": timeout,
@@ -77,14 +77,10 @@ class VLLMWeightUpdates(WeightUpdates):
         if version == 0:
             request["source"] = "base"
         else:
-            # The workers build the same transport from its name and options (as the run's
-            # config gives them) and connect through the spec.
+            # The workers build the same transport from its description and connect
+            # through the spec.
             request["source"] = "transport"
-            request["transport"] = {
-                "name": self.ctx.config.transport.name,
-                "options": self.ctx.config.transport.options,
-                "spec": self.transport.receiver_spec(),
-            }
+            request["transport"] = {"described": self.transport.describe(), "spec": self.transport.receiver_spec()}
         resp = await self._client.load_weights(r, json.dumps(request), timeout)
         if resp.status_code != 200:
             r.version = None

@@ -139,9 +139,8 @@ class ForgeWorkerExtension:
         if key not in receivers:
             from forgerl.plugins import build_registry
 
-            backend = build_registry().require("transport", transport["name"])
             worker_id = f"{req.get('worker_prefix', 'vllm')}-rank{int(getattr(self, 'rank', 0))}"
-            built = backend.build(transport.get("options") or {}, context=None)
+            built = build_registry().transport_from(transport["described"])
             receivers[key] = built.receiver(worker_id, transport.get("spec") or {})
         return receivers[key]
 

@@ -66,12 +66,14 @@ class ShardedTrainer(Trainer, abc.ABC):
         self._model_path: Path = context.model_path
         self.options = options
         self.ctx = context
-        self.algorithm = context.config.algorithm
-        temperature = context.config.loop.sampling.temperature
+        from forgerl.algorithms.config import AlgorithmConfig
+
+        self.algorithm: AlgorithmConfig = context.algorithm or AlgorithmConfig()
+        temperature = context.temperature
         # Logprobs are those of the distribution the generator samples from: logits / T.
         # Greedy (T = 0) samples no distribution; score plain logits then.
         self.temperature = temperature if temperature > 0 else 1.0
-        self.dtype = getattr(torch, context.config.model.dtype)  # "float32" | "bfloat16"
+        self.dtype = getattr(torch, context.dtype)  # "float32" | "bfloat16"
 
         self.device = pick_device()
         native = native_bf16(self.device)
@@ -106,7 +108,7 @@ class ShardedTrainer(Trainer, abc.ABC):
             # model's tensors too (then a tensor-parallel group shares one share of rows).
             self.dp_rank, self.dp_size = self.rank, self.world_size
             self.dp_group: Any = None
-            torch.manual_seed(context.config.loop.seed)
+            torch.manual_seed(context.seed)
             self._build()
         except BaseException:
             self.close()  # do not leave a process group behind for the next attempt

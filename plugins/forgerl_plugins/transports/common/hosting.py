@@ -68,7 +68,7 @@ class StoreHostedTransport:
         if self.options.timeout is not None:
             return float(self.options.timeout)
         if self.ctx is not None:
-            return float(self.ctx.config.transport.timeout)
+            return float(self.ctx.transport_timeout)
         return DEFAULT_TIMEOUT
 
     def secret(self) -> str:

@@ -412,7 +412,7 @@ class ShmTransport(Transport):
 
     def _timeout(self) -> float:
         if self.ctx is not None:
-            return float(self.ctx.config.transport.timeout)
+            return float(self.ctx.transport_timeout)
         return DEFAULT_TIMEOUT
 
     def sender(self) -> ShmSender:
