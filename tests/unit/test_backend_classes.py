@@ -3,8 +3,6 @@ implementation (discovered through a real entry point of a fake distribution).""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
 from forgerl.plugins import build_registry
@@ -42,18 +40,6 @@ class ShortReward(Reward):
 def forge_rewards():
     return [ShortReward]
 """
-
-
-@pytest.fixture
-def site(tmp_path, monkeypatch):
-    root = tmp_path / "site"
-    root.mkdir()
-    monkeypatch.syspath_prepend(str(root))
-    for var in ("FORGE_DISABLE_PLUGINS", "FORGE_STRICT_PLUGINS", "FORGE_TRACE_HOOKS"):
-        monkeypatch.delenv(var, raising=False)
-    yield root
-    for name in [m for m in sys.modules if m.startswith("fake_")]:
-        del sys.modules[name]
 
 
 def test_a_backend_class_is_its_record_name_options_and_implementation(site):

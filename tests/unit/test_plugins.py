@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
 
 import pytest
 
@@ -23,20 +22,6 @@ from .fakedist import (
     WRONG_RECORD,
     make_dist,
 )
-
-
-@pytest.fixture
-def site(tmp_path, monkeypatch):
-    """A folder on sys.path where fake distributions are 'installed'."""
-    root = tmp_path / "site"
-    root.mkdir()
-    monkeypatch.syspath_prepend(str(root))
-    for var in ("FORGE_DISABLE_PLUGINS", "FORGE_STRICT_PLUGINS", "FORGE_TRACE_HOOKS"):
-        monkeypatch.delenv(var, raising=False)
-    yield root
-    for name in list(sys.modules):
-        if name.startswith(("fake_", "other_")):
-            del sys.modules[name]
 
 
 def test_first_party_backends_come_from_entry_points():
