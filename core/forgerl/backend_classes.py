@@ -77,8 +77,10 @@ def _interfaces() -> dict[str, type]:
     """Kind -> the interface its backend classes implement (a model backend has none: it is
     a class or function that returns a folder)."""
     from forgerl import interfaces
+    from forgerl.environment import Environment
 
     return {
+        "environment": Environment,
         "generator": interfaces.Generator,
         "trainer": interfaces.Trainer,
         "reward": interfaces.Reward,
