@@ -18,10 +18,11 @@ import json
 import re
 import typing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.environment import Environment, Message
+# Not importing forgerl.environment (it imports this module): an environment here is any
+# object whose class has ``tool_methods()``, a message a chat-message dict.
+Message = dict[str, Any]
 
 #: Calls answered per turn; more are answered with an error (a model looping on calls).
 MAX_CALLS_PER_TURN = 8
@@ -99,7 +100,7 @@ def _check_arguments(method: Any, arguments: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(problems) from None
 
 
-def answer_tool_calls(env: Environment, calls: list[ToolCall]) -> list[Message]:
+def answer_tool_calls(env: Any, calls: list[ToolCall]) -> list[Message]:
     """One ``tool`` message per call: the tool's result, or the error the model made. An
     exception raised by a tool is the tool's answer (the model may retry); only the
     environment's own failures (reset/step raising, hanging) fail a trajectory."""
