@@ -54,6 +54,7 @@ async def call_bounded(fn: Callable[..., T], *args: Any, timeout: float, what: s
 
     def target() -> None:
         global _abandoned
+        result: Any
         try:
             result, ok = fn(*args), True
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task

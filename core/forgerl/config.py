@@ -34,8 +34,8 @@ from forgerl.config_limits import (
 from forgerl.config_sections import (
     DEFAULT_MODEL,
     BackendChoice,
-    EnvironmentChoice,
     CheckpointConfig,
+    EnvironmentChoice,
     GeneratorChoice,
     LoggingConfig,
     LoopConfig,

@@ -97,7 +97,7 @@ class Environment(abc.ABC):
         the run's Reward plugins."""
         return Step.finish()
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional, like Task.load_state_dict
         """Release what the instance holds. Called once the trajectory ends (on a worker
         thread, under the deadline too)."""
 

@@ -88,7 +88,7 @@ def _check_arguments(method: Any, arguments: dict[str, Any]) -> dict[str, Any]:
             continue
         default = ... if param.default is param.empty else param.default
         fields[name] = (hints[name], default)
-    model = create_model(  # type: ignore[call-overload]
+    model = create_model(
         f"{method.__name__}_arguments", __config__=ConfigDict(extra="forbid", strict=True), **fields
     )
     try:

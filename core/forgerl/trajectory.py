@@ -193,7 +193,7 @@ class TrajectoryRunner:
             self._fail(traj, "timeout", str(exc))
         except GarbageError as exc:
             self._fail(traj, "garbage", str(exc))
-        except Exception as exc:  # noqa: BLE001 - the environment's failure is its trajectory's, not the run's
+        except Exception as exc:
             from forgerl.errors import GeneratorError
 
             if isinstance(exc, GeneratorError):

@@ -42,7 +42,7 @@ def tokenizer(tiny_model_dir: Path):
 
 class Fixed(Generator):
     def __init__(self, tokenizer):
-        self.ids = list(tokenizer("four", add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+        self.ids = [*list(tokenizer("four", add_special_tokens=False)["input_ids"]), tokenizer.eos_token_id]
 
     async def generate(self, requests):
         return [[Completion(list(self.ids), [-0.5] * len(self.ids), "stop", 0, "four")] for _ in requests]

@@ -95,8 +95,8 @@ def trajectory_batch(varied_model: Path, tmp_path_factory: pytest.TempPathFactor
 
     from forgerl.config import RunConfig
     from forgerl.interfaces import RunContext
-    from forgerl_plugins.generators.hf.generator import HFGenerator
     from forgerl_plugins.generators.hf import HFGeneratorOptions
+    from forgerl_plugins.generators.hf.generator import HFGenerator
     from forgerl_plugins.transports.shm.transport import ShmTransport
 
     run_dir = tmp_path_factory.mktemp("env-run")

@@ -128,8 +128,8 @@ def test_a_tool_turn_is_token_exact_and_masked(tokenizer):
     assert traj.failure is None and traj.reward == 1.0 and traj.turns == 2 and traj.observations == 1
     c = traj.completion
     first, second = gen.requests
-    turn0 = list(tokenizer(f"Let me compute. {CALL}", add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
-    turn1 = list(tokenizer("<answer>4</answer>", add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+    turn0 = [*list(tokenizer(f"Let me compute. {CALL}", add_special_tokens=False)["input_ids"]), tokenizer.eos_token_id]
+    turn1 = [*list(tokenizer("<answer>4</answer>", add_special_tokens=False)["input_ids"]), tokenizer.eos_token_id]
     # The generator saw exactly the trajectory's tokens: the prompt, then turn 0 as sampled
     # and the tool's answer; the trajectory is that context plus turn 1.
     assert list(first.prompt_token_ids) == traj.prompt_ids
@@ -206,7 +206,7 @@ def test_a_template_that_rewrites_earlier_turns_does_not_rewrite_the_trajectory(
     finally:
         tokenizer.chat_template = original
     assert "secret plan" not in rerendered, "the template drops old reasoning (else this test shows nothing)"
-    turn0 = list(tokenizer(turn0_text, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+    turn0 = [*list(tokenizer(turn0_text, add_special_tokens=False)["input_ids"]), tokenizer.eos_token_id]
     assert traj.completion.token_ids[: len(turn0)] == turn0, "turn 0 must stay as sampled, reasoning included"
     second = gen.requests[1]
     assert list(second.prompt_token_ids) == traj.prompt_ids + traj.completion.token_ids[: len(second.prompt_token_ids) - len(traj.prompt_ids)]

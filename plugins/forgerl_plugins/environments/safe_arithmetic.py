@@ -44,9 +44,11 @@ def _check(x: Fraction) -> Fraction:
 
 def _value(node: ast.AST) -> Fraction:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        if isinstance(node.value, float) and not math.isfinite(node.value):
+        number = node.value
+        assert isinstance(number, (int, float)), "checked just above"
+        if isinstance(number, float) and not math.isfinite(number):
             raise ExpressionError("numbers must be finite")
-        return _check(Fraction(node.value))
+        return _check(Fraction(number))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
         inner = _value(node.operand)
         return -inner if isinstance(node.op, ast.USub) else inner
