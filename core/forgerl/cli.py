@@ -248,7 +248,7 @@ def plugins_list(as_json: bool) -> None:
         for b in row["backends"]:
             mark = "ok " if b["available"] else "-- "
             why = "" if b["available"] else f"  (unavailable: {b['reason']})"
-            click.echo(f"  {mark}{b['kind']:<10} {b['name']:<22} {b['description']}{why}")
+            click.echo(f"  {mark}{b['kind']:<11} {b['name']:<22} {b['description']}{why}")
         other = [h for h in row["hooks"] if h not in REGISTRATION_HOOKS.values()]
         if other:
             click.echo(f"     hooks: {', '.join(other)}")
