@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -171,3 +172,49 @@ def test_environment_tokens_get_exactly_zero_gradient(trajectory_batch, varied_m
     assert not leaked, f"environment tokens at {leaked[:5]} get a gradient: they leak into the loss"
     sampled = [(r, t) for r in range(batch.size) for t in range(1, batch.input_ids.shape[1]) if batch.loss_mask[r, t]]
     assert all(grad[r, t - 1].abs().max().item() > 0 for r, t in sampled), "a sampled token got no gradient"
+
+
+def test_a_run_killed_with_pending_trajectories_resumes_exactly(tmp_path):
+    """Multi-turn trajectories (the guess game: feedback between turns) one step ahead of
+    training (max_staleness 1) are in every checkpoint; a run killed after step 2 resumes
+    and ends with the metrics of an uninterrupted run."""
+    from tests.helpers.hold_at_step import hold_env, marker
+    from tests.helpers.timing import wait_until
+
+    common = ["run", "--model", "tiny", "--generator", "hf", "--environment", "guess", "--steps", "3",
+              "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=2", "--set", "loop.sampling.max_tokens=8",
+              "--set", "loop.eval_size=2", "--set", "environment.max_turns=3", "--set", "environment.max_total_tokens=96",
+              "--set", "checkpoint.every=1", "--set", "loop.max_staleness=1",
+              "--set", "trainer.options.autocast_bf16=false", "--set", "trainer.options.lr=1e-3"]
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    proc = subprocess.run([*FORGE, *common, "--output", str(whole)], capture_output=True, text=True,
+                          timeout=scaled(300))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    front = subprocess.Popen([*FORGE, *common, "--output", str(cut)], env=hold_env(2),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: marker(cut, 2).exists(), 240, "the run to reach its second checkpoint", interval=0.2)
+        loop_state = json.loads((cut / "checkpoints" / "step-000002" / "loop.json").read_text())
+        pending = loop_state["pending_rollouts"]
+        assert pending and all("mask" in e["completion"] and "versions" in e["completion"]
+                               for b in pending for e in b["episodes"]), "pending trajectories lost their masks"
+        assert any(0 in e["completion"]["mask"] for b in pending for e in b["episodes"]), "no environment tokens"
+        for p in json.loads((cut / "job.json").read_text())["processes"]:
+            os.kill(p["pid"], signal.SIGKILL)
+        front.wait(timeout=scaled(60))
+    finally:
+        if front.poll() is None:
+            front.kill()
+    proc = subprocess.run([*FORGE, "run", "--resume", str(cut)], capture_output=True, text=True, timeout=scaled(300))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+    def rows(run: Path) -> list[dict]:
+        timing = ("time/", "throughput/", "env/generate_batch_mean")  # batches depend on timing, tokens do not
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(timing)}
+                for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    resumed, reference = rows(cut), rows(whole)
+    assert [r["step"] for r in resumed] == [1, 2, 3]
+    assert reference[0]["env/observations_mean"] > 0, "the game gave no feedback: nothing multi-turn was tested"
+    for a, b in zip(resumed, reference):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-7), a["step"]
