@@ -71,6 +71,11 @@ class GarbageError(Exception):
     """An environment returned something that is not what its interface says."""
 
 
+class _GeneratorFailed(Exception):
+    """Carries the generator's exception past the handlers that contain environment
+    failures: a generator that fails is the run's problem, as in single-turn rollouts."""
+
+
 class RequestBatcher:
     """Gathers the single-turn requests of concurrent trajectories into generator batches:
     while one batch is generated, new requests wait and go together in the next. Lives on
@@ -189,15 +194,14 @@ class TrajectoryRunner:
                 raise GarbageError("reset returned no messages")
             traj.prompt_ids = self.chat.prompt_ids(messages)
             await self._turns(batcher, env, traj, request_id, seed, sampling or self.sampling)
+        except _GeneratorFailed as exc:
+            assert exc.__cause__ is not None, "raised from the generator's exception"
+            raise exc.__cause__ from None
         except CallTimeout as exc:
             self._fail(traj, "timeout", str(exc))
         except GarbageError as exc:
             self._fail(traj, "garbage", str(exc))
-        except Exception as exc:
-            from forgerl.errors import GeneratorError
-
-            if isinstance(exc, GeneratorError):
-                raise  # the generator failing is the run's problem, as in single-turn rollouts
+        except Exception as exc:  # noqa: BLE001 - the environment's failure is its trajectory's, not the run's
             self._fail(traj, "error", f"{type(exc).__name__}: {exc}")
         finally:
             if env is not None:
@@ -227,7 +231,10 @@ class TrajectoryRunner:
                 sampling=replace(sampling, max_tokens=min(lim.max_turn_tokens, room),
                                  seed=(seed + 7919 * turn) % (2**31 - 1)),
             )
-            sampled = await batcher.generate(request)
+            try:
+                sampled = await batcher.generate(request)
+            except Exception as exc:
+                raise _GeneratorFailed() from exc
             traj.turns += 1
             versions.append(sampled.policy_version)
             c.policy_version = min(versions)  # staleness counts from the oldest sampled token

@@ -205,3 +205,17 @@ def test_a_hung_environment_does_not_hold_the_others(tokenizer, tmp_path):
     hung = asyncio.run(go())
     assert [t.reward for t in done] == [1.0] * 5
     assert hung.failure is None or hung.failure_kind == "timeout"
+
+
+def test_a_failing_generator_fails_the_batch_not_just_a_trajectory(tokenizer, tmp_path):
+    """The environment's failures are contained; the generator's are not theirs to hide."""
+
+    class Broken(Fixed):
+        async def generate(self, requests):
+            raise RuntimeError("engine died")
+
+    rollouts = make(Good, tokenizer, tmp_path)
+    jobs = [(Problem("good-0", "q"), "r0", 1)]
+    with pytest.raises(RuntimeError, match="engine died"):
+        asyncio.run(rollouts.scored(Broken(tokenizer), jobs, never_called))
+    assert not (tmp_path / FAILURES_FILE).exists()
