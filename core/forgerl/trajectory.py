@@ -249,6 +249,10 @@ class TrajectoryRunner:
                 traj.reward = None if step.reward is None else float(step.reward)
                 traj.components = {k: float(v) for k, v in dict(step.components).items()}
                 break
+            if turn == lim.max_turns - 1:
+                # No turn left to read an observation: it would be tokens nobody answers.
+                traj.limit = "turns"
+                break
             observation = self.chat.observation_ids(sampled.token_ids, check_messages(list(step.messages), "step"))
             traj.observations += 1
             # An observation must leave room for at least one more sampled token.
@@ -259,8 +263,6 @@ class TrajectoryRunner:
             c.logprobs += [0.0] * len(observation)
             c.mask += [0] * len(observation)
             c.versions += [sampled.policy_version] * len(observation)
-        else:
-            traj.limit = "turns"
         if traj.limit is not None:
             c.finish_reason = "length"
             if self.scores:

@@ -298,3 +298,10 @@ def test_a_pending_trajectory_survives_a_checkpoint(tmp_path, tokenizer):
     (loaded,) = ckpt.load(path).rollouts
     assert loaded.episodes[0].completion == traj.completion, "mask, versions, tokens and logprobs all round-trip"
     assert loaded.episodes[0].completion.mask == traj.completion.mask
+
+
+def test_the_last_turn_gets_no_observation(tokenizer):
+    gen = Scripted(tokenizer, [CALL])
+    (traj,) = run(runner_for(Calc, tokenizer, max_turns=2), gen)
+    assert (traj.turns, traj.observations, traj.limit) == (2, 1, "turns")
+    assert traj.completion.mask[-1] == 1, "the trajectory ends with the last sampled token"
