@@ -42,7 +42,7 @@ async def call_bounded(fn: Callable[..., T], *args: Any, timeout: float, what: s
     global _abandoned
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
-    state = {"abandoned": False}
+    state = {"abandoned": False, "returned": False}
 
     def settle(ok: bool, value: Any) -> None:
         if future.done():
@@ -60,6 +60,7 @@ async def call_bounded(fn: Callable[..., T], *args: Any, timeout: float, what: s
         except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
             result, ok = exc, False
         with _abandoned_lock:
+            state["returned"] = True
             if state["abandoned"]:
                 _abandoned -= 1
                 return
@@ -73,6 +74,7 @@ async def call_bounded(fn: Callable[..., T], *args: Any, timeout: float, what: s
         return await asyncio.wait_for(asyncio.shield(future), timeout)
     except asyncio.TimeoutError:
         with _abandoned_lock:
-            state["abandoned"] = True
-            _abandoned += 1
+            if not state["returned"]:  # one that returned just now is not left behind
+                state["abandoned"] = True
+                _abandoned += 1
         raise CallTimeout(f"{what} did not return within {timeout:g} s") from None

@@ -219,3 +219,27 @@ def test_a_failing_generator_fails_the_batch_not_just_a_trajectory(tokenizer, tm
     with pytest.raises(RuntimeError, match="engine died"):
         asyncio.run(rollouts.scored(Broken(tokenizer), jobs, never_called))
     assert not (tmp_path / FAILURES_FILE).exists()
+
+
+def test_abandoned_calls_are_counted_until_they_return():
+    from forgerl.bounded import CallTimeout, abandoned_threads, call_bounded
+
+    before = abandoned_threads()
+    returned = threading.Event()
+
+    def hang() -> None:
+        RELEASE.wait()
+        returned.set()
+
+    async def go():
+        with pytest.raises(CallTimeout, match="hang did not return within 0.05 s"):
+            await call_bounded(hang, timeout=0.05, what="hang")
+
+    asyncio.run(go())
+    assert abandoned_threads() == before + 1
+    RELEASE.set()
+    assert returned.wait(scaled(10))
+    deadline = time.monotonic() + scaled(10)
+    while abandoned_threads() != before and time.monotonic() < deadline:
+        returned.wait(0.01)  # the thread decrements right after setting the event
+    assert abandoned_threads() == before
