@@ -77,6 +77,11 @@ class Environment(abc.ABC):
     #: Reward plugins score the last assistant turn, however the trajectory ended.
     scores: ClassVar[bool] = False
 
+    def __init__(self, options: Any = None) -> None:
+        """Built as ``Cls(options)`` (the validated ``Options``, or the empty options of a
+        class without one); a subclass that needs no setup need not define this."""
+        self.options = options
+
     @abc.abstractmethod
     def reset(self, problem: Problem) -> list[Message]:
         """The conversation's start (e.g. a system and a user message) for ``problem``."""

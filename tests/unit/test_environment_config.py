@@ -47,3 +47,29 @@ def test_mistakes_are_one_line(sets, error, message):
         forgerl.load_config(flags={"model": "tiny"}, sets=sets)
     assert message in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
     assert caught.value.user_fixable
+
+
+def test_an_environment_class_is_a_backend_built_once_per_call():
+    from forgerl.backend_classes import record_for_class
+    from forgerl.backends import EnvironmentBackend
+    from forgerl.environment import Environment
+    from forgerl.errors import PluginError
+
+    class Minimal(Environment):
+        """the smallest environment"""
+
+        name = "minimal"
+
+        def reset(self, problem):
+            return [{"role": "user", "content": "hi"}]
+
+    record = record_for_class(EnvironmentBackend, Minimal, "forge_environments")
+    assert (record.kind, record.name, record.description) == ("environment", "minimal", "the smallest environment")
+    first, second = record.build(None), record.build(None)
+    assert isinstance(first, Minimal) and first is not second, "one instance per trajectory"
+
+    class NotOne:
+        name = "not_one"
+
+    with pytest.raises(PluginError, match="not an Environment: an environment backend subclasses forgerl.environment.Environment"):
+        record_for_class(EnvironmentBackend, NotOne, "forge_environments")
