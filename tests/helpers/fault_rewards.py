@@ -21,21 +21,9 @@ import time
 
 from pydantic import BaseModel, ConfigDict
 
-from forgerl.backends import RewardBackend
 from forgerl.hookspecs import hookimpl
 from forgerl.interfaces import Reward
 from forgerl.types import RewardResult
-
-
-class PidOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    seconds: float = 0.0
-
-
-class TriggerOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    trigger: str = "HANG"
-    how: str = "spin"
 
 
 def _spin() -> None:
@@ -45,6 +33,8 @@ def _spin() -> None:
 
 
 class Spin(Reward):
+    name = "fault_spin"
+
     def __init__(self, options):
         pass
 
@@ -53,6 +43,8 @@ class Spin(Reward):
 
 
 class Raise(Reward):
+    name = "fault_raise"
+
     def __init__(self, options):
         pass
 
@@ -61,6 +53,8 @@ class Raise(Reward):
 
 
 class Exit(Reward):
+    name = "fault_exit"
+
     def __init__(self, options):
         pass
 
@@ -69,6 +63,8 @@ class Exit(Reward):
 
 
 class Segfault(Reward):
+    name = "fault_segv"
+
     def __init__(self, options):
         pass
 
@@ -79,6 +75,8 @@ class Segfault(Reward):
 
 
 class NaN(Reward):
+    name = "fault_nan"
+
     def __init__(self, options):
         pass
 
@@ -87,7 +85,13 @@ class NaN(Reward):
 
 
 class Pid(Reward):
-    def __init__(self, options: PidOptions):
+    name = "fault_pid"
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        seconds: float = 0.0
+
+    def __init__(self, options: Options):
         self.seconds = options.seconds
 
     def score(self, sample):
@@ -97,7 +101,14 @@ class Pid(Reward):
 
 
 class Trigger(Reward):
-    def __init__(self, options: TriggerOptions):
+    name = "fault_trigger"
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        trigger: str = "HANG"
+        how: str = "spin"
+
+    def __init__(self, options: Options):
         self.options = options
 
     def score(self, sample):
@@ -110,12 +121,4 @@ class Trigger(Reward):
 
 @hookimpl
 def forge_rewards():
-    return [
-        RewardBackend(name="fault_spin", factory=Spin),
-        RewardBackend(name="fault_raise", factory=Raise),
-        RewardBackend(name="fault_exit", factory=Exit),
-        RewardBackend(name="fault_segv", factory=Segfault),
-        RewardBackend(name="fault_nan", factory=NaN),
-        RewardBackend(name="fault_pid", factory=Pid, options=PidOptions),
-        RewardBackend(name="fault_trigger", factory=Trigger, options=TriggerOptions),
-    ]
+    return [Spin, Raise, Exit, Segfault, NaN, Pid, Trigger]

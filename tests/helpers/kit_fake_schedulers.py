@@ -1,23 +1,23 @@
 """A plugin of deliberately broken schedulers, each the ``local`` scheduler with one rule of
 the scheduler kit (:class:`forgerl.testing.SchedulerContract`) broken: the tests of the kit
 show that each check can fail. Loaded by import path
-(``plugins = ("tests.helpers.kit_fake_schedulers",)``)."""
+(``plugins = ("tests.helpers.kit_fake_schedulers",)``). Each is one class with a name of its
+own; its options model, description and the rest are ``local``'s, inherited."""
 
 from __future__ import annotations
 
 import os
 import signal
 
-from forgerl.backends import SchedulerBackend
 from forgerl.hookspecs import hookimpl
 from forgerl.types import JobHandle, JobState, JobStatus
 from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
 
-OPTIONS = "forgerl_plugins.schedulers.local.scheduler:LocalScheduler.Options"
-
 
 class CancelSparesChildren(LocalScheduler):
     """Cancel kills each role's own process, not its process tree: the role's child lives on."""
+
+    name = "kit_cancel_spares_children"
 
     def cancel(self, job_id: str) -> None:
         live = self._jobs[job_id]
@@ -30,6 +30,8 @@ class CancelSparesChildren(LocalScheduler):
 class LosesExitCode(LocalScheduler):
     """Reports a failed job without the exit status of the role that failed it."""
 
+    name = "kit_loses_exit_code"
+
     def wait(self, handle: JobHandle, timeout: float | None = None) -> JobStatus:
         status = super().wait(handle, timeout)
         return JobStatus(status.state, None if status.state is JobState.FAILED else status.exit_code, status.detail)
@@ -37,6 +39,8 @@ class LosesExitCode(LocalScheduler):
 
 class UnknownJobIsKeyError(LocalScheduler):
     """Answers an unknown job id with a KeyError instead of JobNotFound."""
+
+    name = "kit_unknown_job_is_key_error"
 
     def status(self, job_id: str) -> JobStatus:
         if job_id not in self._jobs:
@@ -47,17 +51,11 @@ class UnknownJobIsKeyError(LocalScheduler):
 class HidesItsLogs(LocalScheduler):
     """Implements logs() but says it has none: `forge logs` would never show them."""
 
+    name = "kit_hides_its_logs"
+
     supports_logs = False
 
 
 @hookimpl
 def forge_schedulers():
-    return [
-        SchedulerBackend(name=name, factory=f"tests.helpers.kit_fake_schedulers:{cls.__name__}", options=OPTIONS)
-        for name, cls in [
-            ("kit_cancel_spares_children", CancelSparesChildren),
-            ("kit_loses_exit_code", LosesExitCode),
-            ("kit_unknown_job_is_key_error", UnknownJobIsKeyError),
-            ("kit_hides_its_logs", HidesItsLogs),
-        ]
-    ]
+    return [CancelSparesChildren, LosesExitCode, UnknownJobIsKeyError, HidesItsLogs]

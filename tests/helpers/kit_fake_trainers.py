@@ -1,20 +1,20 @@
 """A plugin of deliberately broken trainers, each the ``fsdp`` trainer with one rule of the
 trainer kit (:class:`forgerl.testing.TrainerContract`) broken: the tests of the kit show
 that each check can fail. Loaded by import path
-(``plugins = ("tests.helpers.kit_fake_trainers",)``)."""
+(``plugins = ("tests.helpers.kit_fake_trainers",)``). Each is one class with a name of its
+own; its options model, requires, local_preflight and the rest are ``fsdp``'s, inherited."""
 
 from __future__ import annotations
 
-from forgerl.backends import TrainerBackend
 from forgerl.hookspecs import hookimpl
 from forgerl.types import WeightSet
 from forgerl_plugins.trainers.fsdp.trainer import FSDPTrainer
 
-OPTIONS = "forgerl_plugins.trainers.fsdp.trainer:FSDPTrainer.Options"
-
 
 class PrefixedNames(FSDPTrainer):
     """Exports the names of a DDP wrapper ('module.model.norm.weight')."""
+
+    name = "kit_prefixed_names"
 
     def export_weights(self, version):
         weights = super().export_weights(version)
@@ -24,6 +24,8 @@ class PrefixedNames(FSDPTrainer):
 class LiveExport(FSDPTrainer):
     """Exports its live parameters: the next step changes a version the transport holds."""
 
+    name = "kit_live_export"
+
     def export_weights(self, version):
         return WeightSet(version, dict(self.model.state_dict()))
 
@@ -31,18 +33,24 @@ class LiveExport(FSDPTrainer):
 class IgnoresTemperature(FSDPTrainer):
     """Computes logprobs of the plain logits whatever the sampling temperature."""
 
+    name = "kit_ignores_temperature"
+
     def __init__(self, options, *, context):
         super().__init__(options, context=context)
         self.temperature = 1.0
 
 
 class ReportsOnlyTheLoss(FSDPTrainer):
+    name = "kit_reports_only_the_loss"
+
     def train_step(self, batch):
         return {"loss": super().train_step(batch)["loss"]}
 
 
 class DriftsEveryStep(FSDPTrainer):
     """Moves the final norm by a constant every step, gradient or not."""
+
+    name = "kit_drifts_every_step"
 
     def train_step(self, batch):
         import torch
@@ -56,6 +64,8 @@ class DriftsEveryStep(FSDPTrainer):
 class ForgetsTheOptimizer(FSDPTrainer):
     """Loads the model from a checkpoint but starts a fresh optimiser (no Adam moments)."""
 
+    name = "kit_forgets_the_optimizer"
+
     def load(self, path):
         import torch
 
@@ -66,6 +76,8 @@ class ForgetsTheOptimizer(FSDPTrainer):
 class KeepsItsProcessGroup(FSDPTrainer):
     """Leaves the default process group it created behind when closed."""
 
+    name = "kit_keeps_its_process_group"
+
     def close(self):
         self._owns_process_group = False
         super().close()
@@ -74,14 +86,11 @@ class KeepsItsProcessGroup(FSDPTrainer):
 @hookimpl
 def forge_trainers():
     return [
-        TrainerBackend(name=name, factory=f"tests.helpers.kit_fake_trainers:{cls.__name__}", options=OPTIONS)
-        for name, cls in [
-            ("kit_prefixed_names", PrefixedNames),
-            ("kit_live_export", LiveExport),
-            ("kit_ignores_temperature", IgnoresTemperature),
-            ("kit_reports_only_the_loss", ReportsOnlyTheLoss),
-            ("kit_drifts_every_step", DriftsEveryStep),
-            ("kit_forgets_the_optimizer", ForgetsTheOptimizer),
-            ("kit_keeps_its_process_group", KeepsItsProcessGroup),
-        ]
+        PrefixedNames,
+        LiveExport,
+        IgnoresTemperature,
+        ReportsOnlyTheLoss,
+        DriftsEveryStep,
+        ForgetsTheOptimizer,
+        KeepsItsProcessGroup,
     ]

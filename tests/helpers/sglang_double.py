@@ -9,7 +9,7 @@ generator's launcher, client, weight updates and failover can be driven on CPU:
   0.5.23) and refuse unknown fields (HTTP 422), so a payload that SGLang would not know
   fails here; where the ``sglang`` package imports, every body is also validated against
   SGLang's own request classes;
-* it serves /generate, /health, /model_info, /update_weights_from_disk,
+* it serves /generate, /health, /health_generate, /model_info, /update_weights_from_disk,
   /init_weights_update_group, /update_weights_from_distributed, /update_weight_version,
   /pause_generation, /continue_generation, /abort_request and /flush_cache; every route
   but /health needs the API key (as SGLang with --api-key);
@@ -25,6 +25,9 @@ abort semantics, its NCCL groups, its numerics). The double's own routes, for te
 first token, and ``GET /double/held`` counts the generations waiting there. An abort
 (``/pause_generation`` mode abort, ``/abort_request``) opens the gate, so a test can hold
 requests in flight until the update it sends, whatever the machine's speed.
+``POST /double/wedge`` wedges its engine for good, as a stuck CUDA or NCCL call does: the
+engine lock is taken and never given back, so no generation (``/health_generate`` included)
+and no weight load runs again, while the HTTP server and ``/health`` go on answering.
 
 Run: ``python tests/helpers/sglang_double.py --model-path DIR --port P --api-key K ...``
 """
@@ -41,6 +44,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+#: Seconds /health_generate waits for its token (SGLang's SGLANG_HEALTH_CHECK_TIMEOUT).
+HEALTH_CHECK_S = 20.0
 
 
 class Strict(BaseModel):
@@ -304,6 +310,22 @@ def build_app(engine: Engine, api_key: str | None) -> Any:
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        # As SGLang's: one greedy token through the engine, 503 when none comes in time.
+        probe = GenerateReqInput(input_ids=[0], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.wait_for(loop.run_in_executor(engine.requests, engine.generate, probe), HEALTH_CHECK_S)
+        except asyncio.TimeoutError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.post("/double/wedge")
+    async def wedge() -> dict[str, bool]:
+        await asyncio.to_thread(engine.lock.acquire)  # never released: the engine is stuck
+        return {"wedged": True}
 
     @app.get("/model_info")
     async def model_info() -> dict[str, Any]:

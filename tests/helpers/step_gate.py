@@ -24,12 +24,14 @@ import sys
 import time
 from pathlib import Path
 
-from forgerl.backends import RewardBackend
 from forgerl.hookspecs import hookimpl
 from forgerl.interfaces import Reward
 
 
 class Gate(Reward):
+    name = "gate"  # --reward gate
+    description = "test-only: holds a step while a file exists"
+
     def __init__(self, options):  # noqa: ARG002 - no options
         where = os.environ.get("FORGE_TEST_GATE")
         self.folder = Path(where) if where else None
@@ -70,4 +72,4 @@ def forge_step_end(step, metrics, run_dir):  # noqa: ARG001 - hook signature
 
 @hookimpl
 def forge_rewards():
-    return [RewardBackend(name="gate", factory=Gate, description="test-only: holds a step while a file exists")]
+    return [Gate]

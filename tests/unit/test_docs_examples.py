@@ -1,5 +1,5 @@
 """The examples of docs/plugins*.md, run as written: the tutorial's reward plugin (its
-registration module must stay light), the experiment-tracker plugin, the backend
+registration module must stay light, and each backend is one class), the experiment-tracker plugin, the backend
 tutorials' `files` transport, `mini` generator and `mini` trainer (with the sketches of a
 server-based generator), and the scheduler tutorial's `procs` scheduler, each checked
 against the contract its tutorial states (and its kit, where forgerl.testing has one)."""
@@ -128,9 +128,9 @@ def test_tracker_example_in_plugins_md_forwards_metrics(monkeypatch: pytest.Monk
 #: generator and a trainer) and `forgerl_myengine` (a server-based generator's parts).
 BACKEND_TUTORIALS = ("plugins-transport.md", "plugins-generator.md", "plugins-trainer.md")
 MINI_FILES = (
-    "src/forgerl_mini/options.py", "src/forgerl_mini/transport.py", "src/forgerl_mini/plugin.py",
+    "src/forgerl_mini/transport.py", "src/forgerl_mini/plugin.py",
     "src/forgerl_mini/generator.py", "src/forgerl_mini/trainer.py",
-    "src/forgerl_myengine/roles.py", "src/forgerl_myengine/worker.py",
+    "src/forgerl_myengine/generator.py", "src/forgerl_myengine/worker.py",
 )
 
 
@@ -178,15 +178,26 @@ def run_context(tmp_path: Path, model: Path | None = None, **config):
 
 
 def test_mini_registration_module_stays_light(mini_src: Path):
+    """The registration module names the three classes and imports none of them (nor
+    pydantic); the class modules, which the registry imports when it is built, import
+    neither torch nor transformers at their top level."""
     script = (
         "import sys\n"
         "from forgerl_mini import plugin\n"
-        "kinds = [b.kind for hook in (plugin.forge_transports, plugin.forge_generators,"
-        " plugin.forge_trainers) for b in hook()]\n"
-        "heavy = [m for m in ('pydantic', 'torch', 'transformers', 'forgerl_mini.options')\n"
-        "         if m in sys.modules]\n"
+        "hooks = {'forge_transports': plugin.forge_transports, 'forge_generators': plugin.forge_generators,\n"
+        "         'forge_trainers': plugin.forge_trainers}\n"
+        "refs = {hook: f() for hook, f in hooks.items()}\n"
+        "heavy = [m for m in ('pydantic', 'torch', 'transformers', 'forgerl_mini.transport',\n"
+        "                     'forgerl_mini.generator', 'forgerl_mini.trainer') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
-        "print(kinds)\n"
+        "from forgerl.backend_classes import record_for_class\n"
+        "from forgerl.backends import GeneratorBackend, TrainerBackend, TransportBackend\n"
+        "kinds = {'forge_transports': TransportBackend, 'forge_generators': GeneratorBackend,\n"
+        "         'forge_trainers': TrainerBackend}\n"
+        "records = [record_for_class(kinds[hook], ref, hook) for hook, got in refs.items() for ref in got]\n"
+        "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "print([b.kind for b in records])\n"
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=scaled(60), env=child_env(mini_src))
@@ -429,15 +440,15 @@ def test_server_generator_parts_of_the_generator_tutorial(mini_src: Path, tmp_pa
     builds the run's transport by name with context=None and hands the engine a whole
     version."""
     import json
-    from types import SimpleNamespace
 
     import torch
-    from forgerl_myengine.roles import roles
+    from forgerl_myengine.generator import MyEngineGenerator
 
     from forgerl.types import WeightSet
 
     ctx = run_context(tmp_path)
-    [role] = roles(SimpleNamespace(replicas=2, gpus_per_replica=1, max_restarts=3), context=ctx)
+    options = MyEngineGenerator.Options(replicas=2, gpus_per_replica=1, max_restarts=3)
+    [role] = MyEngineGenerator.roles(options, context=ctx)
     assert (role.replicas, role.resources.gpus, role.max_restarts) == (2, 1, 3)
     assert str(tmp_path) in role.command
 
@@ -506,7 +517,7 @@ def test_a_run_on_the_three_tutorial_backends(mini_src: Path, tmp_path: Path):
 
 # ------------------------------------------------- the scheduler tutorial's `forgerl-procs`
 
-PROCS_FILES = ("src/forgerl_procs/options.py", "src/forgerl_procs/plugin.py", "src/forgerl_procs/supervisor.py",
+PROCS_FILES = ("src/forgerl_procs/plugin.py", "src/forgerl_procs/supervisor.py",
                "src/forgerl_procs/scheduler.py", "tests/test_conformance.py")
 
 
@@ -525,13 +536,19 @@ def write_procs_package(root: Path) -> dict[str, str]:
 
 
 def test_scheduler_tutorial_registration_module_stays_light(tmp_path: Path):
+    """plugin.py names the class and imports neither it nor pydantic; the record the
+    registry makes of the class builds the scheduler from an options dict."""
     env = write_procs_package(tmp_path)
     script = (
         "import sys\n"
         "from forgerl_procs.plugin import forge_schedulers\n"
-        "[backend] = forge_schedulers()\n"
-        "heavy = [m for m in ('pydantic', 'forgerl_procs.options', 'forgerl_procs.scheduler') if m in sys.modules]\n"
+        "[ref] = forge_schedulers()\n"
+        "heavy = [m for m in ('pydantic', 'forgerl_procs.scheduler') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
+        "from forgerl.backend_classes import record_for_class\n"
+        "from forgerl.backends import SchedulerBackend\n"
+        "backend = record_for_class(SchedulerBackend, ref, 'forge_schedulers')\n"
+        "assert backend.name == 'procs', backend\n"
         "scheduler = backend.build({'stop_timeout': 3})\n"
         "print(type(scheduler).__name__, scheduler.detached, scheduler.supports_logs)\n"
     )

@@ -3,7 +3,6 @@ import pytest
 
 from forgerl.types import Problem, RewardInput
 from forgerl_countdown.game import CountdownReward, CountdownTask, evaluate
-from forgerl_countdown.options import CountdownRewardOptions, CountdownTaskOptions
 
 
 def problem(numbers, target):
@@ -11,7 +10,7 @@ def problem(numbers, target):
 
 
 def score(text, numbers=(3, 7, 25), target=46):
-    reward = CountdownReward(CountdownRewardOptions())
+    reward = CountdownReward(CountdownReward.Options())
     return reward.score(RewardInput(problem(numbers, target), text))
 
 
@@ -35,20 +34,20 @@ def test_no_code_execution():
 
 
 def test_task_is_deterministic_and_resumable():
-    a = CountdownTask(CountdownTaskOptions(), seed=3)
+    a = CountdownTask(CountdownTask.Options(), seed=3)
     first = a.next_problems(4)
     state = a.state_dict()
     after = a.next_problems(2)
-    b = CountdownTask(CountdownTaskOptions(), seed=3)
+    b = CountdownTask(CountdownTask.Options(), seed=3)
     b.load_state_dict(state)
     assert [p.prompt for p in b.next_problems(2)] == [p.prompt for p in after]
-    assert [p.prompt for p in CountdownTask(CountdownTaskOptions(), seed=3).next_problems(4)] == [
+    assert [p.prompt for p in CountdownTask(CountdownTask.Options(), seed=3).next_problems(4)] == [
         p.prompt for p in first
     ]
 
 
 def test_eval_split_is_fixed_and_disjoint_from_training():
-    t1, t2 = CountdownTask(CountdownTaskOptions(), seed=1), CountdownTask(CountdownTaskOptions(), seed=2)
+    t1, t2 = CountdownTask(CountdownTask.Options(), seed=1), CountdownTask(CountdownTask.Options(), seed=2)
     assert [p.answer for p in t1.eval_problems()] == [p.answer for p in t2.eval_problems()]
     keys = {(p.metadata["numbers"], p.answer) for p in t1.eval_problems()}
     assert not any((p.metadata["numbers"], p.answer) in keys for p in t1.next_problems(200))

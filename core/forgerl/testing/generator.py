@@ -2,11 +2,11 @@
 by name, on a real model.
 
 Each check is a test of :class:`GeneratorContract`, run on a new generator built as a run
-builds it: through the registry, ``factory(options, *, context=RunContext, transport=...)``
-(:mod:`forgerl.contract`), with the shm transport. A generator whose model runs in servers
-of its own (a backend record with ``roles``) gets its roles started once per test class
-by the local scheduler, in the run directory its ``context`` names, as ``forge run`` starts
-them. What it checks:
+builds it: through the registry, as its class, ``Class(options, *, context=RunContext,
+transport=...)`` (:mod:`forgerl.contract`), with the shm transport. A generator whose model
+runs in servers of its own (a class with a static ``roles``) gets its roles started once
+per test class by the local scheduler, in the run directory its ``context`` names, as
+``forge run`` starts them. What it checks:
 
 - the backend builds into a :class:`~forgerl.interfaces.Generator` whose
   ``receives_weights`` is a bool, and ``policy_version`` starts at 0 (the weights the run

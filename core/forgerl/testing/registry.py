@@ -29,7 +29,8 @@ def registry_for(plugins: Sequence[str] = ()) -> Registry:
 
 
 def backend_under_test(kind: str, name: str, plugins: Sequence[str] = (), *, required: bool = False) -> Backend:
-    """The record of backend ``name`` of ``kind``. A backend that is registered but cannot
+    """The registry's record of backend ``name`` of ``kind`` (made from its class, or
+    registered by hand in the earlier shape). A backend that is registered but cannot
     be used here (a missing optional package) skips the test with the reason, or fails it
     when ``required``; an unknown name fails it, listing the known ones."""
     import pytest

@@ -133,7 +133,7 @@ class SchedulerContract:
     # ----------------------------------------------------------------- helpers
 
     def build(self) -> Scheduler:
-        """A new instance, built as ``forge`` builds one: ``factory(options)``."""
+        """A new instance, built as ``forge`` builds one: the backend's class, ``Class(options)``."""
         record = backend_under_test("scheduler", self.backend, self.plugins, required=self.required)
         return record.build(dict(self.options))
 

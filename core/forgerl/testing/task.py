@@ -2,7 +2,7 @@
 
 What it checks (each a test of :class:`TaskContract`):
 
-- the backend builds through the registry, ``factory(options, *, seed=...)``, into a
+- the backend builds through the registry, as its class, ``Class(options, *, seed=...)``, into a
   :class:`~forgerl.interfaces.Task`;
 - ``next_problems(n)`` returns exactly ``n`` well-formed problems, also for ``n`` beyond
   one pass over the data (a task cycles): an ``id`` string, a prompt that is a non-empty

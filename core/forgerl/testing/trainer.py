@@ -3,8 +3,8 @@ on a tiny model built offline.
 
 What it checks (each a test of :class:`TrainerContract`):
 
-- the backend builds through the registry, ``factory(options, *, context=RunContext)``,
-  into a :class:`~forgerl.interfaces.Trainer` on one rank;
+- the backend builds through the registry, as its class, ``Class(options, *,
+  context=RunContext)``, into a :class:`~forgerl.interfaces.Trainer` on one rank;
 - ``export_weights(version)`` returns a WeightSet of that version whose names, shapes and
   values are the model's Hugging Face ``state_dict()`` (what every generator loads by
   name), as fresh tensors: the next ``train_step`` does not change a version already

@@ -1,4 +1,9 @@
-"""The Countdown game: problems and their checker (no eval(): a small AST walker)."""
+"""The Countdown game: problems and their checker (no eval(): a small AST walker).
+
+Each backend is one class: its name, description and options model live on it; the
+registration module (plugin.py) names the classes as "module:Class". This module is
+imported when the registry is built, so it imports nothing heavier than pydantic.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from forgerl.interfaces import Reward, Task
 from forgerl.types import Problem, RewardInput, RewardResult
 
@@ -17,7 +24,17 @@ _EVAL_SEED = 1_234_567  # the held-out split is the same for every run seed
 
 
 class CountdownTask(Task):
-    def __init__(self, options: Any, *, seed: int):
+    name = "countdown"
+    description = "reach a target number from given numbers"
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        numbers: int = Field(3, ge=2, le=6, description="How many numbers each problem gives.")
+        max_number: int = Field(25, ge=2)
+        eval_size: int = Field(32, ge=1)
+
+    def __init__(self, options: Options, *, seed: int):
         self.options = options
         self.seed = seed
         self.position = 0
@@ -63,7 +80,15 @@ class CountdownTask(Task):
 
 
 class CountdownReward(Reward):
-    def __init__(self, options: Any):
+    name = "countdown"
+    description = "checks a Countdown expression"
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        well_formed_credit: float = Field(0.1, ge=0, le=1)
+
+    def __init__(self, options: Options):
         self.options = options
 
     def score(self, sample: RewardInput) -> RewardResult:

@@ -18,7 +18,9 @@ import asyncio
 import logging
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from forgerl.errors import ConfigError, GeneratorError, GeneratorUnreachable
 from forgerl.interfaces import Generator, RunContext, Transport
@@ -26,26 +28,59 @@ from forgerl.loop_thread import LoopThread
 from forgerl.types import Completion, GenerationRequest
 
 from .completions import parse_completions, request_body
-from .options import DEFAULT_KEY_ENV
 
 if TYPE_CHECKING:  # pragma: no cover
     import httpx
-
-    from .options import OpenAICompatOptions
 
 log = logging.getLogger(__name__)
 
 #: The only weights it serves: the server's, which the run counts as its initial version.
 SERVED_VERSION = 0
 CONNECT_TIMEOUT = 10.0
+DEFAULT_KEY_ENV = "OPENAI_API_KEY"
 
 
 class OpenAICompatGenerator(Generator):
     """``OpenAICompatGenerator(options, *, context, transport)``; ``transport`` is unused."""
 
+    name = "openai"
+    description = "any OpenAI-compatible /v1/completions server with token logprobs (fixed weights)"
+    requires = ("httpx",)  # imported only inside the methods that talk to the server
+    install_hint = "pip install httpx"
+
+    class Options(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+        base_url: str = Field(
+            description="The server's OpenAI API root, e.g. http://127.0.0.1:8000/v1 (requests go to "
+            "<base_url>/completions).",
+            pattern=r"^https?://",
+        )
+        api_key_env: str = Field(
+            DEFAULT_KEY_ENV,
+            description="Name of the environment variable holding the API key (sent as a bearer token). "
+            f"Unset {DEFAULT_KEY_ENV}: no key is sent; any other name must be set.",
+        )
+        model: str | None = Field(
+            None, description="Model name the server serves (default: the first one its /models lists)."
+        )
+        request_timeout: float = Field(
+            600.0, gt=0, le=7 * 24 * 3600, description="Seconds one request may take."
+        )
+        max_concurrency: int = Field(32, ge=1, le=4096, description="Requests in flight at once.")
+        max_retries: int = Field(
+            2, ge=0, le=100, description="Times a request is sent again after a connection error or a 5xx answer."
+        )
+        send_seed: bool = Field(
+            True, description="Send each request's sampling seed (the server decides whether sampling repeats)."
+        )
+        extra_body: dict[str, Any] = Field(
+            default_factory=dict, description="More fields for every request body (server-specific parameters)."
+        )
+
     receives_weights: ClassVar[bool] = False
 
-    def __init__(self, options: OpenAICompatOptions, *, context: RunContext, transport: Transport) -> None:
+    def __init__(self, options: Options, *, context: RunContext, transport: Transport) -> None:
         self.options = options
         self.url = options.base_url.rstrip("/")
         key = os.environ.get(options.api_key_env) or None

@@ -1,21 +1,11 @@
-"""Registration: one generator, ``openai``. Imports neither pydantic nor httpx: the options
-model and the generator are named as "module:attr" and imported when a run selects it."""
+"""Registration: one generator, ``openai``, named as "module:Class". Its class's module
+imports pydantic but not httpx, which is imported only when the generator talks to a server."""
 
 from __future__ import annotations
 
-from forgerl.backends import GeneratorBackend
 from forgerl.hookspecs import hookimpl
 
 
 @hookimpl
 def forge_generators():
-    return [
-        GeneratorBackend(
-            name="openai",
-            factory="forgerl_openai_compat.generator:OpenAICompatGenerator",
-            options="forgerl_openai_compat.options:OpenAICompatOptions",
-            description="any OpenAI-compatible /v1/completions server with token logprobs (fixed weights)",
-            requires=("httpx",),
-            install_hint="pip install httpx",
-        )
-    ]
+    return ["forgerl_openai_compat.generator:OpenAICompatGenerator"]

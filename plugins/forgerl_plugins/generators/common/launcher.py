@@ -11,7 +11,8 @@ once with it). The served reward model's launcher
 (:mod:`forgerl_plugins.rewards.reward_server`) is the same with its own first request
 (``/classify``, which adds ``num_labels``) and its files in ``<run_dir>/rewards/``.
 
-The launcher then watches its server (:mod:`.liveness`: a hung one is killed) and exits
+The launcher then watches its server through its engine (:mod:`.liveness`: a hung one is
+killed; a weight update the generator announced is not a hang, :mod:`.update_notice`) and exits
 with the server's exit status (128+N when a signal killed it), so the scheduler sees a
 dead server as a dead replica and restarts it. Nothing here imports an engine or torch.
 """
@@ -37,6 +38,7 @@ from typing import Any
 from forgerl import events
 
 from . import liveness
+from .update_notice import NoticeReader
 
 ENDPOINT_DIR = "generators"
 # Variables the scheduler sets for torch.distributed rendezvous of trainer ranks; an engine
@@ -209,6 +211,11 @@ class ServerPlan:
     endpoint: dict[str, Any] = field(default_factory=dict)
     #: The run directory's folder for the endpoint file (the served reward model: "rewards").
     endpoint_dir: str = ENDPOINT_DIR
+    #: ``engine_probe(url, api_key)`` → the liveness probe (``probe(timeout) -> alive``)
+    #: that goes through the engine (see :mod:`.liveness`); None: ``/health`` alone.
+    engine_probe: Callable[[str, str], Callable[[float], bool]] | None = None
+    #: What the probe asks, for the message when it kills the server.
+    probe_name: str = "/health"
 
 
 def serve(plan: ServerPlan, run_dir: Path, replica: int, starting: Any) -> int:
@@ -267,11 +274,12 @@ def serve(plan: ServerPlan, run_dir: Path, replica: int, starting: Any) -> int:
             endpoint,
             plan.explain(answer) if plan.explain else f"{plan.engine} failed its first request ({answer})",
         )
+    instance = uuid.uuid4().hex
     write_endpoint(
         endpoint,
         {
             "replica": replica,
-            "instance": uuid.uuid4().hex,
+            "instance": instance,
             "host": connect_host(plan.host),
             "port": port,
             "api_key": plan.api_key,
@@ -284,13 +292,19 @@ def serve(plan: ServerPlan, run_dir: Path, replica: int, starting: Any) -> int:
     )
     say(f"replica {replica}: healthy at {url} (pid {child.pid}); endpoint in {endpoint}")
     starting.done()
+    if plan.engine_probe is not None:
+        probe = plan.engine_probe(url, plan.api_key)
+    else:
+        probe = lambda timeout: healthy(url, timeout, plan.api_key)  # noqa: E731
     try:
         hung = liveness.watch(
             child,
-            lambda timeout: healthy(url, timeout, plan.api_key),
+            probe,
             interval=plan.health_interval,
             timeout=plan.liveness_timeout,
             stopping=lambda: bool(stopping),
+            excused=NoticeReader(endpoint, instance).updating,
+            what=plan.probe_name,
         )
     finally:
         endpoint.unlink(missing_ok=True)

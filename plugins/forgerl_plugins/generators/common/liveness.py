@@ -4,13 +4,18 @@ A server that stops answering (SIGSTOP, a deadlocked event loop, a wedged engine
 worse than a crashed one: its process exists, so nothing restarts it, and the requests
 and weight updates sent to it wait for their own timeouts. The launcher sits beside the
 server on every scheduler (local, Slurm, Kubernetes), so it is the one place that can
-tell and act: when ``/health`` has not answered for ``timeout`` seconds it kills the
+tell and act: when its probe has not succeeded for ``timeout`` seconds it kills the
 server's whole process tree, and exits non-zero like a crash; the scheduler restarts the
 replica and the generator brings the new server to the current weights before it serves.
 
-``/health`` answers from the server's HTTP process without touching the engine's workers
-(vLLM; SGLang by default), so a long weight load or a long batch does not make a live
-server look hung.
+The probe goes through the engine, not only the HTTP server: vLLM's ``/health`` answers
+from its API server process even while the engine core and its workers are stuck (a hung
+NCCL or CUDA call, SIGSTOP), so a replica whose every request would time out looked
+healthy forever. An engine probe is the engine's own (``ServerPlan.engine_probe``): the
+engine made progress since the last probe, or a one-token generation answered within the
+probe's deadline; a long batch therefore counts as alive. An engine that the generator
+paused for a weight load answers nothing until it resumes: while the generator's notice of
+that update is fresh (:mod:`.update_notice`) its silence is excused.
 """
 
 from __future__ import annotations
@@ -33,10 +38,13 @@ def watch(
     interval: float,
     timeout: float,
     stopping: Callable[[], bool] = lambda: False,
+    excused: Callable[[], bool] = lambda: False,
+    what: str = "/health",
 ) -> str | None:
     """Wait for ``child`` to exit. Returns None when it exited by itself (or while we are
-    ``stopping``), or why it was killed: ``probe`` (one health check with a time limit)
-    failed for ``timeout`` seconds in a row."""
+    ``stopping``), or why it was killed: ``probe`` (one check with a time limit, ``what``
+    in the message) failed for ``timeout`` seconds in a row, none of them ``excused``
+    (the generator paused the engine for a weight update)."""
     last_answer = time.monotonic()
     while True:
         try:
@@ -47,14 +55,22 @@ def watch(
         if stopping():
             child.wait()
             return None
+        if excused():
+            # Not probed while paused (a probe would only queue behind the load); silence
+            # counts from the end of the update, so the engine then has the whole timeout.
+            last_answer = time.monotonic()
+            continue
         if probe(min(PROBE_TIMEOUT, timeout)):
+            last_answer = time.monotonic()
+            continue
+        if excused():  # the pause began while the probe waited
             last_answer = time.monotonic()
             continue
         silent = time.monotonic() - last_answer
         if silent >= timeout and child.poll() is None and not stopping():
             kill_tree(child.pid)
             child.wait()
-            return f"the server (pid {child.pid}) did not answer /health for {silent:.0f} s: killed as hung"
+            return f"the server (pid {child.pid}) did not answer {what} for {silent:.0f} s: killed as hung"
 
 
 def kill_tree(pid: int) -> None:

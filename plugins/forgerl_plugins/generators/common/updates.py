@@ -8,6 +8,8 @@ replica first; ``abort`` aborts them (they are resubmitted once the new weights 
 see :attr:`.replica.Replica.aborts`). A replica never serves while its weights change,
 so every completion reports the version that produced all its tokens. A replica that
 missed a version (down, restarted, failed half-way) is re-synced before it serves again.
+While a replica is paused its launcher is told so (:mod:`.update_notice`): a paused engine
+answers no liveness probe, and must not be killed as hung for it.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import GeneratorError, TransportError
 
 from .replica import Replica
+from .update_notice import UpdateNotice
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext, Transport
@@ -45,6 +49,12 @@ class WeightUpdates:
     _update_lock: asyncio.Lock
     _call: Callable[[Coroutine[Any, Any, Any]], Any]
     _notify: Callable[[], Coroutine[Any, Any, None]]
+    _endpoint_file: Callable[[int], Path]
+
+    def _pause_notice(self, r: Replica) -> UpdateNotice:
+        """The notice to :meth:`~.update_notice.UpdateNotice.start` before ``r`` is paused
+        and stop once it resumed (the engine's ``_update_replica``)."""
+        return UpdateNotice(self._endpoint_file(r.index), r.instance)
 
     def update_weights(self, version: int) -> None:
         """Load ``version`` into every replica that is up (see the module docstring).

@@ -18,6 +18,7 @@ import secrets
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -129,6 +130,22 @@ def first_request(url: str, api_key: str, timeout: float = 120.0) -> str | None:
         return f"{type(exc).__name__}: {exc}"
 
 
+def engine_probe(url: str, api_key: str) -> Callable[[float], bool]:
+    """The launcher's liveness probe, through the engine: SGLang's ``/health_generate``
+    answers 200 once its scheduler produced any output since the call began (a busy
+    engine), or the one token the call itself asks for (an idle one)."""
+
+    def probe(timeout: float) -> bool:
+        request = urllib.request.Request(url + "/health_generate", headers={"Authorization": f"Bearer {api_key}"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    return probe
+
+
 def launch(run_dir: Path, replica: int) -> int:
     import yaml
 
@@ -162,6 +179,8 @@ def launch(run_dir: Path, replica: int) -> int:
         api_key=api_key,
         first_request=first_request,
         endpoint={"model_path": str(model_dir)},
+        engine_probe=engine_probe,
+        probe_name="/health_generate (its engine)",
     )
     return launcher.serve(plan, run_dir, replica, starting)
 

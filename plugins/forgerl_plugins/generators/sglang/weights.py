@@ -53,11 +53,13 @@ class SGLangWeightUpdates(WeightUpdates):
 
         policy = policy or self.options.update_policy
         paused = False
+        notice = self._pause_notice(r)  # its launcher must not take the pause for a hang
         try:
             if policy == "abort":
                 r.aborts += 1  # before the pause: whatever is in flight now is resubmitted
             else:
                 await r.idle.wait()  # our requests finish on the weights they started with
+            await notice.start()
             await self._client.admin(r, "/pause_generation", json=payloads.pause_body(policy))
             paused = True
             await self._load(r, version)
@@ -72,6 +74,7 @@ class SGLangWeightUpdates(WeightUpdates):
                     await self._client.admin(r, "/continue_generation", json={})
             except httpx.HTTPError as exc:
                 r.take_out(f"resume after update: {type(exc).__name__}")
+            await notice.stop()
             r.updating = False
 
     async def _load(self, r: Replica, version: int) -> None:

@@ -42,8 +42,9 @@ class VLLMGeneratorOptions(OptionsModel):
         60.0,
         gt=0,
         le=MAX_SECONDS,
-        description="Seconds a running server may leave /health unanswered before its launcher kills "
-        "it as hung (then it is restarted and re-synced like a crashed one).",
+        description="Seconds a running server's engine may go without answering its launcher's probe "
+        "(tokens made since the last probe, or a one-token request) before the launcher kills it as hung; "
+        "it is then restarted and re-synced like a crashed one. A weight load does not count.",
     )
     max_restarts: int = Field(3, ge=0, le=1000, description="Times the scheduler restarts a replica that dies.")
     host: str = Field("127.0.0.1", description="Address the servers bind to (loopback by default).")

@@ -206,6 +206,8 @@ def launch(run_dir: Path, replica: int) -> int:
         first_request=first_request,
         explain=explain_first_failure,
         endpoint={"model": SERVED_MODEL_NAME},
+        engine_probe=EngineProbe,
+        probe_name="its engine (no token made, and no one-token completion)",
     )
     return serve(plan, run_dir, replica, starting)
 
@@ -236,6 +238,67 @@ def first_request(url: str, api_key: str, timeout: float = 120.0) -> str | None:
         return f"HTTP {exc.code}: {_engine_error() or exc.reason}"
     except (urllib.error.URLError, OSError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}"
+
+
+#: The counters of tokens vLLM's engine processed (``/metrics``, summed over engines).
+TOKEN_COUNTERS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
+
+
+class EngineProbe:
+    """The launcher's liveness probe of one vLLM server, through its engine.
+
+    vLLM's ``/health`` answers from the API server process without asking the engine core,
+    so it stays 200 while the engine core or a worker is stuck. The engine is alive when
+    its token counters moved since the last probe (a busy engine, whose queue a probe
+    would wait in), or else a one-token completion answers within the probe's deadline
+    (an idle one). Our own probe's tokens are not counted as progress."""
+
+    def __init__(self, url: str, api_key: str) -> None:
+        self.url = url
+        self.api_key = api_key
+        self.seen: float | None = None  # the counters at the last probe
+
+    def __call__(self, timeout: float) -> bool:
+        made = tokens_processed(self.url, self.api_key, timeout)
+        if made is not None:
+            progressed = self.seen is not None and made > self.seen
+            self.seen = made
+            if progressed:
+                return True
+        answered = one_token(self.url, self.api_key, timeout)
+        if answered and self.seen is not None:
+            self.seen += 2  # the probe's prompt token and its generated token
+        return answered
+
+
+def tokens_processed(url: str, api_key: str, timeout: float) -> float | None:
+    """The sum of vLLM's token counters, or None where ``/metrics`` has none (stats off)."""
+    request = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {api_key}"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            text = r.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    total, found = 0.0, False
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in TOKEN_COUNTERS:
+            try:
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+            except (IndexError, ValueError):
+                continue
+    return total if found else None
+
+
+def one_token(url: str, api_key: str, timeout: float) -> bool:
+    """A one-token completion through the engine answered within ``timeout``."""
+    body = {"model": SERVED_MODEL_NAME, "prompt": [0], "max_tokens": 1}
+    try:
+        launcher.post_json(url + "/v1/completions", body, api_key, timeout)
+        return True
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
 
 
 def _engine_error() -> str:

@@ -36,14 +36,17 @@ class VLLMWeightUpdates(WeightUpdates):
 
         policy = policy or self.options.update_policy
         paused = False
+        notice = self._pause_notice(r)  # its launcher must not take the pause for a hang
         try:
             if policy == "abort":
                 # Before the pause: every request in flight now may be aborted, or queued
                 # and run on the new weights; the generator resubmits all of them.
                 r.aborts += 1
+                await notice.start()
                 await self._client.admin(r, "/pause", params={"mode": "abort"})
             else:
                 await r.idle.wait()  # our requests on it finish with the weights they started with
+                await notice.start()
                 await self._client.admin(r, "/pause", params={"mode": "wait"})
             paused = True
             await self._load(r, version)
@@ -59,6 +62,7 @@ class VLLMWeightUpdates(WeightUpdates):
                     await self._client.admin(r, "/resume")
             except httpx.HTTPError as exc:
                 r.take_out(f"resume after update: {type(exc).__name__}")
+            await notice.stop()
             r.updating = False
 
     async def _load(self, r: Replica, version: int) -> None:
