@@ -53,9 +53,11 @@ def record_for_class(expected: type[Backend], given: Any, hook: str) -> Backend:
     cls = _load(given, hook) if isinstance(given, str) else given
     interface = _interfaces().get(expected.kind)
     if interface is not None and not issubclass(cls, interface):
+        article = "an" if interface.__name__[0] in "AEIOU" else "a"
+        kind_article = "an" if expected.kind[0] in "aeiou" else "a"
         raise PluginError(
-            f"{hook} returned the class {cls.__qualname__}, which is not a {interface.__name__}: "
-            f"a {expected.kind} backend subclasses forgerl.interfaces.{interface.__name__}"
+            f"{hook} returned the class {cls.__qualname__}, which is not {article} {interface.__name__}: "
+            f"{kind_article} {expected.kind} backend subclasses {interface.__module__}.{interface.__name__}"
         )
     name = cls.__dict__.get("name")
     if not isinstance(name, str) or not name:
@@ -77,8 +79,10 @@ def _interfaces() -> dict[str, type]:
     """Kind -> the interface its backend classes implement (a model backend has none: it is
     a class or function that returns a folder)."""
     from forgerl import interfaces
+    from forgerl.environment import Environment
 
     return {
+        "environment": Environment,
         "generator": interfaces.Generator,
         "trainer": interfaces.Trainer,
         "reward": interfaces.Reward,

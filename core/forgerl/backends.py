@@ -285,6 +285,14 @@ class ModelBackend(Backend):
         return Path(folder)
 
 
+@dataclass(frozen=True)
+class EnvironmentBackend(Backend):
+    """An environment: built once per trajectory, on trainer rank 0, from the options
+    validated when the config was resolved."""
+
+    kind: ClassVar[str] = "environment"
+
+
 BACKEND_KINDS: dict[str, type[Backend]] = {
     cls.kind: cls
     for cls in (
@@ -295,5 +303,6 @@ BACKEND_KINDS: dict[str, type[Backend]] = {
         SchedulerBackend,
         TaskBackend,
         ModelBackend,
+        EnvironmentBackend,
     )
 }

@@ -83,7 +83,9 @@ def collate(episodes: Sequence[Episode], *, pad_id: int) -> TrainBatch:
         if c:
             input_ids[i, p : p + c] = torch.tensor(e.completion.token_ids, dtype=torch.long)
             behaviour[i, p : p + c] = torch.tensor(e.completion.logprobs, dtype=torch.float32)
-            loss_mask[i, p : p + c] = 1.0
+            mask = e.completion.mask
+            # A trajectory's environment tokens (mask 0) are context, never trained on.
+            loss_mask[i, p : p + c] = 1.0 if mask is None else torch.tensor(mask, dtype=torch.float32)
         attention[i, : p + c] = 1
     return TrainBatch(
         input_ids=input_ids,

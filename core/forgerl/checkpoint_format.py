@@ -93,6 +93,9 @@ def encode(snapshot: Snapshot) -> tuple[str, dict[str, np.ndarray]]:
                         "finish_reason": c.finish_reason,
                         "policy_version": c.policy_version,
                         "text": c.text,
+                        # Only a trajectory's: a single-turn checkpoint stays as it was.
+                        **({"mask": list(c.mask)} if c.mask is not None else {}),
+                        **({"versions": list(c.versions)} if c.versions is not None else {}),
                     },
                     "reward": float(e.reward),
                     "reward_components": {k: float(v) for k, v in e.reward_components.items()},
@@ -241,6 +244,8 @@ def _rollouts(loop: LoopState, arrays: dict[str, np.ndarray], where: Path) -> li
                         finish_reason=c.finish_reason,
                         policy_version=c.policy_version,
                         text=c.text,
+                        mask=c.mask,
+                        versions=c.versions,
                     ),
                     reward=e.reward,
                     reward_components=dict(e.reward_components),

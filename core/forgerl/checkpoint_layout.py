@@ -60,6 +60,18 @@ class CompletionState(_Layout):
     finish_reason: Literal["stop", "length", "abort"]
     policy_version: Count
     text: str
+    #: A multi-turn trajectory's per-token loss mask and versions (absent: single-turn,
+    #: and every checkpoint written before trajectories existed).
+    mask: list[Annotated[int, Field(ge=0, le=1)]] | None = None
+    versions: list[Count] | None = None
+
+    @model_validator(mode="after")
+    def _one_per_token(self) -> CompletionState:
+        for name in ("mask", "versions"):
+            value = getattr(self, name)
+            if value is not None and len(value) != self.len:
+                raise ValueError(f"{name} holds {len(value)} entries for {self.len} tokens")
+        return self
 
 
 class EpisodeState(_Layout):

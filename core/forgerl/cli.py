@@ -101,6 +101,7 @@ def _config_options(f: _Command) -> _Command:
         click.option("--model", help="Named model (tiny, smollm2-135m-instruct), local folder or hub id."),
         click.option("--steps", type=click.IntRange(min=0), help="Training steps."),
         click.option("--output", help="Run directory (default runs/<timestamp>)."),
+        click.option("--environment", help="Environment for multi-turn rollouts (calculator, guess, ...)."),
         click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Set any config key, e.g. loop.group_size=8."),
     ]
     for opt in reversed(opts):
@@ -247,7 +248,7 @@ def plugins_list(as_json: bool) -> None:
         for b in row["backends"]:
             mark = "ok " if b["available"] else "-- "
             why = "" if b["available"] else f"  (unavailable: {b['reason']})"
-            click.echo(f"  {mark}{b['kind']:<10} {b['name']:<22} {b['description']}{why}")
+            click.echo(f"  {mark}{b['kind']:<11} {b['name']:<22} {b['description']}{why}")
         other = [h for h in row["hooks"] if h not in REGISTRATION_HOOKS.values()]
         if other:
             click.echo(f"     hooks: {', '.join(other)}")

@@ -35,6 +35,7 @@ from forgerl.config_sections import (
     DEFAULT_MODEL,
     BackendChoice,
     CheckpointConfig,
+    EnvironmentChoice,
     GeneratorChoice,
     LoggingConfig,
     LoopConfig,
@@ -76,6 +77,7 @@ __all__ = [
     "SINGLE_BACKEND_FIELDS",
     "BackendChoice",
     "CheckpointConfig",
+    "EnvironmentChoice",
     "GeneratorChoice",
     "LoggingConfig",
     "LoopConfig",
@@ -107,7 +109,7 @@ def build_config(
 
     ``flags`` uses the CLI's names (:data:`forgerl.kinds.FLAGS`): generator, trainer,
     transport, scheduler, task (backend names), rewards (list of names), model, steps,
-    output; any other key is a ConfigError that lists them.
+    output, environment; any other key is a ConfigError that lists them.
     """
     data: dict[str, Any] = dict(base or {})
     source = "config"
@@ -137,6 +139,11 @@ def build_config(
             writable_section(data, "loop", source)["steps"] = value
         elif key == "output":
             data["output"] = value
+        elif key == "environment":
+            section = writable_section(data, "environment", source)
+            if section.get("name") != value:
+                section["options"] = {}
+            section["name"] = value
     # --set comes last so it can refine what a flag selected, e.g.
     # `--reward format --set rewards.0.options.pattern=...`.
     for path, value in parse_set(sets):

@@ -72,6 +72,30 @@ class TaskChoice(BackendChoice):
     name: str = Field("arithmetic", description="Source of prompts and reference answers.")
 
 
+class EnvironmentChoice(_Strict):
+    """Multi-turn rollouts through an environment (docs/environments.md). With no ``name``
+    (the default) a rollout is one prompt and one completion, as it always was."""
+
+    name: str | None = Field(
+        None, description="Environment backend (`forge plugins list`); none: single-turn rollouts."
+    )
+    options: dict[str, Any] = Field(default_factory=dict, description="The environment's own options.")
+    max_turns: int = Field(4, ge=1, le=1000, description="Most assistant turns per trajectory.")
+    max_total_tokens: int = Field(
+        512,
+        ge=1,
+        le=MAX_TOKENS,
+        description="Most tokens after the first prompt (sampled and environment tokens together).",
+    )
+    max_turn_tokens: int | None = Field(
+        None, ge=1, le=MAX_TOKENS, description="Most tokens per assistant turn (default loop.sampling.max_tokens)."
+    )
+    turn_timeout: float = Field(
+        10.0, gt=0, le=MAX_SECONDS, description="Seconds each environment call (reset, step, tools) may take."
+    )
+    concurrency: int = Field(32, ge=1, le=MAX_SAMPLES_PER_STEP, description="Trajectories in flight at once.")
+
+
 class RewardChoice(BackendChoice):
     weight: float = Field(
         1.0, ge=-1e6, le=1e6, description="Weight of this reward in the total (a weighted sum); finite, |weight| <= 1e6."
@@ -196,6 +220,7 @@ class RunConfig(_Strict):
     trainer: TrainerChoice = Field(default_factory=TrainerChoice)
     transport: TransportChoice = Field(default_factory=TransportChoice)
     scheduler: SchedulerChoice = Field(default_factory=SchedulerChoice)
+    environment: EnvironmentChoice = Field(default_factory=EnvironmentChoice)
     rewards: list[RewardChoice] = Field(
         default_factory=default_rewards,
         min_length=1,

@@ -105,7 +105,7 @@ def json_schema(registry: Registry | None = None, *, third_party: bool = True) -
     installed plugins: editors then complete and check every options block."""
     from pydantic.json_schema import models_json_schema
 
-    from forgerl.config import SINGLE_BACKEND_FIELDS, ModelConfig, RewardChoice, RunConfig
+    from forgerl.config import SINGLE_BACKEND_FIELDS, EnvironmentChoice, ModelConfig, RewardChoice, RunConfig
 
     if registry is None:
         return RunConfig.model_json_schema()
@@ -114,6 +114,7 @@ def json_schema(registry: Registry | None = None, *, third_party: bool = True) -
     }
     choice_kinds[RewardChoice] = "reward"
     choice_kinds[ModelConfig] = "model"
+    choice_kinds[EnvironmentChoice] = "environment"
     backends = [
         item for item in _backend_options(registry, first_party=True if not third_party else None)
         if registry.clash(item[1], item[2].name) is None or item[0].first_party

@@ -60,6 +60,7 @@ CONTRACT: dict[str, Call] = {
     "reward": Call("factory", (), "Reward"),
     "scheduler": Call("factory", (), "Scheduler"),
     "model": Call("factory", (("cache_dir", "Path"),), "Path", "a local Hugging Face folder"),
+    "environment": Call("factory", (), "Environment", "once per trajectory"),
     "generator roles": _ROLES,
     "reward roles": _ROLES,
 }

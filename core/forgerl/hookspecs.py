@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import click
 
     from forgerl.backends import (
+        EnvironmentBackend,
         GeneratorBackend,
         ModelBackend,
         RewardBackend,
@@ -72,6 +73,12 @@ def forge_tasks() -> Iterable[TaskBackend]:
 @hookspec
 def forge_models() -> Iterable[ModelBackend]:
     """Named model sources selectable with ``--model NAME`` (besides local folders)."""
+
+
+@hookspec
+def forge_environments() -> Iterable[EnvironmentBackend]:
+    """Environments (multi-turn, tool-using rollouts) selectable with ``--environment NAME``:
+    subclasses of :class:`forgerl.environment.Environment`, or "module:Class" naming them."""
 
 
 # --------------------------------------------------------------------------

@@ -16,6 +16,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "scheduler": "forge_schedulers",
     "task": "forge_tasks",
     "model": "forge_models",
+    "environment": "forge_environments",
 }
 
 #: Every kind of backend.
@@ -33,4 +34,8 @@ SINGLE_BACKEND_FIELDS: dict[str, str] = {
 
 #: The named flags of ``forge run`` and ``forge config show``: the keys of
 #: ``build_config(flags=...)`` and of the embedding API's ``load_config(flags=...)``.
-FLAGS: tuple[str, ...] = (*SINGLE_BACKEND_FIELDS, "rewards", "model", "steps", "output")
+FLAGS: tuple[str, ...] = (*SINGLE_BACKEND_FIELDS, "rewards", "model", "steps", "output", "environment")
+
+#: The optional backend choice: ``environment.name`` is None (single-turn rollouts, no
+#: environment) unless set; ``--environment NAME`` sets it.
+OPTIONAL_BACKEND_FIELDS: dict[str, str] = {"environment": "environment"}

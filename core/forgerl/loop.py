@@ -29,6 +29,7 @@ from forgerl import events, runs
 from forgerl.batching import prepare_batch
 from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.config import RunConfig
+from forgerl.env_rollouts import EnvironmentRollouts
 from forgerl.errors import CheckpointError, CheckpointUnusable
 from forgerl.interfaces import Generator, RunContext, Task
 from forgerl.metrics import MetricsWriter
@@ -80,6 +81,8 @@ class Loop:
         self.stop_requested = threading.Event()
         self.last_batch_task_state: dict[str, Any] = {}
         self.pending_restored: list[RolloutBatch] = []
+        #: Multi-turn rollouts through the configured environment; None: single-turn.
+        self.environment = EnvironmentRollouts.from_config(config, registry, tokenizer, ctx.run_dir)
 
     # -------------------------------------------------------------------- state
 
@@ -177,6 +180,7 @@ class Loop:
             seed=cfg.loop.seed,
             start=next_index,
             last=steps - 1,
+            environment=self.environment,
         )
         status = "completed"
         # The step the newest checkpoint holds: a stop right after a periodic checkpoint
@@ -249,9 +253,7 @@ class Loop:
             if not self.receives_weights or self.policy_version - e.completion.policy_version <= S
         ]
         dropped = len(rollouts.episodes) - len(fresh)
-        prepared = prepare_batch(
-            fresh, cfg.algorithm, max_tokens=cfg.loop.sampling.max_tokens, pad_id=self.pad_id
-        )
+        prepared = prepare_batch(fresh, cfg.algorithm, max_tokens=self.max_completion_tokens(), pad_id=self.pad_id)
         t = time.perf_counter()
         train_metrics: dict[str, float] = {}
         if prepared.batch is not None:
@@ -299,8 +301,16 @@ class Loop:
         )
         train_tokens = float(prepared.batch.attention_mask.sum()) if prepared.batch is not None else 0.0
         row["throughput/train_tokens_per_s"] = train_tokens / max(train_s, 1e-9)
+        row.update(rollouts.extra)  # env/* with an environment; nothing otherwise
         row.update(train_metrics)
         return row, rollouts.task_state
+
+    def max_completion_tokens(self) -> int:
+        """The longest a sample's completion can be (overlong handling measures against it):
+        a trajectory's tokens after its first prompt, else one completion's."""
+        if self.environment is not None:
+            return self.config.environment.max_total_tokens
+        return self.config.loop.sampling.max_tokens
 
     # -------------------------------------------------------------------- weights
 
@@ -351,6 +361,8 @@ class Loop:
             top_p=cfg.loop.sampling.top_p,
             top_k=cfg.loop.sampling.top_k,
         )
+        if self.environment is not None:
+            return self._evaluate_trajectories(problems, sampling, t)
         requests = [
             GenerationRequest(
                 request_id=f"eval-{i}",
@@ -374,6 +386,29 @@ class Loop:
             "eval/accuracy": _mean(correct),
             "eval/reward": _mean(s.value for s in scores),
             "eval/samples": len(scores),
+        }
+
+    def _evaluate_trajectories(self, problems: list[Any], sampling: SamplingParams, t: float) -> dict[str, float]:
+        """Held-out accuracy of whole trajectories: one per problem, at the eval temperature.
+        Correct: the environment's (or primary reward's) ``correct`` component, else a full score."""
+        assert self.environment is not None, "trajectory evaluation needs an environment"
+        cfg = self.config
+        jobs = [(p, f"eval-{i}", sampling_seed(cfg.loop.seed + 1, -1, i)) for i, p in enumerate(problems)]
+        turn = _replace(sampling, max_tokens=self.environment.runner.limits.max_turn_tokens)
+        scored, _ = asyncio.run(self.environment.scored(self.generator, jobs, self.rewards.score, turn))
+        correct = []
+        for s in scored:
+            comps = s.result.components
+            if s.trajectory.reward is not None:
+                correct.append(float(comps.get("correct", float(s.result.value >= 1.0))))
+            else:
+                correct.append(_is_correct(s.result, cfg))
+        self.time_totals["eval"] += time.perf_counter() - t
+        log.info("held-out accuracy after %d steps: %.4f (%d trajectories)", self.step, _mean(correct), len(scored))
+        return {
+            "eval/accuracy": _mean(correct),
+            "eval/reward": _mean(s.result.value for s in scored),
+            "eval/samples": len(scored),
         }
 
     # -------------------------------------------------------------------- checkpoint

@@ -68,7 +68,10 @@ def check_run(
             check_checkpoints(run_dir, keep=config.checkpoint.keep)
         choices = [(kind, getattr(config, field)) for field, kind in SINGLE_BACKEND_FIELDS.items()]
         choices += [("reward", reward) for reward in config.rewards]
+        if config.environment.name is not None:
+            choices.append(("environment", config.environment))
         for kind, choice in choices:
+            assert choice.name is not None, "an environment without a name is not a choice"
             registry.get(kind, choice.name).check_before_run(choice.options, runs_here=scheduler.runs_here)
     check_job = getattr(scheduler, "check_job", None)
     if check_job is not None:

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from forgerl.config import RunConfig, format_validation_error
 from forgerl.config_limits import check_values
-from forgerl.config_sections import BackendChoice
+from forgerl.config_sections import BackendChoice, EnvironmentChoice
 from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.kinds import SINGLE_BACKEND_FIELDS
 
@@ -26,11 +26,14 @@ def resolve(config: RunConfig, registry: Registry, *, check_available: bool = Fa
     config = config.model_copy(deep=True)
     if config.generator.name == "auto":
         config.generator.name = "vllm" if "vllm" in registry.available("generator") else "hf"
-    choices: list[tuple[str, str, BackendChoice]] = [
+    choices: list[tuple[str, str, BackendChoice | EnvironmentChoice]] = [
         (kind, field, getattr(config, field)) for field, kind in SINGLE_BACKEND_FIELDS.items()
     ]
     choices += [("reward", f"rewards.{i}", r) for i, r in enumerate(config.rewards)]
+    if config.environment.name is not None:
+        choices.append(("environment", "environment", config.environment))
     for kind, field, choice in choices:
+        assert choice.name is not None, "an environment without a name is not a choice"
         backend = registry.get(kind, choice.name)
         try:
             options = backend.validate_options(choice.options)

@@ -16,10 +16,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forgerl.interfaces import Generator, Task
 from forgerl.types import Episode, GenerationRequest, Problem, RewardInput, SamplingParams
+
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.env_rollouts import EnvironmentRollouts
 
 
 @dataclass
@@ -139,6 +142,7 @@ class RolloutProducer(threading.Thread):
         seed: int,
         start: int,
         last: int,
+        environment: EnvironmentRollouts | None = None,
     ):
         super().__init__(daemon=True, name="forge-rollouts")
         self.buffer = buffer
@@ -152,6 +156,8 @@ class RolloutProducer(threading.Thread):
         self.seed = seed
         self.start_index = start
         self.last = last
+        #: Multi-turn trajectories instead of single completions (None: single-turn).
+        self.environment = environment
 
     def run(self) -> None:
         loop = asyncio.new_event_loop()
@@ -168,6 +174,8 @@ class RolloutProducer(threading.Thread):
     async def make_batch(self, index: int) -> RolloutBatch:
         problems = self.task.next_problems(self.prompts_per_step)
         task_state = self.task.state_dict()
+        if self.environment is not None:
+            return await self._trajectory_batch(index, problems, task_state)
         prompt_ids = [self.tokenizing.prompt_ids(p) for p in problems]
         version = self.generator.policy_version
         requests = [
@@ -215,6 +223,29 @@ class RolloutProducer(threading.Thread):
             reward_seconds=t2 - t1,
             gen_tokens=sum(len(e.completion.token_ids) for e in episodes),
             rewards_failed=sum(e.reward_failed for e in episodes),
+        )
+
+
+    async def _trajectory_batch(self, index: int, problems: list[Problem], task_state: dict[str, Any]) -> RolloutBatch:
+        assert self.environment is not None, "trajectory batches need an environment"
+        version = self.generator.policy_version
+        episodes, extra, seconds = await self.environment.batch(
+            self.generator,
+            problems,
+            index=index,
+            seeds=[sampling_seed(self.seed, index, g) for g in range(len(problems))],
+            group_size=self.group_size,
+            score=self.score,
+        )
+        return RolloutBatch(
+            index=index,
+            episodes=episodes,
+            policy_version=version,
+            task_state=task_state,
+            gen_seconds=seconds,  # generation, environments and scoring overlap: one figure
+            gen_tokens=sum(sum(e.completion.mask or ()) for e in episodes),
+            rewards_failed=sum(e.reward_failed for e in episodes),
+            extra=extra,
         )
 
 

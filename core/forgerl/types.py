@@ -74,6 +74,13 @@ class Completion:
     ``token_ids[i]``; the loss uses it as the behaviour policy. ``policy_version`` is the
     weight version that produced it (all tokens: a generator must not mix versions within
     one completion).
+
+    A multi-turn trajectory (:mod:`forgerl.trajectory`) is one Completion holding every
+    token after the first prompt: ``mask[i]`` is 1 for a sampled token, 0 for an
+    environment token (never in the loss; its logprob is 0), ``versions[i]`` the policy
+    version that sampled token ``i`` (environment tokens carry their turn's), and
+    ``policy_version`` the oldest of them. Both None for a single-turn completion: every
+    token sampled, by ``policy_version``.
     """
 
     token_ids: list[int]
@@ -81,6 +88,8 @@ class Completion:
     finish_reason: FinishReason
     policy_version: int
     text: str = ""
+    mask: list[int] | None = None
+    versions: list[int] | None = None
 
     def __post_init__(self) -> None:
         if len(self.token_ids) != len(self.logprobs):
@@ -88,6 +97,13 @@ class Completion:
                 f"a Completion needs one logprob per token: got {len(self.token_ids)} token ids "
                 f"but {len(self.logprobs)} logprobs"
             )
+        for name in ("mask", "versions"):
+            value = getattr(self, name)
+            if value is not None and len(value) != len(self.token_ids):
+                raise ValueError(
+                    f"a Completion's {name} needs one entry per token: got {len(self.token_ids)} token ids "
+                    f"but {len(value)}"
+                )
 
 
 @dataclass

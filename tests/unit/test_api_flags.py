@@ -9,7 +9,7 @@ import forgerl
 from forgerl.errors import ConfigError
 from forgerl.kinds import FLAGS
 
-ACCEPTED = "generator, trainer, transport, scheduler, task, rewards, model, steps, output"
+ACCEPTED = "generator, trainer, transport, scheduler, task, rewards, model, steps, output, environment"
 
 
 @pytest.mark.parametrize("value", [["format"], None, []])

@@ -1,0 +1,62 @@
+"""The ``guess`` environment: a number-guessing game with feedback. The environment thinks
+of an integer (fixed per problem, so a GRPO group plays one game); the model guesses, the
+environment says "higher" or "lower"; reward 1 for the right number within
+``max_guesses`` turns (0 after that). The run's task supplies only the problems' ids."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+from pydantic import Field, model_validator
+
+from forgerl.environment import Environment, Message, Step
+from forgerl.options import OptionsModel
+from forgerl.types import Problem
+
+
+class GuessEnvironment(Environment):
+    """guess a secret integer with higher/lower feedback; reward 1 when found"""
+
+    name = "guess"
+    scores = True
+
+    class Options(OptionsModel):
+        low: int = Field(1, ge=-(10**9), le=10**9, description="Smallest possible secret.")
+        high: int = Field(16, ge=-(10**9), le=10**9, description="Largest possible secret.")
+        max_guesses: int = Field(5, ge=1, le=100, description="Guesses before the game is lost.")
+
+        @model_validator(mode="after")
+        def _range(self) -> GuessEnvironment.Options:
+            if self.high < self.low:
+                raise ValueError(f"high ({self.high}) must be at least low ({self.low})")
+            return self
+
+    def __init__(self, options: Options | None = None):
+        self.options = options or self.Options()
+        self.secret = self.options.low
+        self.guesses = 0
+
+    def reset(self, problem: Problem) -> list[Message]:
+        lo, hi = self.options.low, self.options.high
+        digest = int(hashlib.sha256(problem.id.encode()).hexdigest(), 16)
+        self.secret = lo + digest % (hi - lo + 1)
+        return [
+            {"role": "system", "content": f"I am thinking of an integer from {lo} to {hi}. Find it. "
+             "Answer each turn with one number; I will say higher or lower."},
+            {"role": "user", "content": "Your first guess?"},
+        ]
+
+    def step(self, assistant_text: str) -> Step:
+        self.guesses += 1
+        numbers = re.findall(r"-?\d+", assistant_text)
+        guess = int(numbers[-1]) if numbers and len(numbers[-1]) < 12 else None
+        if guess == self.secret:
+            return Step.finish(1.0, correct=1.0, guesses=float(self.guesses))
+        if self.guesses >= self.options.max_guesses:
+            return Step.finish(0.0, correct=0.0, guesses=float(self.guesses))
+        if guess is None:
+            hint = f"Answer with one integer from {self.options.low} to {self.options.high}."
+        else:
+            hint = "Higher." if guess < self.secret else "Lower."
+        return Step.observe({"role": "user", "content": hint})

@@ -1,0 +1,75 @@
+"""The ``environment`` section and ``--environment``: no environment unless named (the
+single-turn default), the flag selects one and drops the old one's options, its options are
+validated by the environment's own model, and mistakes are one line."""
+
+from __future__ import annotations
+
+import pytest
+
+import forgerl
+from forgerl.errors import ConfigError, UnknownBackend
+
+
+def test_no_environment_by_default():
+    config = forgerl.load_config(flags={"model": "tiny"})
+    assert config.environment.name is None and config.environment.options == {}
+
+
+def test_the_flag_selects_one_and_its_options_are_validated_and_filled():
+    config = forgerl.load_config(
+        flags={"model": "tiny", "environment": "guess"}, sets=["environment.options.high=64", "environment.max_turns=6"]
+    )
+    assert config.environment.name == "guess" and config.environment.max_turns == 6
+    assert config.environment.options == {"low": 1, "high": 64, "max_guesses": 5}
+
+
+def test_a_different_environment_drops_the_old_ones_options(tmp_path):
+    file = tmp_path / "run.yaml"
+    file.write_text("environment:\n  name: guess\n  options: {high: 64}\n")
+    config = forgerl.load_config(file, flags={"model": "tiny", "environment": "calculator"})
+    assert config.environment.name == "calculator" and config.environment.options == {"tag": "answer", "tool_bonus": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("sets", "error", "message"),
+    [
+        (["environment.name=nosuch"], UnknownBackend, "no environment 'nosuch'; installed: calculator, guess"),
+        (["environment.name=guess", "environment.options.colour=red"], ConfigError, "environment.options.colour: unknown key"),
+        (["environment.name=guess", "environment.options.low=9", "environment.options.high=2"], ConfigError,
+         "high (2) must be at least low (9)"),
+        (["environment.max_turns=0"], ConfigError, "environment.max_turns"),
+        (["environment.turn_timeout=-1"], ConfigError, "environment.turn_timeout"),
+        (["environment.concurrency=0"], ConfigError, "environment.concurrency"),
+    ],
+)
+def test_mistakes_are_one_line(sets, error, message):
+    with pytest.raises(error) as caught:
+        forgerl.load_config(flags={"model": "tiny"}, sets=sets)
+    assert message in str(caught.value) and "\n" not in str(caught.value), str(caught.value)
+    assert caught.value.user_fixable
+
+
+def test_an_environment_class_is_a_backend_built_once_per_call():
+    from forgerl.backend_classes import record_for_class
+    from forgerl.backends import EnvironmentBackend
+    from forgerl.environment import Environment
+    from forgerl.errors import PluginError
+
+    class Minimal(Environment):
+        """the smallest environment"""
+
+        name = "minimal"
+
+        def reset(self, problem):
+            return [{"role": "user", "content": "hi"}]
+
+    record = record_for_class(EnvironmentBackend, Minimal, "forge_environments")
+    assert (record.kind, record.name, record.description) == ("environment", "minimal", "the smallest environment")
+    first, second = record.build(None), record.build(None)
+    assert isinstance(first, Minimal) and first is not second, "one instance per trajectory"
+
+    class NotOne:
+        name = "not_one"
+
+    with pytest.raises(PluginError, match="not an Environment: an environment backend subclasses forgerl.environment.Environment"):
+        record_for_class(EnvironmentBackend, NotOne, "forge_environments")
