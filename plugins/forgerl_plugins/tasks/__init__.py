@@ -14,11 +14,3 @@ def forge_tasks():
         "forgerl_plugins.tasks.code_basics:CodeBasicsTask",
     ]
 
-
-@hookimpl
-def forge_environments():
-    # Registered here, by a module that is already an entry point, so installs made
-    # before environments existed see them too (docs/environments.md).
-    from forgerl_plugins.environments import ENVIRONMENTS
-
-    return list(ENVIRONMENTS)
