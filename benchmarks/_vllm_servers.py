@@ -22,14 +22,13 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
     from forgerl.interfaces import RunContext
     from forgerl.plugins import build_registry
     from forgerl.types import JobSpec
-    from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
     from forgerl_plugins.generators.vllm.generator import VLLMGenerator
     from forgerl_plugins.generators.vllm.server import roles
     from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
 
     run_dir.mkdir(parents=True, exist_ok=True)
     runs.write_config(run_dir, config)
-    options = VLLMGeneratorOptions.model_validate(config.generator.options)
+    options = VLLMGenerator.Options.model_validate(config.generator.options)
     job = JobSpec(
         "vllm-bench", str(run_dir), tuple(roles(options, context=RunContext.for_run(config, run_dir)))
     )

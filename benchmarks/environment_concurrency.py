@@ -27,7 +27,6 @@ def main() -> None:
     from forgerl.interfaces import RunContext
     from forgerl.trajectory import Limits, TrajectoryRunner
     from forgerl.types import Problem, SamplingParams
-    from forgerl_plugins.generators.hf import HFGeneratorOptions
     from forgerl_plugins.generators.hf.generator import HFGenerator
     from forgerl_plugins.models.tiny import TinyModel, build_tiny_model
     from forgerl_plugins.transports.shm.transport import ShmTransport
@@ -64,7 +63,7 @@ def main() -> None:
                 Timed.busy += time.perf_counter() - t
 
     transport = ShmTransport(ShmTransport.Options(directory=str(tmp / "shm")), context=None)
-    gen = Timed(HFGeneratorOptions(batch_size=64), context=RunContext(RunConfig(), tmp, model), transport=transport)
+    gen = Timed(HFGenerator.Options(batch_size=64), context=RunContext(RunConfig(), tmp, model), transport=transport)
     tokenizer = AutoTokenizer.from_pretrained(model)
     jobs = [(Problem(f"p{i}", f"What is {i} + {i}?"), f"r{i}", i) for i in range(args.n)]
     try:

@@ -90,9 +90,10 @@ def run_offline(spec: dict) -> list[dict]:
 
 def engine_kwargs(config, model_dir: Path) -> dict:
     """What the plugin's server adds for seeds on the CPU build, as ``LLM(...)`` arguments."""
-    from forgerl_plugins.generators.vllm import VLLMGeneratorOptions, server
+    from forgerl_plugins.generators.vllm import server
+    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
 
-    options = VLLMGeneratorOptions.model_validate(config.generator.options)
+    options = VLLMGenerator.Options.model_validate(config.generator.options)
     if not (server.is_cpu_build() and options.send_seed):
         return {}
     args = server.whole_prefill_args(options, model_dir)

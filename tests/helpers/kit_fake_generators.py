@@ -120,7 +120,7 @@ def forge_generators():
         GeneratorBackend(
             name=f"kit_gen_{kind}",
             factory=_factory(kind),
-            options="forgerl_plugins.generators.hf.options:HFGeneratorOptions",
+            options="forgerl_plugins.generators.hf.generator:HFGenerator.Options",
         )
         for kind in KINDS
     ]

@@ -24,7 +24,7 @@ def forge_generators():
             name="sglang_double",
             factory="forgerl_plugins.generators.sglang.generator:SGLangGenerator",
             roles="forgerl_plugins.generators.sglang.server:roles",
-            options="forgerl_plugins.generators.sglang.options:SGLangGeneratorOptions",
+            options="forgerl_plugins.generators.sglang.generator:SGLangGenerator.Options",
             description="the sglang generator against the SGLang test double (tests only)",
         )
     ]

@@ -96,14 +96,13 @@ def trajectory_batch(varied_model: Path, tmp_path_factory: pytest.TempPathFactor
 
     from forgerl.config import RunConfig
     from forgerl.interfaces import RunContext
-    from forgerl_plugins.generators.hf import HFGeneratorOptions
     from forgerl_plugins.generators.hf.generator import HFGenerator
     from forgerl_plugins.transports.shm.transport import ShmTransport
 
     run_dir = tmp_path_factory.mktemp("env-run")
     transport = ShmTransport(ShmTransport.Options(directory=str(run_dir / "shm")), context=None)
     context = RunContext(config=RunConfig(), run_dir=run_dir, model_path=varied_model)
-    generator = HFGenerator(HFGeneratorOptions(batch_size=4), context=context, transport=transport)
+    generator = HFGenerator(HFGenerator.Options(batch_size=4), context=context, transport=transport)
     tokenizer = AutoTokenizer.from_pretrained(varied_model)
     runner = TrajectoryRunner(
         Chatty, Chatty, tokenizer,

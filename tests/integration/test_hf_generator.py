@@ -12,7 +12,6 @@ from forgerl.config import RunConfig
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext
 from forgerl.types import Completion, GenerationRequest, SamplingParams, WeightSet
-from forgerl_plugins.generators.hf import HFGeneratorOptions
 from forgerl_plugins.generators.hf.generator import HFGenerator
 from forgerl_plugins.transports.shm.transport import ShmTransport
 from tests.helpers.timing import scaled
@@ -60,7 +59,7 @@ def _shm(folder: Path) -> ShmTransport:
     return ShmTransport(ShmTransport.Options(directory=str(folder), poll_interval=0.01), context=None)
 
 
-def _generator(options: HFGeneratorOptions, model_dir: Path, run_dir: Path, *, transport=None, timeout=None):
+def _generator(options: HFGenerator.Options, model_dir: Path, run_dir: Path, *, transport=None, timeout=None):
     """An hf generator built as a run builds it; tests that load no weights give it a
     transport nothing is ever sent through."""
     transport = transport if transport is not None else _shm(run_dir / "unused-shm")
@@ -69,7 +68,7 @@ def _generator(options: HFGeneratorOptions, model_dir: Path, run_dir: Path, *, t
 
 @pytest.fixture(scope="module")
 def generator(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    gen = _generator(HFGeneratorOptions(batch_size=4), model_dir, tmp_path_factory.mktemp("run"))
+    gen = _generator(HFGenerator.Options(batch_size=4), model_dir, tmp_path_factory.mktemp("run"))
     yield gen
     gen.close()
 
@@ -218,7 +217,7 @@ def test_top_k_1_and_tiny_top_p_sample_the_greedy_tokens(generator, prompts):
 
 
 def test_batch_size_does_not_change_completions(model_dir, generator, prompts, tmp_path):
-    single = _generator(HFGeneratorOptions(batch_size=1), model_dir, tmp_path)
+    single = _generator(HFGenerator.Options(batch_size=1), model_dir, tmp_path)
     try:
         for sampling in (
             SamplingParams(max_tokens=16, temperature=0.0),
@@ -256,7 +255,7 @@ def _load_into(reference, weights: dict[str, torch.Tensor]):
 
 def test_update_weights_serves_the_new_policy(model_dir, reference, prompts, tmp_path):
     transport = _shm(tmp_path / "shm")
-    gen = _generator(HFGeneratorOptions(batch_size=4), model_dir, tmp_path, transport=transport)
+    gen = _generator(HFGenerator.Options(batch_size=4), model_dir, tmp_path, transport=transport)
     sender = transport.sender()
     requests = [
         GenerationRequest(f"r{j}", p, 2, SamplingParams(max_tokens=16, seed=3)) for j, p in enumerate(prompts)
@@ -296,7 +295,7 @@ def test_update_weights_serves_the_new_policy(model_dir, reference, prompts, tmp
 
 def test_failed_updates_keep_the_old_weights_and_version(model_dir, reference, prompts, tmp_path):
     transport = _shm(tmp_path / "shm")
-    gen = _generator(HFGeneratorOptions(batch_size=4), model_dir, tmp_path, timeout=0.3, transport=transport)
+    gen = _generator(HFGenerator.Options(batch_size=4), model_dir, tmp_path, timeout=0.3, transport=transport)
     sender = transport.sender()
     requests = [GenerationRequest("r", prompts[0], 2, SamplingParams(max_tokens=12, seed=9))]
     try:

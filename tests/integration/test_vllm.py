@@ -93,7 +93,6 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     from forgerl.plugins import build_registry
     from forgerl.resolve import resolve
     from forgerl.types import JobSpec
-    from forgerl_plugins.generators.vllm import VLLMGeneratorOptions
     from forgerl_plugins.generators.vllm.generator import VLLMGenerator
     from forgerl_plugins.generators.vllm.server import roles
     from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
@@ -117,7 +116,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         registry,
     )
     runs.write_config(run_dir, config)
-    options = VLLMGeneratorOptions.model_validate(config.generator.options)
+    options = VLLMGenerator.Options.model_validate(config.generator.options)
     job = JobSpec(
         "vllm-test", str(run_dir), tuple(roles(options, context=RunContext.for_run(config, run_dir)))
     )

@@ -121,13 +121,14 @@ def test_middleware_fails_closed_without_a_key(monkeypatch):
 
 
 def test_the_key_travels_in_the_environment_and_the_middleware_on_the_command_line(tmp_path):
-    from forgerl_plugins.generators.vllm import VLLMGeneratorOptions, server
+    from forgerl_plugins.generators.vllm import server
     from forgerl_plugins.generators.vllm.auth import KEY_ENV, MIDDLEWARE
+    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
 
-    command = server.server_command(VLLMGeneratorOptions(), tmp_path, "float32", 1234)
+    command = server.server_command(VLLMGenerator.Options(), tmp_path, "float32", 1234)
     assert command[command.index("--middleware") + 1] == MIDDLEWARE
     assert "--api-key" not in command, "a key on the command line is visible to every user through ps"
-    assert server.server_env(VLLMGeneratorOptions(), "k3y")[KEY_ENV] == "k3y"
+    assert server.server_env(VLLMGenerator.Options(), "k3y")[KEY_ENV] == "k3y"
     module, attr = MIDDLEWARE.rsplit(".", 1)
     assert getattr(importlib.import_module(module), attr).__name__ == "RequireRunKey"
 

@@ -18,8 +18,8 @@ from forgerl.errors import GeneratorError, UserError
 from forgerl.interfaces import RunContext, TensorSpec
 from forgerl.types import GenerationRequest, SamplingParams
 from forgerl_plugins.generators.common.pool import ReplicaFailed
-from forgerl_plugins.generators.sglang import SGLANG_VERSION, SGLangGeneratorOptions, payloads, server
-from forgerl_plugins.generators.sglang.generator import choose_weight_sync
+from forgerl_plugins.generators.sglang import SGLANG_VERSION, payloads, server
+from forgerl_plugins.generators.sglang.generator import SGLangGenerator, choose_weight_sync
 from tests.helpers import sglang_double
 
 
@@ -33,7 +33,7 @@ def _request(n: int = 1, **sampling) -> GenerationRequest:
 
 def test_the_role_runs_the_launcher_per_replica_on_its_gpus(tmp_path):
     (role,) = server.roles(
-        SGLangGeneratorOptions(replicas=3, tensor_parallel_size=2, max_restarts=2), context=_ctx(tmp_path)
+        SGLangGenerator.Options(replicas=3, tensor_parallel_size=2, max_restarts=2), context=_ctx(tmp_path)
     )
     assert role.name == "sglang" and role.replicas == 3 and role.max_restarts == 2
     assert role.command[1:] == ("-m", "forgerl_plugins.generators.sglang.server", "--run-dir", str(tmp_path))
@@ -41,7 +41,7 @@ def test_the_role_runs_the_launcher_per_replica_on_its_gpus(tmp_path):
 
 
 def test_the_server_command_is_sglangs_launch_server_with_the_options(tmp_path):
-    options = SGLangGeneratorOptions(
+    options = SGLangGenerator.Options(
         tensor_parallel_size=2, mem_fraction_static=0.5, context_length=512,
         server_args={"chunked_prefill_size": 4096, "enable_metrics": True, "disable_radix_cache": False},
     )  # fmt: skip
@@ -58,7 +58,7 @@ def test_the_server_command_is_sglangs_launch_server_with_the_options(tmp_path):
         assert part in text, part
     assert "radix" not in text  # false: left out
     custom = server.server_command(
-        SGLangGeneratorOptions(launch_command=["/opt/x/python", "-m", "sglang.launch_server"]),
+        SGLangGenerator.Options(launch_command=["/opt/x/python", "-m", "sglang.launch_server"]),
         tmp_path,
         "float32",
         1,
@@ -69,7 +69,7 @@ def test_the_server_command_is_sglangs_launch_server_with_the_options(tmp_path):
 
 def test_the_command_is_one_the_double_accepts_and_the_double_refuses_others(tmp_path, capsys):
     """The double's command line takes SGLang's flag names only: what we pass parses."""
-    cmd = server.server_command(SGLangGeneratorOptions(mem_fraction_static=0.5, context_length=64), tmp_path, "float32", 1)
+    cmd = server.server_command(SGLangGenerator.Options(mem_fraction_static=0.5, context_length=64), tmp_path, "float32", 1)
     # What the guard hands the program: the arguments, then the key as one word with its flag
     # (a random key may start with "-": it is still the key).
     program = [*cmd[5:], "--api-key=-k"]
@@ -83,7 +83,7 @@ def test_the_command_is_one_the_double_accepts_and_the_double_refuses_others(tmp
 def test_the_servers_never_return_unscaled_logprobs_nor_see_the_trainers_rendezvous(monkeypatch):
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
     monkeypatch.setenv("MASTER_PORT", "29500")
-    env = server.server_env(SGLangGeneratorOptions(env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "X": "y"}), "k3y")
+    env = server.server_env(SGLangGenerator.Options(env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1", "X": "y"}), "k3y")
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in env and "MASTER_PORT" not in env and env["X"] == "y"
     assert env["FORGE_SGLANG_KEY"] == "k3y"
 

@@ -12,7 +12,8 @@ import pytest
 from forgerl.config import RunConfig
 from forgerl.errors import GeneratorUnreachable
 from forgerl.interfaces import RunContext
-from forgerl_plugins.generators.vllm import VLLMGeneratorOptions, server
+from forgerl_plugins.generators.vllm import server
+from forgerl_plugins.generators.vllm.generator import VLLMGenerator
 from tests.helpers.timing import scaled
 
 
@@ -20,7 +21,7 @@ def _ctx(run_dir: Path) -> RunContext:
     return RunContext.for_run(RunConfig.model_validate({"generator": {"name": "vllm"}}), run_dir)
 
 
-def _generator(options: VLLMGeneratorOptions, run_dir: Path):
+def _generator(options: VLLMGenerator.Options, run_dir: Path):
     """A vllm generator as a run builds it; its transport carries nothing in these tests."""
     from forgerl_plugins.generators.vllm.generator import VLLMGenerator
     from forgerl_plugins.transports.shm.transport import ShmTransport
@@ -30,7 +31,7 @@ def _generator(options: VLLMGeneratorOptions, run_dir: Path):
 
 
 def test_the_role_runs_the_launcher_per_replica_and_restarts_it(tmp_path):
-    (role,) = server.roles(VLLMGeneratorOptions(replicas=3, max_restarts=2), context=_ctx(tmp_path))
+    (role,) = server.roles(VLLMGenerator.Options(replicas=3, max_restarts=2), context=_ctx(tmp_path))
     assert role.name == "vllm" and role.replicas == 3 and role.max_restarts == 2 and not role.primary
     assert role.command[1:] == ("-m", "forgerl_plugins.generators.vllm.server", "--run-dir", str(tmp_path))
     # The replica index comes from FORGE_REPLICA, so one command serves every replica.
@@ -38,7 +39,7 @@ def test_the_role_runs_the_launcher_per_replica_and_restarts_it(tmp_path):
 
 
 def test_the_server_command_passes_options_through(tmp_path):
-    options = VLLMGeneratorOptions(
+    options = VLLMGenerator.Options(
         tensor_parallel_size=2,
         max_model_len=512,
         kv_cache_gb=0.5,
@@ -59,33 +60,33 @@ def test_the_server_command_passes_options_through(tmp_path):
         assert part in text, part
     assert "--enforce-eager" not in cmd
     assert "--dtype bfloat16" in " ".join(
-        server.server_command(VLLMGeneratorOptions(dtype="bfloat16"), tmp_path, "float32", 1)
+        server.server_command(VLLMGenerator.Options(dtype="bfloat16"), tmp_path, "float32", 1)
     )
 
 
 def test_on_the_cpu_build_prompts_are_prefilled_whole_so_seeds_work(tmp_path, monkeypatch):
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 2048}')
     monkeypatch.setattr(server, "is_cpu_build", lambda: True)
-    text = " ".join(server.server_command(VLLMGeneratorOptions(), tmp_path, "float32", 1))
+    text = " ".join(server.server_command(VLLMGenerator.Options(), tmp_path, "float32", 1))
     assert "--no-enable-chunked-prefill --max-num-batched-tokens 2048" in text
     # max_model_len bounds prompts when set; the user's engine_args come last and win.
-    options = VLLMGeneratorOptions(max_model_len=512, engine_args={"enable_chunked_prefill": True})
+    options = VLLMGenerator.Options(max_model_len=512, engine_args={"enable_chunked_prefill": True})
     cmd = server.server_command(options, tmp_path, "float32", 1)
     assert "--max-num-batched-tokens 512" in " ".join(cmd)
     assert cmd.index("--enable-chunked-prefill") > cmd.index("--no-enable-chunked-prefill")
     # No seeds, no need: chunked prefill stays on (vLLM's default).
-    cmd = server.server_command(VLLMGeneratorOptions(send_seed=False), tmp_path, "float32", 1)
+    cmd = server.server_command(VLLMGenerator.Options(send_seed=False), tmp_path, "float32", 1)
     assert "--no-enable-chunked-prefill" not in cmd
     monkeypatch.setattr(server, "is_cpu_build", lambda: False)  # GPU builds rewind seeded generators
     assert "--no-enable-chunked-prefill" not in server.server_command(
-        VLLMGeneratorOptions(), tmp_path, "float32", 1
+        VLLMGenerator.Options(), tmp_path, "float32", 1
     )
 
 
 def test_the_server_environment_has_dev_mode_and_the_key_but_no_trainer_rendezvous(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("RANK", "0")
-    env = server.server_env(VLLMGeneratorOptions(env={"VLLM_CPU_OMP_THREADS_BIND": "0"}), "secret")
+    env = server.server_env(VLLMGenerator.Options(env={"VLLM_CPU_OMP_THREADS_BIND": "0"}), "secret")
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_API_KEY"] == "secret"
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert "MASTER_PORT" not in env and "RANK" not in env
@@ -117,7 +118,7 @@ def test_a_replica_that_never_comes_up_is_a_one_line_error_naming_its_log(tmp_pa
     (tmp_path / "logs" / "vllm-0.log").write_text("loading...\nOSError: no such model\n")
     start = time.monotonic()
     with pytest.raises(GeneratorUnreachable) as err:
-        _generator(VLLMGeneratorOptions(startup_timeout=1.0), tmp_path)
+        _generator(VLLMGenerator.Options(startup_timeout=1.0), tmp_path)
     message = str(err.value)
     took = time.monotonic() - start
     assert took < scaled(10), f"gave up after {took:.1f} s with startup_timeout 1 s"  # not a hang
@@ -134,7 +135,7 @@ def test_a_replica_whose_launcher_reported_a_failure_fails_at_once(tmp_path):
     with pytest.raises(
         GeneratorUnreachable, match="replica 0 failed to start: vLLM failed its first request"
     ):
-        _generator(VLLMGeneratorOptions(startup_timeout=scaled(60)), tmp_path)
+        _generator(VLLMGenerator.Options(startup_timeout=scaled(60)), tmp_path)
     took = time.monotonic() - start
     # At once, not at the startup timeout (six times longer than this bound, at any scale).
     assert took < scaled(10), f"took {took:.1f} s: it waited for its startup timeout"
@@ -153,7 +154,7 @@ def test_files_left_by_an_earlier_job_are_not_taken_for_this_ones(tmp_path):
         {"instance": "old", "host": "127.0.0.1", "port": port, "api_key": "k", "started": old},
     )
     with pytest.raises(GeneratorUnreachable) as err:
-        _generator(VLLMGeneratorOptions(replicas=2, startup_timeout=1.5), tmp_path)
+        _generator(VLLMGenerator.Options(replicas=2, startup_timeout=1.5), tmp_path)
     assert "did not become healthy" in str(err.value) and "old failure" not in str(err.value)
 
 
@@ -162,5 +163,5 @@ def test_the_backend_is_registered_with_its_roles():
 
     backend = build_registry().get("generator", "vllm")
     assert backend.implemented and backend.requires == ("vllm",) and backend.extra == "vllm"
-    assert backend.roles == "forgerl_plugins.generators.vllm.server:roles"
-    assert backend.load_factory().__name__ == "VLLMGenerator"
+    assert backend.factory is VLLMGenerator and backend.options is VLLMGenerator.Options
+    assert backend.roles is VLLMGenerator.roles and backend.preflight is VLLMGenerator.preflight

@@ -23,8 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from pydantic import Field
+
 from forgerl.errors import ConfigError, GeneratorError, TransportError
 from forgerl.interfaces import Generator, RunContext, Transport, TransportReceiver
+from forgerl.options import OptionsModel
 from forgerl.types import (
     Completion,
     FinishReason,
@@ -36,8 +39,6 @@ from forgerl.types import (
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
-
-    from forgerl_plugins.generators.hf import HFGeneratorOptions
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +136,22 @@ class HFGenerator(Generator):
     """``HFGenerator(options, *, context, transport)``: loads ``context.model_path`` and
     samples in-process; new weights come through a receiver of ``transport``."""
 
-    def __init__(self, options: HFGeneratorOptions, *, context: RunContext, transport: Transport) -> None:
+    name = "hf"
+    description = "transformers forward passes with a KV cache, in the trainer's process"
+    requires = ("torch", "transformers")
+
+    class Options(OptionsModel):
+        batch_size: int = Field(16, ge=1, le=65_536, description="Sequences generated together in one forward pass.")
+        dtype: str | None = Field(
+            None,
+            pattern="^(float32|bfloat16|float16)$",
+            description="Override the model dtype for generation (default: model.dtype of the run).",
+        )
+        device: str | None = Field(
+            None, description="torch device to generate on (default: cuda when available, else cpu)."
+        )
+
+    def __init__(self, options: HFGenerator.Options, *, context: RunContext, transport: Transport) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 

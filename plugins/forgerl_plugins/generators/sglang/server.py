@@ -29,7 +29,7 @@ from forgerl_plugins.generators.sglang import guard
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
     from forgerl.types import RoleSpec
-    from forgerl_plugins.generators.sglang.options import SGLangGeneratorOptions
+    from forgerl_plugins.generators.sglang.generator import SGLangGenerator
 
 ROLE = "sglang"
 #: The weight version a fresh server reports (``--weight-version``): the model folder's.
@@ -47,7 +47,7 @@ def log_file(run_dir: Path, replica: int) -> Path:
     return launcher.log_file(run_dir, ROLE, replica)
 
 
-def roles(options: SGLangGeneratorOptions, *, context: RunContext) -> list[RoleSpec]:
+def roles(options: SGLangGenerator.Options, *, context: RunContext) -> list[RoleSpec]:
     """The server role the scheduler starts beside the trainer."""
     from forgerl.types import Resources, RoleSpec
 
@@ -62,7 +62,7 @@ def roles(options: SGLangGeneratorOptions, *, context: RunContext) -> list[RoleS
     ]
 
 
-def server_command(options: SGLangGeneratorOptions, model_dir: Path, model_dtype: str, port: int) -> list[str]:
+def server_command(options: SGLangGenerator.Options, model_dir: Path, model_dtype: str, port: int) -> list[str]:
     """``sglang.launch_server`` for ``model_dir`` on ``options.host:port`` with our options,
     run by the launch command's Python under the key guard (:mod:`.guard`, which adds the
     key, from the environment, to the server's own arguments in its process only)."""
@@ -93,7 +93,7 @@ def server_arg_flags(server_args: dict[str, Any]) -> list[str]:
     return launcher.cli_flags(server_args, negative=False)
 
 
-def server_env(options: SGLangGeneratorOptions, api_key: str) -> dict[str, str]:
+def server_env(options: SGLangGenerator.Options, api_key: str) -> dict[str, str]:
     env = launcher.server_env(options.env)
     env.pop(_UNSCALED_LOGPROBS_ENV, None)  # neither from our environment nor the env option
     # For the guard, which takes it out of the environment before SGLang starts: never on a
@@ -153,10 +153,10 @@ def launch(run_dir: Path, replica: int) -> int:
     from forgerl.config import validate_config
     from forgerl.models import resolve_model
     from forgerl.plugins import build_registry
-    from forgerl_plugins.generators.sglang.options import SGLangGeneratorOptions
+    from forgerl_plugins.generators.sglang.generator import SGLangGenerator
 
     config = validate_config(yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text()), source=str(run_dir))
-    options = SGLangGeneratorOptions.model_validate(config.generator.options)
+    options = SGLangGenerator.Options.model_validate(config.generator.options)
     # A file left by the previous instance of this replica points at a dead server.
     endpoint_file(run_dir, replica).unlink(missing_ok=True)
     with events.phase(f"preparing model {config.model.name}", stage="model",

@@ -34,7 +34,7 @@ from .client import SGLangClient
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import EngineReceiver
 
-    from .options import SGLangGeneratorOptions
+    from .generator import SGLangGenerator
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 class SGLangWeightUpdates(WeightUpdates):
     """The sglang generator's ``_update_replica`` (see the module docstring)."""
 
-    options: SGLangGeneratorOptions
+    options: SGLangGenerator.Options
     _client: SGLangClient
     weight_sync: str
     _receivers: dict[str, EngineReceiver]  # by "<replica>:<instance>"

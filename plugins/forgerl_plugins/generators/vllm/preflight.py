@@ -18,14 +18,14 @@ from forgerl_plugins.generators.common import launcher
 if TYPE_CHECKING:  # pragma: no cover
     import argparse
 
-    from forgerl_plugins.generators.vllm.options import VLLMGeneratorOptions
+    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
 
 
 class _ParseError(Exception):
     pass
 
 
-def preflight(options: VLLMGeneratorOptions) -> None:
+def preflight(options: VLLMGenerator.Options) -> None:
     if not options.engine_args:
         return
     parser = _server_parser()

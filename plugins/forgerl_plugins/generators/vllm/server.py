@@ -41,7 +41,7 @@ from .auth import KEY_ENV, MIDDLEWARE
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
     from forgerl.types import RoleSpec
-    from forgerl_plugins.generators.vllm.options import VLLMGeneratorOptions
+    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
 
 ROLE = "vllm"
 #: The name under which every replica serves the policy (requests name it as "model").
@@ -76,7 +76,7 @@ def is_cpu_build() -> bool:
 # ----------------------------------------------------------------------------- the role
 
 
-def roles(options: VLLMGeneratorOptions, *, context: RunContext) -> list[RoleSpec]:
+def roles(options: VLLMGenerator.Options, *, context: RunContext) -> list[RoleSpec]:
     """The server role the scheduler starts beside the trainer."""
     from forgerl.types import Resources, RoleSpec
 
@@ -95,7 +95,7 @@ def roles(options: VLLMGeneratorOptions, *, context: RunContext) -> list[RoleSpe
 # ------------------------------------------------------------------- the vLLM command
 
 
-def server_command(options: VLLMGeneratorOptions, model_dir: Path, model_dtype: str, port: int) -> list[str]:
+def server_command(options: VLLMGenerator.Options, model_dir: Path, model_dtype: str, port: int) -> list[str]:
     """vLLM's OpenAI server for ``model_dir`` on ``options.host:port`` with our options."""
     dtype = model_dtype if options.dtype == "auto" else options.dtype
     args = [
@@ -130,7 +130,7 @@ def server_command(options: VLLMGeneratorOptions, model_dir: Path, model_dtype: 
     return args
 
 
-def whole_prefill_args(options: VLLMGeneratorOptions, model_dir: Path) -> dict[str, Any]:
+def whole_prefill_args(options: VLLMGenerator.Options, model_dir: Path) -> dict[str, Any]:
     """Prefill every prompt in one piece, so seeded requests work on vLLM's CPU build.
 
     With chunked prefill, vLLM discards the token sampled after a partial prefill and
@@ -154,7 +154,7 @@ def engine_arg_flags(engine_args: dict[str, Any]) -> list[str]:
     return launcher.cli_flags(engine_args, negative=True)
 
 
-def server_env(options: VLLMGeneratorOptions, api_key: str) -> dict[str, str]:
+def server_env(options: VLLMGenerator.Options, api_key: str) -> dict[str, str]:
     env = launcher.server_env(options.env)
     # /collective_rpc, /pause, /resume and /reset_prefix_cache exist only in dev mode.
     env["VLLM_SERVER_DEV_MODE"] = "1"
@@ -174,10 +174,10 @@ def launch(run_dir: Path, replica: int) -> int:
     from forgerl.config import validate_config
     from forgerl.models import resolve_model
     from forgerl.plugins import build_registry
-    from forgerl_plugins.generators.vllm.options import VLLMGeneratorOptions
+    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
 
     config = validate_config(yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text()), source=str(run_dir))
-    options = VLLMGeneratorOptions.model_validate(config.generator.options)
+    options = VLLMGenerator.Options.model_validate(config.generator.options)
     # A file left by the previous instance of this replica points at a dead server.
     endpoint_file(run_dir, replica).unlink(missing_ok=True)
     # Events say who they come from (vllm-<replica>): the messages need not.

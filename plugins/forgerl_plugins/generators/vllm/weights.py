@@ -18,7 +18,7 @@ from forgerl_plugins.generators.common.updates import WeightUpdates
 from .client import ReplicaClient, error_message
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .options import VLLMGeneratorOptions
+    from .generator import VLLMGenerator
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 class VLLMWeightUpdates(WeightUpdates):
     """The vllm generator's ``_update_replica`` (see the module docstring)."""
 
-    options: VLLMGeneratorOptions
+    options: VLLMGenerator.Options
     _client: ReplicaClient
 
     async def _update_replica(self, r: Replica, version: int, policy: str | None = None) -> None:
