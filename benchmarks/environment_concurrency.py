@@ -63,7 +63,7 @@ def main() -> None:
                 Timed.busy += time.perf_counter() - t
 
     transport = ShmTransport(ShmTransport.Options(directory=str(tmp / "shm")), context=None)
-    gen = Timed(HFGenerator.Options(batch_size=64), context=RunContext(RunConfig(), tmp, model), transport=transport)
+    gen = Timed(HFGenerator.Options(batch_size=64), context=RunContext.for_run(RunConfig(), tmp, model_path=model), transport=transport)
     tokenizer = AutoTokenizer.from_pretrained(model)
     jobs = [(Problem(f"p{i}", f"What is {i} + {i}?"), f"r{i}", i) for i in range(args.n)]
     try:

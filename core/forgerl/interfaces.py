@@ -96,14 +96,15 @@ class RunContext:
 TRANSPORT_FORMAT, TRANSPORT_VERSION = "forgerl.transport", 1
 
 
-def describe_transport(transport: Any, name: str, options: dict[str, Any]) -> None:
-    """Record how ``transport`` was built (by the registry), for :meth:`Transport.describe`
-    (an object that takes no attributes, e.g. with ``__slots__``, cannot describe itself)."""
+def describe_transport(transport: Any, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Record how ``transport`` was built, for :meth:`Transport.describe` (an object that
+    takes no attributes, e.g. with ``__slots__``, keeps none); returns the description."""
     description = {"format": TRANSPORT_FORMAT, "version": TRANSPORT_VERSION, "name": name, "options": options}
     try:
         transport._forge_description = description
     except AttributeError:
         pass
+    return description
 
 
 class Closeable:
@@ -364,8 +365,12 @@ class Transport(Closeable, abc.ABC):
         name and its validated options, in a typed, versioned description
         (``{"format": "forgerl.transport", "version": 1, "name", "options"}``), which
         :meth:`forgerl.plugins.Registry.transport_from` builds. The registry records it when
-        it builds the transport; one built by hand cannot describe itself."""
+        it builds the transport; one built by hand describes itself from its class's ``name``
+        and its ``options`` model, when it has both."""
         description = getattr(self, "_forge_description", None)
+        name, options = type(self).__dict__.get("name"), getattr(self, "options", None)
+        if description is None and isinstance(name, str) and hasattr(options, "model_dump"):
+            description = describe_transport(self, name, options.model_dump(mode="json"))  # type: ignore[union-attr]
         if description is None:
             raise TransportError(
                 f"{type(self).__name__} was not built through the registry, so it cannot describe itself "

@@ -101,7 +101,7 @@ def trajectory_batch(varied_model: Path, tmp_path_factory: pytest.TempPathFactor
 
     run_dir = tmp_path_factory.mktemp("env-run")
     transport = ShmTransport(ShmTransport.Options(directory=str(run_dir / "shm")), context=None)
-    context = RunContext(config=RunConfig(), run_dir=run_dir, model_path=varied_model)
+    context = RunContext.for_run(RunConfig(), run_dir, model_path=varied_model)
     generator = HFGenerator(HFGenerator.Options(batch_size=4), context=context, transport=transport)
     tokenizer = AutoTokenizer.from_pretrained(varied_model)
     runner = TrajectoryRunner(

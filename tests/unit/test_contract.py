@@ -275,7 +275,13 @@ def test_a_transport_describes_itself_to_another_process(tmp_path):
     with pytest.raises(TransportError, match="version 2; this forgerl reads 'forgerl.transport' version 1"):
         registry.transport_from({**described, "version": 2})
     by_hand = ShmTransport(ShmTransport.Options(directory=str(tmp_path / "h")), context=None)
+    assert by_hand.describe()["options"]["directory"] == str(tmp_path / "h")  # from its class and options
+
+    class Anonymous(ShmTransport):  # no name of its own: cannot say which backend it is
+        pass
+
+    nameless = Anonymous(ShmTransport.Options(directory=str(tmp_path / "a")), context=None)
     with pytest.raises(TransportError, match="was not built through the registry"):
-        by_hand.describe()
-    for t in (transport, again, by_hand):
+        nameless.describe()
+    for t in (transport, again, by_hand, nameless):
         t.close()
