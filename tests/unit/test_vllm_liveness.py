@@ -256,3 +256,19 @@ def test_a_notice_that_is_not_renewed_lapses(tmp_path):
     wait_until(lambda: not reader.updating(), 10, "the unrenewed notice to lapse")
     start = time.monotonic()
     assert not reader.updating() and time.monotonic() - start < 1
+
+
+def test_the_engine_probe_sends_a_completion_at_most_once_per_spacing(monkeypatch):
+    """A one-token completion at every health check kept a CPU engine's threads busy on
+    every core and starved a second replica starting beside it for minutes: between
+    completions the engine counts as alive as of the last one that answered."""
+    from forgerl_plugins.generators.vllm import server
+
+    sent: list[float] = []
+    monkeypatch.setattr(server, "tokens_processed", lambda url, key, timeout: None)  # stats off
+    monkeypatch.setattr(server, "one_token", lambda url, key, timeout: sent.append(timeout) or True)
+    spaced = server.EngineProbe("http://x", "key", spacing=3600.0)
+    assert all(spaced(1.0) for _ in range(5)) and len(sent) == 1, sent
+    sent.clear()
+    every_time = server.EngineProbe("http://x", "key")
+    assert all(every_time(1.0) for _ in range(5)) and len(sent) == 5, sent

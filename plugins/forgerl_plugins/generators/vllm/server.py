@@ -13,6 +13,7 @@ exit status). It imports neither vLLM nor torch: it only spawns them.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -206,7 +207,7 @@ def launch(run_dir: Path, replica: int) -> int:
         first_request=first_request,
         explain=explain_first_failure,
         endpoint={"model": SERVED_MODEL_NAME},
-        engine_probe=EngineProbe,
+        engine_probe=functools.partial(EngineProbe, spacing=options.liveness_timeout / 4),
         probe_name="its engine (no token made, and no one-token completion)",
     )
     return serve(plan, run_dir, replica, starting)
@@ -253,10 +254,17 @@ class EngineProbe:
     would wait in), or else a one-token completion answers within the probe's deadline
     (an idle one). Our own probe's tokens are not counted as progress."""
 
-    def __init__(self, url: str, api_key: str) -> None:
+    def __init__(self, url: str, api_key: str, *, spacing: float = 0.0) -> None:
         self.url = url
         self.api_key = api_key
+        #: Seconds between two one-token completions. On a CPU build a completion keeps the
+        #: engine's threads busy on every core: one at each health check (every 0.5-2 s)
+        #: starved a second replica starting on the same cores for minutes. Between
+        #: completions the engine counts as alive as of the last one that answered, so a
+        #: wedge is still found within ``liveness_timeout`` plus this spacing.
+        self.spacing = spacing
         self.seen: float | None = None  # the counters at the last probe
+        self.answered_at: float | None = None  # when a one-token completion last answered
 
     def __call__(self, timeout: float) -> bool:
         made = tokens_processed(self.url, self.api_key, timeout)
@@ -265,9 +273,13 @@ class EngineProbe:
             self.seen = made
             if progressed:
                 return True
+        if self.answered_at is not None and time.monotonic() - self.answered_at < self.spacing:
+            return True
         answered = one_token(self.url, self.api_key, timeout)
-        if answered and self.seen is not None:
-            self.seen += 2  # the probe's prompt token and its generated token
+        if answered:
+            self.answered_at = time.monotonic()
+            if self.seen is not None:
+                self.seen += 2  # the probe's prompt token and its generated token
         return answered
 
 
