@@ -106,7 +106,7 @@ class ModelConfig(_Strict):
     name: str = Field(
         DEFAULT_MODEL,
         description="A named model (`forge plugins list` shows them: tiny, smollm2-135m-instruct), "
-        "a local Hugging Face folder, or a hub id where the network allows.",
+        "a local Hugging Face folder, or a hub id given as owner/name where the network allows.",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options of a named model source.")
