@@ -5,7 +5,9 @@ Each kit is a pytest test class. A plugin's test module subclasses it, names the
 that kind against it::
 
     # tests/test_conformance.py of a plugin
-    from forgerl.testing import GeneratorContract, RewardContract, TaskContract, TransportContract
+    from forgerl.testing import (
+        EnvironmentContract, GeneratorContract, RewardContract, TaskContract, TransportContract,
+    )
 
     class TestMyReward(RewardContract):
         backend = "my_reward"
@@ -21,6 +23,10 @@ that kind against it::
     class TestMyGenerator(GeneratorContract):
         backend = "my_generator"         # checked on the built-in tiny model by default
 
+    class TestMyEnvironment(EnvironmentContract):
+        backend = "my_environment"
+        turns = ("<answer>42</answer>",) # what the environment is meant to receive
+
 Backends are built the way a run builds them, through the public build contract
 (``build_registry().require(kind, name).build(options, ...)``, :mod:`forgerl.contract`),
 so the plugin must be installed, or named in the class's ``plugins`` (import paths of
@@ -28,7 +34,8 @@ plugin modules, like ``FORGE_PLUGINS``).
 
 Importing this package imports neither pytest nor torch: each kit is imported on first use
 (:class:`TransportContract`, :class:`TrainerContract` and :class:`GeneratorContract` need
-torch when their tests run, the others never do; the generator kit also needs transformers).
+torch when their tests run, the others never do; the generator kit also needs transformers,
+and :class:`EnvironmentContract` its tokenizer classes).
 Deadlines in the kits stretch with ``FORGE_TEST_TIMEOUT_SCALE`` (:mod:`forgerl.testing.timing`).
 """
 
@@ -46,6 +53,7 @@ _KITS = {
     "TrainerContract": "forgerl.testing.trainer",
     "SchedulerContract": "forgerl.testing.scheduler",
     "GeneratorContract": "forgerl.testing.generator",
+    "EnvironmentContract": "forgerl.testing.environment",
 }
 
 __all__ = list(_KITS)  # the kits' names, listed once in _KITS
@@ -62,6 +70,7 @@ if _pytest is not None:
         "forgerl.testing.scheduler",
         "forgerl.testing.generator",
         "forgerl.testing.generator_lifecycle",
+        "forgerl.testing.environment",
     )
 
 

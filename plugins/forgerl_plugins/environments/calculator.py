@@ -72,13 +72,18 @@ class CalculatorEnvironment(Environment):
 
     def answer(self, assistant_text: str) -> Step:
         assert self.problem is not None, "answer before reset"
-        tag = self.options.tag
-        tagged = re.findall(rf"<{tag}>(.*?)</{tag}>", assistant_text, re.S)
-        numbers = re.findall(r"-?\d+(?:\.\d+)?", tagged[-1] if tagged else assistant_text)
-        correct = bool(numbers) and _same_number(numbers[-1], self.problem.answer)
+        correct, tagged = arithmetic_verdict(assistant_text, self.problem, self.options.tag)
         used = float(self.tool_calls > 0)
         reward = float(correct) * (1.0 + self.options.tool_bonus * used)
-        return Step.finish(reward, correct=float(correct), used_tool=used, tagged=float(bool(tagged)))
+        return Step.finish(reward, correct=float(correct), used_tool=used, tagged=float(tagged))
+
+
+def arithmetic_verdict(text: str, problem: Problem, tag: str) -> tuple[bool, bool]:
+    """(right, tagged): whether the number inside the last ``<tag></tag>`` of ``text`` (or,
+    without tags, its last number) equals the problem's answer, and whether it was tagged."""
+    tagged = re.findall(rf"<{tag}>(.*?)</{tag}>", text, re.S)
+    numbers = re.findall(r"-?\d+(?:\.\d+)?", tagged[-1] if tagged else text)
+    return bool(numbers) and _same_number(numbers[-1], problem.answer), bool(tagged)
 
 
 def _same_number(given: str, expected: Any) -> bool:

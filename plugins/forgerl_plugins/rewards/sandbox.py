@@ -15,6 +15,7 @@ of them that works here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import logging
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +50,10 @@ SANDBOX_UID_BASE = 2_000_000
 
 class SandboxUnavailable(ConfigError):
     """The isolation level asked for cannot be provided on this machine."""
+
+
+class SandboxBusy(Exception):
+    """No slot came free before the caller's deadline: the program did not run."""
 
 
 @dataclass(frozen=True)
@@ -139,10 +145,14 @@ class Sandbox:
 
     # ------------------------------------------------------------------ running
 
-    def run(self, files: Mapping[str, str], *, stdin: str = "", level: str | None = None) -> RunOutcome:
+    def run(
+        self, files: Mapping[str, str], *, stdin: str = "", level: str | None = None, deadline: float | None = None
+    ) -> RunOutcome:
         """Run ``python main.py`` of ``files`` (written into a fresh directory) to its end,
-        with ``stdin`` as its input."""
-        with self._launched(files, stdin, level or self.level, converse=False) as launched:
+        with ``stdin`` as its input. With ``deadline`` (a ``time.monotonic()`` time) the
+        program is stopped by then at the latest (its wall clock is cut to the time left),
+        and :class:`SandboxBusy` is raised when no slot comes free early enough to start it."""
+        with self._launched(files, stdin, level or self.level, converse=False, deadline=deadline) as launched:
             return launched.finish()
 
     @contextlib.contextmanager
@@ -165,14 +175,20 @@ class Sandbox:
 
     @contextlib.contextmanager
     def _launched(
-        self, files: Mapping[str, str], stdin: str, level: str, converse: bool
+        self, files: Mapping[str, str], stdin: str, level: str, converse: bool, deadline: float | None = None
     ) -> Iterator[_Launched]:
-        with self._slots.take() as slot:
+        with self._slots.take(None if deadline is None else deadline - _MIN_RUN_S) as slot:
+            limits = self.limits
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left < _MIN_RUN_S:
+                    raise SandboxBusy(f"a sandbox slot came free {left:.2f} s before the deadline: too late to start")
+                limits = dataclasses.replace(limits, wall_seconds=min(limits.wall_seconds, left))
             uid = SANDBOX_UID_BASE + slot if self.root else None
             control = Path(tempfile.mkdtemp(prefix="forge-code-", dir=self.workdir))
             launched = None
             try:
-                launched = self._launch(control, files, stdin, level, uid, converse)
+                launched = self._launch(control, files, stdin, level, uid, converse, limits)
                 yield launched
             finally:
                 if launched is not None:  # the caller left early: end the program, reap the launcher
@@ -181,7 +197,8 @@ class Sandbox:
                 _remove(control)
 
     def _launch(
-        self, control: Path, files: Mapping[str, str], stdin: str, level: str, uid: int | None, converse: bool
+        self, control: Path, files: Mapping[str, str], stdin: str, level: str, uid: int | None, converse: bool,
+        lim: Limits,
     ) -> _Launched:
         control.chmod(0o711)  # the program's uid may traverse it, not list it
         box = control / "box"
@@ -208,7 +225,6 @@ class Sandbox:
             "PATH": "/usr/local/bin:/usr/bin:/bin",
             "LANG": "C.UTF-8",
         }
-        lim = self.limits
         limits = {
             "cpu": lim.cpu_seconds,
             "address_space": lim.memory_mb * 2**20,
@@ -256,6 +272,8 @@ class Sandbox:
         return prefix, os.path.relpath(real, prefix)
 
 
+#: The least wall clock worth starting a program for (it starts in about 0.06 s).
+_MIN_RUN_S = 0.2
 #: How long past the program's wall clock its supervisor may take to report: it kills and
 #: reaps what is left; only a launcher that hangs itself (a bug) takes longer.
 _LAUNCHER_GRACE = 30.0
@@ -377,6 +395,8 @@ def _usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+#: How often a caller with a deadline looks for a free slot again.
+_SLOT_POLL_S = 0.02
 _SLOT_FLAGS = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -392,7 +412,7 @@ class _Slots:
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
-    def take(self) -> Iterator[int]:
+    def take(self, deadline: float | None = None) -> Iterator[int]:
         self.directory.mkdir(mode=0o700, exist_ok=True)
         info = os.lstat(self.directory)
         if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
@@ -400,22 +420,29 @@ class _Slots:
             raise RuntimeError(f"{self.directory} is not a private directory of this user; remove it")
         with self._lock:
             start, self._next = self._next, (self._next + 1) % self.n
-        slot, fd = self._lock_one(start)
+        slot, fd = self._lock_one(start, deadline)
         try:
             yield slot
         finally:
             os.close(fd)  # releases the lock
 
-    def _lock_one(self, start: int) -> tuple[int, int]:
+    def _lock_one(self, start: int, deadline: float | None) -> tuple[int, int]:
         """The first free slot from ``start`` on, locked: (slot, its lock file's fd)."""
-        for i in range(self.n):
-            candidate = (start + i) % self.n
-            fd = os.open(self.directory / f"slot-{candidate}", _SLOT_FLAGS, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return candidate, fd
-            except BlockingIOError:
-                os.close(fd)
+        while True:
+            for i in range(self.n):
+                candidate = (start + i) % self.n
+                fd = os.open(self.directory / f"slot-{candidate}", _SLOT_FLAGS, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return candidate, fd
+                except BlockingIOError:
+                    os.close(fd)
+            if deadline is None:
+                break
+            # flock has no timed wait: look again shortly, until the deadline.
+            if time.monotonic() >= deadline:
+                raise SandboxBusy(f"all {self.n} sandbox slots stayed busy until the deadline")
+            time.sleep(_SLOT_POLL_S)
         # All busy: queue on one of them.
         fd = os.open(self.directory / f"slot-{start}", _SLOT_FLAGS, 0o600)
         fcntl.flock(fd, fcntl.LOCK_EX)
