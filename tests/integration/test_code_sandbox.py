@@ -18,8 +18,9 @@ import pytest
 
 from forgerl.plugins import build_registry
 from forgerl.types import Problem, RewardInput
-from forgerl_plugins.rewards.sandbox import SANDBOX_UID_BASE, SandboxUnavailable
+from forgerl_plugins.rewards.sandbox import SandboxUnavailable
 
+from ..helpers.sandbox_processes import sandbox_processes
 from ..helpers.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
@@ -48,23 +49,6 @@ def reward(request, workdir):
         return build_registry().require("reward", "code").build({**options, "memory_mb": 512})
     except SandboxUnavailable as exc:
         pytest.skip(str(exc))
-
-
-def sandbox_processes(workdir) -> list[str]:
-    """Processes a sandbox left: running as a sandbox uid (as root), or with their working
-    directory under the sandboxes' work directory."""
-    left = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            uid = os.stat(f"/proc/{entry}").st_uid
-            cwd = os.readlink(f"/proc/{entry}/cwd")
-        except OSError:
-            continue
-        if SANDBOX_UID_BASE <= uid < SANDBOX_UID_BASE + 4096 or cwd.startswith(str(workdir)):
-            left.append(f"{entry} (uid {uid}, cwd {cwd})")
-    return left
 
 
 def score(reward, program: str) -> dict[str, float]:

@@ -44,3 +44,14 @@ def test_used_by_forge_run(installed, tmp_path):
     assert "reward/countdown" in row and row["step"] == 1
     config = (out / "config.yaml").read_text()
     assert "name: countdown" in config and "numbers: 3" in config
+
+
+def test_units_is_listed_once_pip_installed(tmp_path):
+    """contrib/units's packaging: pip-installed, its entry point registers its task and
+    environment (its own tests run the kits and a short run from the checkout)."""
+    env = pip_install_copy(ROOT / "contrib" / "units", tmp_path)
+    proc = subprocess.run([*FORGE, "plugins", "list", "--json"], capture_output=True, text=True, env=env,
+                          timeout=scaled(60))  # fmt: skip
+    rows = {r["name"]: r for r in json.loads(proc.stdout)}
+    assert rows["units"]["distribution"] == "forgerl-units"
+    assert {(b["kind"], b["name"]) for b in rows["units"]["backends"]} == {("task", "units"), ("environment", "units")}
