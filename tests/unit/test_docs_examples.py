@@ -1,8 +1,9 @@
 """The examples of docs/plugins*.md, run as written: the tutorial's reward plugin (its
 registration module must stay light, and each backend is one class), the experiment-tracker plugin, the backend
 tutorials' `files` transport, `mini` generator and `mini` trainer (with the sketches of a
-server-based generator), and the scheduler tutorial's `procs` scheduler, each checked
-against the contract its tutorial states (and its kit, where forgerl.testing has one)."""
+server-based generator), the scheduler tutorial's `procs` scheduler and the environment
+tutorial's `wordle`, each checked against the contract its tutorial states (and its kit,
+where forgerl.testing has one)."""
 
 from __future__ import annotations
 
@@ -569,3 +570,56 @@ def test_scheduler_tutorial_passes_the_scheduler_kit_as_its_conformance_test_say
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "7 passed" in done.stdout, done.stdout[-3000:]
+
+
+# ------------------------------------------------- the environment tutorial's `wordle`
+
+WORDLE_FILES = ("src/forgerl_wordle/plugin.py", "src/forgerl_wordle/environment.py",
+                "tests/test_wordle.py", "tests/test_conformance.py")
+
+
+def write_wordle_package(root: Path) -> dict[str, str]:
+    """The files of docs/plugins-environment.md written out under ``root`` as they stand;
+    the environment of a process that imports them (the package not installed)."""
+    blocks = code_blocks("plugins-environment.md")
+    for path in WORDLE_FILES:
+        assert path in blocks, f"docs/plugins-environment.md has no block starting '# {path}'"
+        (root / path).parent.mkdir(parents=True, exist_ok=True)
+        (root / path).write_text(blocks[path])
+    (root / "src/forgerl_wordle/__init__.py").write_text("")
+    shim = REPO / ".pyshim"
+    path = [str(root / "src"), *([str(shim)] if shim.is_dir() else []), *sys.path]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+
+
+def test_environment_tutorial_registration_module_stays_light(tmp_path: Path):
+    """plugin.py names the class and imports neither it nor pydantic; the record the
+    registry makes of the class builds an instance per call from an options dict."""
+    env = write_wordle_package(tmp_path)
+    script = (
+        "import sys\n"
+        "from forgerl_wordle.plugin import forge_environments\n"
+        "[ref] = forge_environments()\n"
+        "heavy = [m for m in ('pydantic', 'forgerl_wordle.environment') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+        "from forgerl.backend_classes import record_for_class\n"
+        "from forgerl.backends import EnvironmentBackend\n"
+        "backend = record_for_class(EnvironmentBackend, ref, 'forge_environments')\n"
+        "a, b = backend.build({'max_guesses': 3}), backend.build({'max_guesses': 3})\n"
+        "print(backend.name, backend.description, type(a).__name__, a is not b, a.options.max_guesses)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=scaled(60), env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "wordle find a five-letter word with letter-by-letter feedback WordleEnvironment True 3"
+
+
+def test_environment_tutorial_passes_the_environment_kit_as_its_conformance_test_says(tmp_path: Path):
+    """docs/plugins-environment.md's tests, written out as they stand, run the game's own
+    tests and the whole environment kit on the tutorial's `wordle` with pytest, and pass."""
+    env = write_wordle_package(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        capture_output=True, text=True, timeout=scaled(180), env=env, cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "13 passed" in done.stdout, done.stdout[-3000:]

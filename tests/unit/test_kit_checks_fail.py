@@ -103,8 +103,10 @@ def test_importing_the_kits_imports_neither_torch_nor_pytest_until_a_kit_is_used
         "import sys\n"
         "import forgerl.testing\n"
         "assert 'pytest' not in sys.modules and 'torch' not in sys.modules, 'import forgerl.testing'\n"
-        "from forgerl.testing import GeneratorContract, RewardContract, TaskContract, TransportContract\n"
+        "from forgerl.testing import EnvironmentContract, GeneratorContract, RewardContract, TaskContract\n"
+        "from forgerl.testing import TransportContract\n"
         "assert 'torch' not in sys.modules, 'importing the kits imported torch'\n"
+        "assert 'transformers' not in sys.modules, 'importing the kits imported transformers'\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=scaled(60))
