@@ -9,8 +9,9 @@ deadline ``turn_timeout_s``, its answer checked with the run's own checks
 it checks (each a test of :class:`EnvironmentContract`):
 
 - registration: the name finds a record whose factory is an
-  :class:`~forgerl.environment.Environment` subclass of that ``name`` (the run reads
-  ``scores`` and the tools from the class), with a bool ``scores``, and it builds;
+  :class:`~forgerl.environment.Environment` subclass (of that ``name``, when the class
+  names itself; the run reads ``scores`` and the tools from the class), with a bool
+  ``scores``, and it builds;
 - options: the subclass's ``options`` validate and survive the run's round trip (dumped
   to JSON when the config is resolved, validated again); an unknown key is refused with a
   pydantic ``ValidationError`` naming it;
@@ -167,9 +168,8 @@ class EnvironmentContract:
             f"environment {self.backend!r} is registered with the factory {cls!r}, not an Environment "
             "subclass: the run reads `scores` and the tools from the class (register the class)"
         )
-        assert cls.__dict__.get("name") == self.backend, (
-            f"{cls.__qualname__}.name is {cls.__dict__.get('name')!r}, but it is selected as {self.backend!r}"
-        )
+        own = cls.__dict__.get("name", self.backend)  # a record written by hand names it instead
+        assert own == self.backend, f"{cls.__qualname__}.name is {own!r}, but it is selected as {self.backend!r}"
         assert isinstance(cls.scores, bool), f"{cls.__qualname__}.scores must be a bool, got {cls.scores!r}"
 
         async def build() -> Any:
