@@ -230,6 +230,8 @@ class Loop:
             raise
         finally:
             buffer.stop()
+            if self.environment is not None:
+                self.environment.close()  # an agent endpoint stops serving
             summary = self.summary(status)
             try:
                 runs.atomic_write_text(self.run_dir / runs.SUMMARY_FILE, json.dumps(summary, indent=2))

@@ -1,5 +1,6 @@
-"""Built-in environments: ``calculator`` (arithmetic with a ``calculate`` tool) and
-``guess`` (a number-guessing game with higher/lower feedback)."""
+"""Built-in environments: ``calculator`` (arithmetic with a ``calculate`` tool), ``guess``
+(a number-guessing game with higher/lower feedback) and ``agent`` (an agent program that
+calls the run's OpenAI-compatible endpoint)."""
 
 from __future__ import annotations
 
@@ -11,4 +12,5 @@ def forge_environments():
     return [
         "forgerl_plugins.environments.calculator:CalculatorEnvironment",
         "forgerl_plugins.environments.guess:GuessEnvironment",
+        "forgerl_plugins.environments.agent:AgentProgram",
     ]
