@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 from forgerl.agent_chat import ApiError, parse_request
 from forgerl.agent_episode import EpisodeRecorder
 from forgerl.agent_http import HttpServer, Request, Response
+from forgerl.errors import ConfigError
 from forgerl.loop_thread import LoopThread
 
 log = logging.getLogger("forgerl.agent_endpoint")
@@ -66,6 +67,10 @@ class AgentEndpoint:
         self.host = host
         try:
             self.port = self._io.call(self._server.start(host, port), timeout=30)
+        except OSError as exc:
+            self._io.close()
+            raise ConfigError(f"environment: the agent endpoint cannot listen on {host}:{port} ({exc.strerror or exc}); "
+                              "choose another environment.options.port, or 0 for any free port") from None
         except BaseException:
             self._io.close()
             raise
@@ -145,8 +150,12 @@ class AgentEndpoint:
                            code="unknown_episode")
         model = {"id": self.model, "object": "model", "created": 0, "owned_by": "forgerl"}
         if rest.rstrip("/") == "/chat/completions":
-            _method(request, "POST")
-            return await recorder.call(parse_request(request.body))
+            try:
+                _method(request, "POST")
+                return await recorder.call(parse_request(request.body))
+            except ApiError as err:
+                recorder.refuse(err)
+                raise
         if rest.rstrip("/") == "/models":
             _method(request, "GET")
             return {"object": "list", "data": [model]}

@@ -71,6 +71,18 @@ class Segment:
 
 
 @dataclass(frozen=True)
+class _Plan:
+    """What one call samples from: ``prompt``, all of it; ``segment`` and ``observation``
+    when the call extends that segment (None and empty: a new segment from ``prompt``)."""
+
+    chat: ChatTokens
+    keys: list[str]
+    prompt: list[int]
+    segment: Segment | None = None
+    observation: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class EpisodeBounds:
     limits: Limits
     #: Tokens of a segment's first prompt.
@@ -101,6 +113,9 @@ class EpisodeRecorder:
         #: The limit a call ran into ("turns", "total_tokens", "prompt_tokens"), or None.
         self.limit: str | None = None
         self.closed = False
+        #: Requests of this episode answered with an error, and the last error's message.
+        self.refused = 0
+        self.last_refusal = ""
         #: Called (on the endpoint's loop) when the generator fails a call.
         self.on_generator_error: Callable[[BaseException], None] = lambda exc: None
         self._lock = asyncio.Lock()
@@ -114,6 +129,11 @@ class EpisodeRecorder:
         """No call is answered or recorded after this (one in flight is discarded)."""
         self.closed = True
 
+    def refuse(self, err: ApiError) -> None:
+        """Count a request of this episode answered with ``err`` (for the failure record)."""
+        self.refused += 1
+        self.last_refusal = f"{err.status} {err.message}"
+
     def _refuse_limit(self, limit: str, message: str, code: str) -> ApiError:
         self.limit = self.limit or limit
         return ApiError(400, message, code=code)
@@ -125,47 +145,12 @@ class EpisodeRecorder:
         if self.calls >= lim.max_turns:
             raise self._refuse_limit("turns", f"this episode has made its {lim.max_turns} calls "
                                      "(environment.max_turns): end the episode", "episode_call_limit")
-        try:
-            chat = self.chat_for(call.tools)
-            in_template = chat.tools_via == "template"
-            keys = [message_key(m) for m in call.messages]
-            segment = self._extended(call, keys)
-            observation: list[int] = []
-            if segment is not None:
-                new = for_template(call.messages[len(segment.keys):], tools_in_template=in_template)
-                try:
-                    observation = chat.observation_ids(segment.last_sampled, new)
-                except ValueError:  # the template renders earlier turns anew: render it all
-                    segment = None
-            prompt_ids = None if segment is not None else chat.prompt_ids(
-                for_template(call.messages, tools_in_template=in_template))
-        except ApiError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - a template refusing these messages (jinja raise_exception)
-            raise ApiError(400, f"the model's chat template cannot render these messages: "
-                           f"{type(exc).__name__}: {str(exc)[:300]}", param="messages") from None
-        if segment is not None:
-            used = len(segment.completion.token_ids) + len(observation)
-            prompt = segment.prompt_ids + segment.completion.token_ids + observation
-        else:
-            assert prompt_ids is not None, "a call that extends nothing is rendered whole"
-            if len(prompt_ids) > self.bounds.max_prompt_tokens:
-                raise self._refuse_limit("prompt_tokens", f"the messages are {len(prompt_ids)} tokens; this "
-                                         f"endpoint takes at most {self.bounds.max_prompt_tokens}",
-                                         "context_length_exceeded")
-            used, prompt = 0, prompt_ids
-        room = min(lim.max_turn_tokens, lim.max_total_tokens - used, call.max_tokens or lim.max_turn_tokens)
-        if self.bounds.context_length is not None:
-            room = min(room, self.bounds.context_length - len(prompt))
-        if room < 1:
-            raise self._refuse_limit("total_tokens", f"this episode's conversation has no room left "
-                                     f"(environment.max_total_tokens {lim.max_total_tokens}, the model's context "
-                                     f"{self.bounds.context_length}): end the episode", "context_length_exceeded")
+        plan = self._plan(call)
         request = GenerationRequest(
             request_id=f"{self.request_id}-c{self.calls}",
-            prompt_token_ids=prompt,
+            prompt_token_ids=plan.prompt,
             n=1,
-            sampling=replace(self.sampling, max_tokens=room, stop=call.stop,
+            sampling=replace(self.sampling, max_tokens=self._room(call, plan), stop=call.stop,
                              seed=(self.seed + 7919 * self.calls) % (2**31 - 1)),
         )
         self.calls += 1
@@ -176,31 +161,73 @@ class EpisodeRecorder:
             raise ApiError(500, "the run's generator failed; the run stops", code="generator_error") from exc
         if self.closed:
             raise ApiError(410, "this episode is over: its agent ended or ran out of time", code="episode_over")
-        if segment is None:
-            assert prompt_ids is not None, "a new segment has its prompt"
-            c = Completion([], [], "stop", sampled.policy_version, mask=[], versions=[])
-            segment = Segment(prompt_ids, c, [], "", chat)
-            self.segments.append(segment)
-        else:
-            self._append(segment, observation, sampled=False, version=segment.turn_versions[-1])
-            segment.observations += 1
-        self._append(segment, sampled.token_ids, sampled=True, version=sampled.policy_version,
-                     logprobs=sampled.logprobs)
-        segment.completion.text += sampled.text
-        segment.completion.finish_reason = sampled.finish_reason
-        segment.turns += 1
-        segment.turn_versions.append(sampled.policy_version)
-        segment.completion.policy_version = min(segment.turn_versions)
-        segment.last_sampled, segment.last_text = list(sampled.token_ids), sampled.text
-        message = assistant_message(sampled.text, tools_offered=bool(call.tools),
-                                    call_prefix=f"call_{self.calls}")
-        segment.keys = [*keys, message_key(normal_message(message))]
-        segment.tools = tools_key(call.tools)
+        message = assistant_message(sampled.text, tools_offered=bool(call.tools), call_prefix=f"call_{self.calls}")
+        self._record(call, plan, sampled, message)
         return completion_body(
             response_id=f"chatcmpl-{self.request_id}-{self.calls}", model=self.model, message=message,
             finish_reason="length" if sampled.finish_reason == "length" else "stop",
-            prompt_tokens=len(prompt), completion_tokens=len(sampled.token_ids),
+            prompt_tokens=len(plan.prompt), completion_tokens=len(sampled.token_ids),
         )
+
+    def _plan(self, call: ChatCall) -> _Plan:
+        """What ``call`` is sampled from: the segment's tokens and the new messages' when it
+        extends the last segment, else its messages rendered whole (a new segment)."""
+        try:
+            chat = self.chat_for(call.tools)
+            in_template = chat.tools_via == "template"
+            keys = [message_key(m) for m in call.messages]
+            segment = self._extended(call, keys)
+            if segment is not None:
+                new = for_template(call.messages[len(segment.keys):], tools_in_template=in_template)
+                try:
+                    observation = chat.observation_ids(segment.last_sampled, new)
+                    prompt = segment.prompt_ids + segment.completion.token_ids + observation
+                    return _Plan(chat, keys, prompt, segment, observation)
+                except ValueError:  # the template renders earlier turns anew: render it all
+                    pass
+            prompt = chat.prompt_ids(for_template(call.messages, tools_in_template=in_template))
+        except Exception as exc:  # noqa: BLE001 - a template refusing these messages (jinja raise_exception)
+            raise ApiError(400, f"the model's chat template cannot render these messages: "
+                           f"{type(exc).__name__}: {str(exc)[:300]}", param="messages") from None
+        if len(prompt) > self.bounds.max_prompt_tokens:
+            raise self._refuse_limit("prompt_tokens", f"the messages are {len(prompt)} tokens; this endpoint "
+                                     f"takes at most {self.bounds.max_prompt_tokens}", "context_length_exceeded")
+        return _Plan(chat, keys, prompt)
+
+    def _room(self, call: ChatCall, plan: _Plan) -> int:
+        """Tokens the call may sample: the turn bound, the agent's own, what is left of the
+        segment's budget and of the model's context."""
+        lim = self.bounds.limits
+        used = len(plan.prompt) - len(plan.segment.prompt_ids) if plan.segment is not None else 0
+        room = min(lim.max_turn_tokens, lim.max_total_tokens - used, call.max_tokens or lim.max_turn_tokens)
+        if self.bounds.context_length is not None:
+            room = min(room, self.bounds.context_length - len(plan.prompt))
+        if room < 1:
+            raise self._refuse_limit("total_tokens", f"this episode's conversation has no room left "
+                                     f"(environment.max_total_tokens {lim.max_total_tokens}, the model's context "
+                                     f"{self.bounds.context_length}): end the episode", "context_length_exceeded")
+        return room
+
+    def _record(self, call: ChatCall, plan: _Plan, sampled: Completion, message: dict[str, Any]) -> None:
+        segment = plan.segment
+        if segment is None:
+            c = Completion([], [], "stop", sampled.policy_version, mask=[], versions=[])
+            segment = Segment(plan.prompt, c, [], "", plan.chat)
+            self.segments.append(segment)
+        else:
+            self._append(segment, plan.observation, sampled=False, version=segment.turn_versions[-1])
+            segment.observations += 1
+        self._append(segment, sampled.token_ids, sampled=True, version=sampled.policy_version,
+                     logprobs=sampled.logprobs)
+        c = segment.completion
+        c.text += sampled.text
+        c.finish_reason = sampled.finish_reason
+        segment.turns += 1
+        segment.turn_versions.append(sampled.policy_version)
+        c.policy_version = min(segment.turn_versions)  # staleness counts from the oldest sampled token
+        segment.last_sampled, segment.last_text = list(sampled.token_ids), sampled.text
+        segment.keys = [*plan.keys, message_key(normal_message(message))]
+        segment.tools = tools_key(call.tools)
 
     def _extended(self, call: ChatCall, keys: list[str]) -> Segment | None:
         """The segment ``call`` extends: same tools, its messages so far as a prefix, then

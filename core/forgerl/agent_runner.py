@@ -274,7 +274,10 @@ class AgentRunner:
         traj.rewrites = max(len(recorder.segments) - 1, 0)
         traj.dropped_tokens = recorder.dropped_tokens()
         if failure is None and not recorder.segments:
-            failure = ("error", "the agent ended without calling the endpoint (its base_url)")
+            why = "the agent ended without a call the endpoint answered (it calls its base_url with its api_key)"
+            if recorder.refused:
+                why += f"; {recorder.refused} refused, the last: {recorder.last_refusal[:300]}"
+            failure = ("error", why)
         if failure is not None:
             fail_trajectory(traj, failure[0], failure[1])  # type: ignore[arg-type]
         else:

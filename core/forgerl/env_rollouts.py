@@ -65,9 +65,12 @@ class EnvironmentRollouts:
 
     @classmethod
     def from_config(
-        cls, config: RunConfig, registry: Registry, tokenizer: Any, run_dir: Path | None
+        cls, config: RunConfig, registry: Registry, tokenizer: Any, run_dir: Path | None, *,
+        context_length: int | None = None,
     ) -> EnvironmentRollouts | None:
-        """None when the config names no environment (single-turn rollouts)."""
+        """None when the config names no environment (single-turn rollouts).
+        ``context_length``: the model's, where known (it bounds an agent's calls: beyond
+        it the generator would fail the run, not the call)."""
         env = config.environment
         if env.name is None:
             return None
@@ -95,7 +98,7 @@ class EnvironmentRollouts:
                                   "AgentEnvironment.Options")
             runner = AgentRunner(
                 lambda: backend.build(options), tokenizer, limits, turn_sampling, options,
-                model=config.model.name, context_length=_context_length(config, registry),
+                model=config.model.name, context_length=context_length,
             )
         else:
             runner = TrajectoryRunner(
@@ -174,18 +177,6 @@ class EnvironmentRollouts:
                 line = {"time": time.time(), "request": request_id, "problem": problem.id,
                         "kind": t.failure_kind, "reason": t.failure[:2000]}
                 append_line(self.run_dir / FAILURES_FILE, (json.dumps(line) + "\n").encode())
-
-
-def _context_length(config: RunConfig, registry: Registry) -> int | None:
-    """The model's context where it is known without loading it (a bound on an agent's
-    prompts: beyond it the generator would fail the run, not the call)."""
-    from forgerl.errors import ForgeError
-    from forgerl.preflight import model_context_length
-
-    try:
-        return model_context_length(config, registry)
-    except (ForgeError, OSError):
-        return None
 
 
 def _metrics(trajectories: list[Trajectory], requests: int, batches: int) -> dict[str, float]:

@@ -94,7 +94,7 @@ CASES = {
     "returns garbage": (lambda t: entry("returns_garbage", t), "garbage", "not a reward"),
     "returns a NaN reward": (lambda t: entry("returns_nan", t), "garbage", "not a finite number"),
     "uses a wrong key": (lambda t: entry("wrong_key", t), "error", "AuthenticationError"),
-    "never calls": (lambda t: entry("never_calls", t), "error", "without calling the endpoint"),
+    "never calls": (lambda t: entry("never_calls", t), "error", "without a call the endpoint answered"),
     "command exits non-zero": (lambda t: command("crash", t), "error", "exited with status 3; its stderr ends: "
                                "agent: the tool server is down"),
     "command prints garbage": (lambda t: command("garbage", t), "garbage", "'solved it, I think'"),

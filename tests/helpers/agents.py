@@ -164,6 +164,23 @@ def raw(url: str, body: bytes | None = None, *, key: str | None, method: str = "
         return status, got, text
 
 
+def raw_status(base_url: str, request: bytes) -> int:
+    """Send ``request`` as bytes to the endpoint; the status of the answer."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(base_url)
+    with socket.create_connection((where.hostname, where.port), timeout=30) as s:
+        s.sendall(request)
+        head = b""
+        while b"\r\n" not in head:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            head += chunk
+    return int(head.split(b" ")[1])
+
+
 def attacks(episode):
     """Hostile requests to its own live episode, then one good call."""
     url = f"{episode.base_url}/chat/completions"
@@ -187,6 +204,14 @@ def attacks(episode):
     seen["too big"] = raw(url, b" " * (3 << 20), key=episode.api_key)
     seen["huge prompt"] = raw(url, json.dumps({"messages": [{"role": "user", "content": "the " * 50_000}]}).encode(),
                               key=episode.api_key)
+    path = url.split("://", 1)[1].split("/", 1)[1]
+    auth = f"Authorization: Bearer {episode.api_key}\r\n"
+    seen["chunked"] = raw_status(url, (f"POST /{path} HTTP/1.1\r\nHost: x\r\n{auth}Transfer-Encoding: chunked\r\n\r\n"
+                                       "5\r\nhello\r\n0\r\n\r\n").encode())
+    seen["header flood"] = raw_status(url, f"POST /{path} HTTP/1.1\r\nX-Junk: {'j' * 70_000}\r\n\r\n".encode())
+    seen["two lengths"] = raw_status(url, (f"POST /{path} HTTP/1.1\r\n{auth}Content-Length: 2\r\n"
+                                           "Content-Length: 3\r\n\r\n{}").encode())
+    seen["not http"] = raw_status(url, b"HELLO\r\n\r\n")
     seen["model"] = raw(f"{episode.base_url}/models/{episode.model}", None, key=episode.api_key, method="GET")
     seen["good"] = raw(url, good, key=episode.api_key)
     SEEN[episode.problem.id] = seen

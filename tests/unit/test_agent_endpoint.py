@@ -181,6 +181,7 @@ def test_hostile_requests_get_openai_style_errors_that_clients_do_not_retry(make
         assert set(body) == {"error"} and isinstance(body["error"]["message"], str), f"{name}: {body}"
         assert body["error"].get("code") == code or code is None, f"{name}: {body}"
         assert headers.get("x-should-retry") == "false", f"{name}: {headers}"
+    assert (seen["chunked"], seen["header flood"], seen["two lengths"], seen["not http"]) == (501, 431, 400, 400)
     assert seen["model"][0] == 200 and seen["model"][2]["id"] == "tiny"
     status, _, body = seen["good"]
     assert status == 200 and body["choices"][0]["message"]["content"] == "Fine."
@@ -262,4 +263,82 @@ def test_bad_fields_are_named_in_the_error(body, param):
 
 def test_deeply_nested_json_is_a_400_not_a_crash():
     with pytest.raises(ApiError, match="not valid JSON"):
-        parse_request(b"[" * 100_000 + b"]" * 100_000)
+        parse_request(b"[" * 20_000 + b"]" * 20_000)
+
+
+# ------------------------------------------------------------------ options and start
+
+
+def test_the_agent_is_named_by_exactly_one_of_entry_and_command():
+    from pydantic import ValidationError
+
+    for bad in ({}, {"entry": "a:b", "command": ["x"]}):
+        with pytest.raises(ValidationError, match="exactly one of entry"):
+            AgentProgram.Options(**bad)
+    with pytest.raises(ValidationError):
+        AgentProgram.Options(entry="not a reference")
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"entry": "tests.helpers.no_such_module:f"}, "cannot be imported: ModuleNotFoundError"),
+    ({"entry": "tests.helpers.agents:SEEN"}, "is a dict, not a function"),
+    ({"command": ["forge-no-such-agent-program"]}, "'forge-no-such-agent-program' (options.command) is not found"),
+    ({"command": ["python"], "cwd": "/no/such/dir"}, "is not a directory"),
+])
+def test_an_agent_that_cannot_start_is_a_one_line_error_before_the_run(options, message):
+    from forgerl.errors import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        AgentProgram.local_preflight(AgentProgram.Options(**options))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_port_in_use_is_a_one_line_error(make_rollouts, tokenizer):
+    import socket
+
+    from forgerl.errors import ConfigError
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        rollouts = make_rollouts("chat_twice")
+        rollouts.runner.options = rollouts.runner.options.model_copy(update={"port": taken.getsockname()[1]})
+        with pytest.raises(ConfigError, match="cannot listen on 127.0.0.1:"):
+            run(rollouts, Scripted(tokenizer, ["x"]))
+
+
+def test_assistant_tool_calls_are_rendered_in_the_format_the_model_was_taught():
+    from forgerl.agent_chat import for_template
+
+    calls = [{"id": "c1", "type": "function", "function": {"name": "calculate", "arguments": '{"expression": "2 + 2"}'}}]
+    message = {"role": "assistant", "content": "Let me see.", "tool_calls": calls}
+    [in_text] = for_template([message], tools_in_template=False)
+    assert in_text == {"role": "assistant", "content": f"Let me see.\n{CALL}"}
+    [structured] = for_template([message], tools_in_template=True)
+    assert structured["tool_calls"] == [
+        {"type": "function", "id": "c1", "function": {"name": "calculate", "arguments": {"expression": "2 + 2"}}}]
+
+
+# Renders every assistant turn but the last one differently: observations cannot be
+# rendered on their own, so every call is rendered whole (a new segment).
+SUMMARISES_OLD_TURNS = (
+    "{%- for m in messages %}"
+    "{%- set content = '(earlier turn)' if m['role'] == 'assistant' and not loop.last else m['content'] %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + content + '<|im_end|>\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def test_a_template_that_rewrites_earlier_turns_makes_each_call_a_segment(make_rollouts, tokenizer):
+    original = tokenizer.chat_template
+    tokenizer.chat_template = SUMMARISES_OLD_TURNS
+    try:
+        gen = Scripted(tokenizer, ["It is 2.", "Yes, 2."])
+        [s], _ = run(make_rollouts("chat_twice"), gen)
+    finally:
+        tokenizer.chat_template = original
+    t = s.trajectory
+    assert t.failure is None and (t.rewrites, t.turns) == (1, 1)
+    assert t.prompt_ids == list(gen.requests[1].prompt_token_ids)
+    assert "(earlier turn)" in tokenizer.decode(t.prompt_ids), "the model saw the template's rewrite: it is trained so"
