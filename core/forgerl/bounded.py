@@ -38,8 +38,8 @@ def abandoned_threads() -> int:
 
 async def call_bounded(fn: Callable[..., T], *args: Any, timeout: float, what: str) -> T:
     """``fn(*args)`` on a new daemon thread; its result, or its exception re-raised, or
-    CallTimeout after ``timeout`` seconds. The event loop never blocks on ``fn``."""
-    global _abandoned
+    CallTimeout after ``timeout`` seconds. The event loop never blocks on ``fn``. A call
+    past its deadline, or whose caller is cancelled, is abandoned (and counted)."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
     state = {"abandoned": False, "returned": False}
@@ -69,12 +69,19 @@ async def call_bounded(fn: Callable[..., T], *args: Any, timeout: float, what: s
         except RuntimeError:  # the loop closed meanwhile: nobody waits any more
             pass
 
+    def abandon() -> None:
+        global _abandoned
+        with _abandoned_lock:
+            if not state["returned"] and not state["abandoned"]:  # one that returned just now is not left behind
+                state["abandoned"] = True
+                _abandoned += 1
+
     threading.Thread(target=target, name=f"forge-env-{what}", daemon=True).start()
     try:
         return await asyncio.wait_for(asyncio.shield(future), timeout)
     except asyncio.TimeoutError:
-        with _abandoned_lock:
-            if not state["returned"]:  # one that returned just now is not left behind
-                state["abandoned"] = True
-                _abandoned += 1
+        abandon()
         raise CallTimeout(f"{what} did not return within {timeout:g} s") from None
+    except asyncio.CancelledError:
+        abandon()  # the caller gave up on it (an agent's episode deadline): left behind too
+        raise

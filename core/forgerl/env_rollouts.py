@@ -5,6 +5,10 @@ environment instance. A trajectory's reward is the environment's (when it gives 
 the run's Reward plugins' score of its last assistant turn; a trajectory the environment
 failed scores ``loop.failed_reward``, is counted (``env/failed*``) and recorded with its
 reason in ``<run_dir>/environment_failures.jsonl``.
+
+Trajectories come from a :class:`TrajectoryRunner` (the run steps the environment) or,
+for an :class:`~forgerl.agent_runner.AgentEnvironment`, an
+:class:`~forgerl.agent_runner.AgentRunner` (an agent drives the run's endpoint).
 """
 
 from __future__ import annotations
@@ -14,10 +18,12 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from forgerl.agent_runner import AgentEnvironment, AgentRunner
 from forgerl.bounded import abandoned_threads
-from forgerl.trajectory import Limits, Trajectory, TrajectoryRunner
+from forgerl.errors import PluginError
+from forgerl.trajectory import Limits, RequestBatcher, Trajectory, TrajectoryRunner
 from forgerl.types import Episode, Problem, RewardInput, RewardResult, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -36,17 +42,35 @@ class Scored:
     result: RewardResult
 
 
+class Runner(Protocol):
+    """What makes trajectories: :class:`TrajectoryRunner` (environments stepped by the run)
+    or :class:`forgerl.agent_runner.AgentRunner` (agents that drive the run's endpoint)."""
+
+    limits: Limits
+
+    async def run_many(
+        self, generator: Generator, jobs: Sequence[tuple[Problem, str, int]], sampling: SamplingParams | None = None
+    ) -> tuple[list[Trajectory], RequestBatcher]: ...
+
+    def extra_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]: ...
+
+    def close(self) -> None: ...
+
+
 class EnvironmentRollouts:
-    def __init__(self, runner: TrajectoryRunner, *, failed_reward: float, run_dir: Path | None = None):
+    def __init__(self, runner: Runner, *, failed_reward: float, run_dir: Path | None = None):
         self.runner = runner
         self.failed_reward = failed_reward
         self.run_dir = run_dir
 
     @classmethod
     def from_config(
-        cls, config: RunConfig, registry: Registry, tokenizer: Any, run_dir: Path | None
+        cls, config: RunConfig, registry: Registry, tokenizer: Any, run_dir: Path | None, *,
+        context_length: int | None = None,
     ) -> EnvironmentRollouts | None:
-        """None when the config names no environment (single-turn rollouts)."""
+        """None when the config names no environment (single-turn rollouts).
+        ``context_length``: the model's, where known (it bounds an agent's calls: beyond
+        it the generator would fail the run, not the call)."""
         env = config.environment
         if env.name is None:
             return None
@@ -60,19 +84,35 @@ class EnvironmentRollouts:
             turn_timeout=env.turn_timeout,
             concurrency=env.concurrency,
         )
-        runner = TrajectoryRunner(
-            lambda: backend.build(options),
-            backend.load_factory(),  # type: ignore[arg-type]
-            tokenizer,
-            limits,
-            SamplingParams(
-                max_tokens=limits.max_turn_tokens,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                top_k=sampling.top_k,
-            ),
+        turn_sampling = SamplingParams(
+            max_tokens=limits.max_turn_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
         )
+        env_class = backend.load_factory()
+        runner: Runner
+        if isinstance(env_class, type) and issubclass(env_class, AgentEnvironment):
+            if not isinstance(options, AgentEnvironment.Options):
+                raise PluginError(f"environment {env.name!r}: an AgentEnvironment's Options must subclass "
+                                  "AgentEnvironment.Options")
+            runner = AgentRunner(
+                lambda: backend.build(options), tokenizer, limits, turn_sampling, options,
+                model=config.model.name, context_length=context_length,
+            )
+        else:
+            runner = TrajectoryRunner(
+                lambda: backend.build(options),
+                env_class,  # type: ignore[arg-type]
+                tokenizer,
+                limits,
+                turn_sampling,
+            )
         return cls(runner, failed_reward=config.loop.failed_reward, run_dir=run_dir)
+
+    def close(self) -> None:
+        """Release what the runner holds (an agent endpoint's server). Idempotent."""
+        self.runner.close()
 
     async def scored(
         self, generator: Generator, jobs: Sequence[tuple[Problem, str, int]], score: Score,
@@ -97,7 +137,9 @@ class EnvironmentRollouts:
             else:
                 results.append(by_index[i])
         self._record_failures(jobs, trajectories)
-        return [Scored(t, r) for t, r in zip(trajectories, results)], _metrics(trajectories, batcher.requests, batcher.batches)
+        metrics = _metrics(trajectories, batcher.requests, batcher.batches)
+        metrics.update(self.runner.extra_metrics(trajectories))
+        return [Scored(t, r) for t, r in zip(trajectories, results)], metrics
 
     async def batch(
         self, generator: Generator, problems: Sequence[Problem], *, index: int, seeds: Sequence[int],

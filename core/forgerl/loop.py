@@ -30,7 +30,7 @@ from forgerl.batching import prepare_batch
 from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.config import RunConfig
 from forgerl.env_rollouts import EnvironmentRollouts
-from forgerl.errors import CheckpointError, CheckpointUnusable
+from forgerl.errors import CheckpointError, CheckpointUnusable, ConfigError
 from forgerl.interfaces import Generator, RunContext, Task
 from forgerl.metrics import MetricsWriter
 from forgerl.plugins import Registry
@@ -82,7 +82,9 @@ class Loop:
         self.last_batch_task_state: dict[str, Any] = {}
         self.pending_restored: list[RolloutBatch] = []
         #: Multi-turn rollouts through the configured environment; None: single-turn.
-        self.environment = EnvironmentRollouts.from_config(config, registry, tokenizer, ctx.run_dir)
+        self.environment = EnvironmentRollouts.from_config(
+            config, registry, tokenizer, ctx.run_dir, context_length=_context_length(ctx.model_path)
+        )
 
     # -------------------------------------------------------------------- state
 
@@ -230,6 +232,8 @@ class Loop:
             raise
         finally:
             buffer.stop()
+            if self.environment is not None:
+                self.environment.close()  # an agent endpoint stops serving
             summary = self.summary(status)
             try:
                 runs.atomic_write_text(self.run_dir / runs.SUMMARY_FILE, json.dumps(summary, indent=2))
@@ -441,6 +445,18 @@ class Loop:
             "time": {k: round(v, 3) for k, v in self.time_totals.items()},
             "run_dir": str(self.run_dir),
         }
+
+
+def _context_length(model_path: Path | None) -> int | None:
+    """The model folder's context length, where its config.json gives one."""
+    from forgerl.preflight import folder_context_length
+
+    if model_path is None:
+        return None
+    try:
+        return folder_context_length(Path(model_path))
+    except ConfigError:
+        return None
 
 
 def _is_correct(score: Any, cfg: RunConfig) -> float:

@@ -100,7 +100,7 @@ def model_context_length(config: RunConfig, registry: Registry, *, local_files: 
         check_hub_id(name, registry)
         return None  # a hub id: fetched, and checked, when the run starts
     folder = resolve_model(config.model, registry)  # a local folder: no network
-    return _context_length(folder / "config.json")
+    return folder_context_length(folder)
 
 
 def check_checkpoints(run_dir: Path, *, keep: int) -> None:
@@ -120,6 +120,11 @@ def check_checkpoints(run_dir: Path, *, keep: int) -> None:
             continue
     if found:
         checkpoint.latest(run_dir, keep)  # raises CheckpointUnusable with every reason
+
+
+def folder_context_length(folder: Path) -> int | None:
+    """The context length a model folder's config.json gives, if any."""
+    return _context_length(folder / "config.json")
 
 
 def _context_length(path: Path) -> int | None:

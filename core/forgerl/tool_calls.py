@@ -54,6 +54,24 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """``text`` without its well-formed calls, and those calls in order (at most
+    :data:`MAX_CALLS_PER_TURN`). A malformed call stays in the text, where the reader sees
+    what the model wrote. For answers in the OpenAI format (``message.tool_calls``)."""
+    kept: list[str] = []
+    calls: list[ToolCall] = []
+    at = 0
+    for match in _CALL.finditer(text):
+        call = _parse_one(match.group(1), closed=match.group(0).endswith("</tool_call>"))
+        if call.error is not None or len(calls) == MAX_CALLS_PER_TURN:
+            continue
+        kept.append(text[at : match.start()])
+        at = match.end()
+        calls.append(call)
+    kept.append(text[at:])
+    return "".join(kept), calls
+
+
 def _parse_one(body: str, *, closed: bool) -> ToolCall:
     if not closed:
         return ToolCall("", {}, "unterminated <tool_call>: close it with </tool_call>")

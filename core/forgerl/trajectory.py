@@ -65,6 +65,10 @@ class Trajectory:
     observations: int = 0
     #: The last assistant turn's text (what the Reward plugins score).
     last_text: str = ""
+    #: An agent's episode (forgerl.agent_episode): segments before the trained one (its
+    #: history rewrites), and the sampled tokens in them (not trained on).
+    rewrites: int = 0
+    dropped_tokens: int = 0
 
 
 class GarbageError(Exception):
@@ -270,8 +274,19 @@ class TrajectoryRunner:
 
     @staticmethod
     def _fail(traj: Trajectory, kind: FailureKind, reason: str) -> None:
-        """An environment failure is not the model's: its tokens leave the loss."""
-        traj.failure, traj.failure_kind = reason, kind
-        c = traj.completion
-        c.mask = [0] * len(c.token_ids)
-        log.warning("environment failed a trajectory (%s): %s", kind, reason)
+        fail_trajectory(traj, kind, reason)
+
+    def extra_metrics(self, trajectories: Sequence[Trajectory]) -> dict[str, float]:
+        """Metrics of this kind of rollout beyond the ``env/*`` every environment gets."""
+        return {}
+
+    def close(self) -> None:
+        """Nothing to release: environments are closed with their trajectories."""
+
+
+def fail_trajectory(traj: Trajectory, kind: FailureKind, reason: str) -> None:
+    """An environment failure is not the model's: its tokens leave the loss."""
+    traj.failure, traj.failure_kind = reason, kind
+    c = traj.completion
+    c.mask = [0] * len(c.token_ids)
+    log.warning("environment failed a trajectory (%s): %s", kind, reason)

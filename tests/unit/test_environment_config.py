@@ -33,7 +33,7 @@ def test_a_different_environment_drops_the_old_ones_options(tmp_path):
 @pytest.mark.parametrize(
     ("sets", "error", "message"),
     [
-        (["environment.name=nosuch"], UnknownBackend, "no environment 'nosuch'; installed: calculator, guess"),
+        (["environment.name=nosuch"], UnknownBackend, "no environment 'nosuch'; installed: agent, calculator, guess"),
         (["environment.name=guess", "environment.options.colour=red"], ConfigError, "environment.options.colour: unknown key"),
         (["environment.name=guess", "environment.options.low=9", "environment.options.high=2"], ConfigError,
          "high (2) must be at least low (9)"),

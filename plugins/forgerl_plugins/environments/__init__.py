@@ -1,6 +1,7 @@
 """Built-in environments: ``calculator`` (arithmetic with a ``calculate`` tool),
-``python`` (arithmetic with a sandboxed ``run_python`` tool) and ``guess`` (a
-number-guessing game with higher/lower feedback)."""
+``python`` (arithmetic with a sandboxed ``run_python`` tool), ``guess`` (a
+number-guessing game with higher/lower feedback) and ``agent`` (an agent program that
+calls the run's OpenAI-compatible endpoint)."""
 
 from __future__ import annotations
 
@@ -13,4 +14,5 @@ def forge_environments():
         "forgerl_plugins.environments.calculator:CalculatorEnvironment",
         "forgerl_plugins.environments.guess:GuessEnvironment",
         "forgerl_plugins.environments.python:PythonEnvironment",
+        "forgerl_plugins.environments.agent:AgentProgram",
     ]
