@@ -19,13 +19,15 @@ import dataclasses
 import importlib
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
 from typing import Any
 
 import pluggy
 
 from forgerl import hookspecs
+from forgerl.backend_classes import record_for_class
+from forgerl.backend_index import BackendIndex
 from forgerl.backends import BACKEND_KINDS, Backend
 from forgerl.env import env_flag
 from forgerl.errors import (
@@ -62,7 +64,8 @@ class Registry:
 
     Build it with :func:`build_registry`. Backends are collected once, when first asked
     for: collecting imports every backend class's module, which a command that needs no
-    backend (``forge --help``, ``forge status``) is spared.
+    backend (``forge --help``, ``forge status``) is spared, and so is ``forge plugins
+    list`` while the index of the classes' identities is up to date (:meth:`listing`).
     """
 
     def __init__(
@@ -91,12 +94,27 @@ class Registry:
 
     # -------------------------------------------------------------- collection
 
+    def listing(self) -> dict[str, PluginInfo]:
+        """:attr:`plugins`, for showing them (``forge plugins list``): the identity of a
+        backend class comes from the index (:mod:`forgerl.backend_index`) when it is up to
+        date, and its module is imported only when the backend is first built. A class
+        that fails to import or to pass the checks is never in the index, so a broken
+        plugin is reported as by :attr:`plugins`."""
+        if not self._collected:
+            self._collected = True
+            index = BackendIndex.load()
+            self._collect(self._strict, index.record)
+            index.save()
+        return self._plugins
+
     def _collect_once(self) -> None:
         if not self._collected:
             self._collected = True
             self._collect(self._strict)
 
-    def _collect(self, strict: bool) -> None:
+    def _collect(
+        self, strict: bool, record_of: Callable[[type[Backend], Any, str], Backend] = record_for_class
+    ) -> None:
         """Ask every plugin for its backends. A plugin whose registration hook raises or
         returns something that is not a record of its kind is dropped whole, like one
         that fails to import; a name two plugins claim is recorded as a clash."""
@@ -110,7 +128,7 @@ class Registry:
                     label = self._plugins[plugin_name].label
                     records = [
                         dataclasses.replace(record, provider=label)
-                        for record in checked_records(hook_name, BACKEND_KINDS[kind], call())
+                        for record in checked_records(hook_name, BACKEND_KINDS[kind], call(), record_of)
                     ]
                 except Exception as exc:  # noqa: BLE001 - a plugin's registration code failed
                     failed[plugin_name] = (registration_failure(hook_name, exc), exc)
