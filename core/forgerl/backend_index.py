@@ -119,10 +119,15 @@ class BackendIndex:
             "files": [[name, recorded] for name, recorded in _fingerprint().items()],
             "backends": list(self._entries.values()),
         }
+        # Written beside it and renamed over it: a listing running meanwhile reads the old
+        # index or the new one, never half of one.
         temporary = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         try:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return
+        try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(data, f, separators=(",", ":"))
             os.replace(temporary, self.path)

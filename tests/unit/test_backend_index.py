@@ -48,11 +48,21 @@ def forge_env(cache: Path, site: Path | None = None) -> dict[str, str]:
     return env
 
 
-def list_plugins(cache: Path, *args: str, site: Path | None = None) -> subprocess.CompletedProcess:
+def list_plugins(
+    cache: Path, *args: str, site: Path | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """`forge plugins list` as `python -m` runs it: with its working folder on sys.path,
+    which the index depends on (``cwd``: one nothing else writes in, where that matters)."""
     return subprocess.run(
         [sys.executable, "-m", "forgerl.cli", "plugins", "list", *args],
-        capture_output=True, text=True, env=forge_env(cache, site), timeout=scaled(60),
+        capture_output=True, text=True, env=forge_env(cache, site), timeout=scaled(60), cwd=cwd,
     )
+
+
+def quiet_folder(parent: Path) -> Path:
+    folder = parent / "work"
+    folder.mkdir()
+    return folder
 
 
 def index_file(cache: Path) -> Path:
@@ -62,18 +72,22 @@ def index_file(cache: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def unindexed(tmp_path_factory) -> dict[str, str]:
-    """The listing, text and JSON, as collecting every class gives it (an empty cache)."""
-    return {
-        args: list_plugins(tmp_path_factory.mktemp("cache"), *args.split()).stdout for args in ("", "--json")
-    }
+    """The listing, text and JSON, as collecting every class gives it (an empty cache),
+    and the index the first listing wrote."""
+    cache = tmp_path_factory.mktemp("cache")
+    cwd = quiet_folder(cache)
+    shown = {args: list_plugins(cache, *args.split(), cwd=cwd).stdout for args in ("", "--json")}
+    return {**shown, "index": index_file(cache).read_text(), "cwd": str(cwd)}
 
 
 def test_once_indexed_listing_imports_no_backend_module_and_shows_the_same(tmp_path, unindexed):
-    first = list_plugins(tmp_path)
+    cwd = quiet_folder(tmp_path)
+    first = list_plugins(tmp_path, cwd=cwd)
     assert first.returncode == 0 and first.stderr == "", first.stderr
     assert index_file(tmp_path).parent == tmp_path / "forgerl"  # under XDG_CACHE_HOME
     probe = subprocess.run(
-        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=forge_env(tmp_path), timeout=scaled(60)
+        [sys.executable, "-c", PROBE], capture_output=True, text=True, env=forge_env(tmp_path), timeout=scaled(60),
+        cwd=cwd,
     )
     assert probe.returncode == 0, probe.stderr[-2000:]
     seen = json.loads(probe.stdout.strip().splitlines()[-1])
@@ -81,8 +95,9 @@ def test_once_indexed_listing_imports_no_backend_module_and_shows_the_same(tmp_p
     assert "forgerl_plugins.generators.hf.generator" in seen["modules"], seen
     assert seen["imported"] == [] and seen["pydantic"] is False, seen
     assert probe.stdout.rsplit("\n", 2)[0] + "\n" == unindexed[""]
-    for args, expected in unindexed.items():
-        again = list_plugins(tmp_path, *args.split())
+    for args in ("", "--json"):
+        expected = unindexed[args]
+        again = list_plugins(tmp_path, *args.split(), cwd=cwd)
         assert (again.returncode, again.stdout, again.stderr) == (0, expected, ""), again.stderr
 
 
@@ -124,11 +139,10 @@ def shown(proc: subprocess.CompletedProcess) -> dict[str, dict]:
 
 
 def test_a_changed_class_is_read_again(tmp_path):
-    site = third_party(tmp_path)
-    cache = tmp_path / "cache"
-    assert shown(list_plugins(cache, "--json", site=site))["idx"]["backends"][0]["description"] == "ONE"
+    site, cache, cwd = third_party(tmp_path), tmp_path / "cache", quiet_folder(tmp_path)
+    assert shown(list_plugins(cache, "--json", site=site, cwd=cwd))["idx"]["backends"][0]["description"] == "ONE"
     (site / "fake_idx_cls.py").write_text(REWARD_CLASS.replace('"ONE"', '"the second one"'))
-    row = shown(list_plugins(cache, "--json", site=site))["idx"]
+    row = shown(list_plugins(cache, "--json", site=site, cwd=cwd))["idx"]
     assert [b["description"] for b in row["backends"]] == ["the second one"], row
 
 
@@ -137,56 +151,56 @@ def test_a_changed_class_is_read_again(tmp_path):
     ["the class module raises", "a module it imports is removed", "the class is no reward any more"],
 )
 def test_a_plugin_broken_after_it_was_indexed_is_reported_as_without_the_index(tmp_path, breakage):
-    site = third_party(tmp_path)
-    cache = tmp_path / "cache"
-    assert shown(list_plugins(cache, "--json", site=site))["idx"]["status"] == "loaded"
+    site, cache, cwd = third_party(tmp_path), tmp_path / "cache", quiet_folder(tmp_path)
+    assert shown(list_plugins(cache, "--json", site=site, cwd=cwd))["idx"]["status"] == "loaded"
     if breakage == "the class module raises":
         (site / "fake_idx_cls.py").write_text(REWARD_CLASS + "\nraise RuntimeError('broken on purpose')\n")
     elif breakage == "a module it imports is removed":
         (site / "fake_idx_dep.py").unlink()
     else:
-        (site / "fake_idx_cls.py").write_text(REWARD_CLASS.replace("(Reward)", "(object)"))
-    indexed = list_plugins(cache, "--json", site=site)
-    fresh = list_plugins(tmp_path / "empty-cache", "--json", site=site)
+        # Of another size: Python's own bytecode cache would not notice an edit of the same
+        # size within the second (the index would, but the listing without it must too).
+        (site / "fake_idx_cls.py").write_text(REWARD_CLASS.replace("(Reward):", "(object):  # no Reward"))
+    indexed = list_plugins(cache, "--json", site=site, cwd=cwd)
+    fresh = list_plugins(tmp_path / "empty-cache", "--json", site=site, cwd=cwd)
     assert "plugin 'idx' (fake-idx 1.0) registers something wrong" in fresh.stderr, fresh.stderr
     assert (indexed.returncode, indexed.stdout, indexed.stderr) == (0, fresh.stdout, fresh.stderr)
     assert shown(indexed)["idx"]["status"] == "broken"
     # Broken stays broken: what failed is never indexed, so it is imported again.
-    again = list_plugins(cache, "--json", site=site)
+    again = list_plugins(cache, "--json", site=site, cwd=cwd)
     assert (again.stdout, again.stderr) == (fresh.stdout, fresh.stderr)
 
 
-def _fifo(path: Path) -> None:
-    os.mkfifo(path)
-
-
-def _escape_sequences(path: Path) -> None:
-    data = json.loads(path.read_text())
+def _escape_sequences(path: Path, index: str) -> None:
+    """The index of this environment, up to date, with descriptions that would retitle
+    the terminal."""
+    data = json.loads(index)
     for entry in data["backends"]:
         entry["description"] = "\x1b]0;owned\x07" + entry["description"]
     path.write_text(json.dumps(data))
 
 
 HOSTILE = {
-    "not json": lambda p: p.write_bytes(b"\x00\xff{not json"),
-    "another shape": lambda p: p.write_text(json.dumps([1, 2, 3])),
-    "nested too deep": lambda p: p.write_text("[" * 200_000),
-    "too large": lambda p: p.write_bytes(b" " * (MAX_BYTES + 1)),
+    "not json": lambda p, _: p.write_bytes(b"\x00\xff{not json"),
+    "another shape": lambda p, _: p.write_text(json.dumps([1, 2, 3])),
+    "nested too deep": lambda p, _: p.write_text("[" * 200_000),
+    "too large": lambda p, _: p.write_bytes(b" " * (MAX_BYTES + 1)),
     "escape sequences": _escape_sequences,
-    "a fifo": _fifo,
-    "a folder": lambda p: p.mkdir(),
-    "a link": lambda p: p.symlink_to("/dev/zero"),
+    "a fifo": lambda p, _: os.mkfifo(p),
+    "a folder": lambda p, _: p.mkdir(),
+    "a link": lambda p, _: p.symlink_to("/dev/zero"),
 }
 
 
 @pytest.mark.parametrize("spoil", list(HOSTILE.values()), ids=list(HOSTILE))
-def test_a_corrupt_or_hostile_index_is_ignored(tmp_path, unindexed, spoil):
-    assert list_plugins(tmp_path).returncode == 0
-    path = index_file(tmp_path)
-    if spoil is not _escape_sequences:
-        path.unlink()
-    spoil(path)
-    listed = list_plugins(tmp_path)  # a fifo would block forever if it were opened as a file
+def test_a_corrupt_or_hostile_index_is_ignored(tmp_path, monkeypatch, unindexed, spoil):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = index_path()  # the listing's: the same interpreter
+    path.parent.mkdir(parents=True)
+    spoil(path, unindexed["index"])
+    # In the folder the index was written from: the escape sequences reach an index that
+    # is up to date. A fifo would block forever if it were opened as a file.
+    listed = list_plugins(tmp_path, cwd=Path(unindexed["cwd"]))
     assert (listed.returncode, listed.stdout, listed.stderr) == (0, unindexed[""], "")
 
 
