@@ -1,8 +1,10 @@
 """One backend, one class: a backend's identity, options and implementation in one place.
 
 A registration hook returns backend classes, or ``"module:Class"`` strings naming them
-(imported when the registry is built; a backend module imports nothing heavy at its top
-level, so this stays fast). The class says everything about the backend::
+(imported when the registry collects its backends; a backend module imports nothing
+heavy at its top level, so this stays fast; ``forge plugins list`` reads the identities
+of unchanged classes from an index instead, :mod:`forgerl.backend_index`). The class says
+everything about the backend::
 
     class BrevityReward(Reward):
         name = "brevity"                          # --reward brevity

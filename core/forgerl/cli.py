@@ -225,7 +225,7 @@ def plugins_list(as_json: bool) -> None:
     """Every plugin: distribution, version, hooks, backends and whether each can run here."""
     registry = _registry()
     rows: list[dict[str, Any]] = []
-    for info in sorted(registry.plugins.values(), key=lambda i: (not i.first_party, i.name, i.distribution)):
+    for info in sorted(registry.listing().values(), key=lambda i: (not i.first_party, i.name, i.distribution)):
         rows.append(
             {
                 "name": info.name,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,9 +115,15 @@ def unknown_hooks(names: list[str]) -> str:
     return text
 
 
-def checked_records(hook: str, expected: type[Backend], results: Iterable[Any]) -> list[Backend]:
+def checked_records(
+    hook: str,
+    expected: type[Backend],
+    results: Iterable[Any],
+    record_of: Callable[[type[Backend], Any, str], Backend] = record_for_class,
+) -> list[Backend]:
     """The records one plugin's registration ``hook`` returned (pluggy gives one result per
-    implementation), each checked to be an ``expected`` record."""
+    implementation), each checked to be an ``expected`` record; ``record_of`` makes the
+    record of a backend class (the listing's reads the class's identity from an index)."""
     records: list[Backend] = []
     for result in results:
         if result is None:
@@ -129,7 +135,7 @@ def checked_records(hook: str, expected: type[Backend], results: Iterable[Any]) 
         for record in result:
             if isinstance(record, (str, type)):
                 # One backend, one class (forgerl.backend_classes): the class, or "module:Class".
-                record = record_for_class(expected, record, hook)
+                record = record_of(expected, record, hook)
             if not isinstance(record, expected):
                 raise PluginError(
                     f"{hook} returned {type(record).__name__}; expected {expected.__name__} or a backend class"

@@ -19,13 +19,15 @@ import dataclasses
 import importlib
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
 from typing import Any
 
 import pluggy
 
 from forgerl import hookspecs
+from forgerl.backend_classes import record_for_class
+from forgerl.backend_index import BackendIndex
 from forgerl.backends import BACKEND_KINDS, Backend
 from forgerl.env import env_flag
 from forgerl.errors import (
@@ -62,7 +64,8 @@ class Registry:
 
     Build it with :func:`build_registry`. Backends are collected once, when first asked
     for: collecting imports every backend class's module, which a command that needs no
-    backend (``forge --help``, ``forge status``) is spared.
+    backend (``forge --help``, ``forge status``) is spared, and so is ``forge plugins
+    list`` while the index of the classes' identities is up to date (:meth:`listing`).
     """
 
     def __init__(
@@ -91,12 +94,27 @@ class Registry:
 
     # -------------------------------------------------------------- collection
 
+    def listing(self) -> dict[str, PluginInfo]:
+        """:attr:`plugins`, for showing them (``forge plugins list``): the identity of a
+        backend class comes from the index (:mod:`forgerl.backend_index`) when it is up to
+        date, and its module is imported only when the backend is first built. A class
+        that fails to import or to pass the checks is never in the index, so a broken
+        plugin is reported as by :attr:`plugins`."""
+        if not self._collected:
+            self._collected = True
+            index = BackendIndex.load()
+            self._collect(self._strict, index.record)
+            index.save()
+        return self._plugins
+
     def _collect_once(self) -> None:
         if not self._collected:
             self._collected = True
             self._collect(self._strict)
 
-    def _collect(self, strict: bool) -> None:
+    def _collect(
+        self, strict: bool, record_of: Callable[[type[Backend], Any, str], Backend] = record_for_class
+    ) -> None:
         """Ask every plugin for its backends. A plugin whose registration hook raises or
         returns something that is not a record of its kind is dropped whole, like one
         that fails to import; a name two plugins claim is recorded as a clash."""
@@ -110,7 +128,7 @@ class Registry:
                     label = self._plugins[plugin_name].label
                     records = [
                         dataclasses.replace(record, provider=label)
-                        for record in checked_records(hook_name, BACKEND_KINDS[kind], call())
+                        for record in checked_records(hook_name, BACKEND_KINDS[kind], call(), record_of)
                     ]
                 except Exception as exc:  # noqa: BLE001 - a plugin's registration code failed
                     failed[plugin_name] = (registration_failure(hook_name, exc), exc)
@@ -276,9 +294,7 @@ def build_registry(
 
     infos: dict[str, PluginInfo] = {}
     if entry_points:
-        for ep, shadowed_by in _entry_points():
-            dist = ep.dist.name if ep.dist else "unknown"
-            version = ep.dist.version if ep.dist else "?"
+        for ep, dist, version, shadowed_by in _entry_points():
             info = PluginInfo(ep.name, dist, version)
             if shadowed_by is not None:
                 # Two distributions use one plugin name: keep one (the built-in one if it
@@ -340,25 +356,36 @@ def build_registry(
     return registry
 
 
-def _entry_points() -> list[tuple[Any, PluginInfo | None]]:
-    """The ``forgerl`` entry points by name, each with the plugin that shadows it when
-    another distribution uses the same name (built-in first, else the first by distribution)."""
-    by_name: dict[str, list[Any]] = {}
+def _entry_points() -> list[tuple[Any, str, str, PluginInfo | None]]:
+    """The ``forgerl`` entry points by name, each with its distribution's name and version
+    and the plugin that shadows it when another distribution uses the same name (built-in
+    first, else the first by distribution)."""
+    by_name: dict[str, list[tuple[Any, str, str]]] = {}
+    read: dict[int, tuple[str, str]] = {}
     for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        by_name.setdefault(ep.name, []).append(ep)
-    out: list[tuple[Any, PluginInfo | None]] = []
+        by_name.setdefault(ep.name, []).append((ep, *_distribution(ep, read)))
+    out: list[tuple[Any, str, str, PluginInfo | None]] = []
     for name in sorted(by_name):
-        eps = sorted(by_name[name], key=lambda e: (_dist_name(e) != FIRST_PARTY_DIST, _dist_name(e)))
-        kept = eps[0]
-        out.append((kept, None))
-        holder = PluginInfo(name, _dist_name(kept), kept.dist.version if kept.dist else "?")
-        same = (_dist_name(kept), kept.value)
-        out += [(ep, holder) for ep in eps[1:] if (_dist_name(ep), ep.value) != same]
+        eps = sorted(by_name[name], key=lambda e: (e[1] != FIRST_PARTY_DIST, e[1]))
+        kept, kept_dist, kept_version = eps[0]
+        out.append((kept, kept_dist, kept_version, None))
+        holder = PluginInfo(name, kept_dist, kept_version)
+        out += [(ep, d, v, holder) for ep, d, v in eps[1:] if (d, ep.value) != (kept_dist, kept.value)]
     return out
 
 
-def _dist_name(ep: Any) -> str:
-    return ep.dist.name if ep.dist else "unknown"
+def _distribution(ep: Any, read: dict[int, tuple[str, str]]) -> tuple[str, str]:
+    """The name and version of the distribution providing ``ep``, read once per
+    distribution (its entry points share one object, alive while ``read`` is used): each
+    read of a name or version parses the whole METADATA file, README included, and
+    reading them at every use took 133 parses, about a third of ``forge --help``."""
+    dist = ep.dist
+    if dist is None:
+        return "unknown", "?"
+    if id(dist) not in read:
+        meta = dist.metadata
+        read[id(dist)] = (meta["Name"], meta["Version"])
+    return read[id(dist)]
 
 
 def _register(pm: pluggy.PluginManager, obj: Any, info: PluginInfo, strict: bool) -> None:

@@ -33,14 +33,20 @@ def assert_one_line_error(proc: subprocess.CompletedProcess, *needles: str) -> N
 
 
 def test_help_and_plugins_list_do_not_import_torch():
+    """Nor does importing every backend class (with no extra installed: sglang, vllm, the
+    kubernetes client), which `config schema` does and the listing does too when its index
+    is out of date (tests/unit/test_backend_index.py shows it importing none)."""
     code = (
         "import sys\n"
         "from forgerl.cli import main\n"
+        "from forgerl.plugins import build_registry\n"
         "for args in (['--help'], ['plugins', 'list'], ['config', 'schema']):\n"
         "    try:\n"
         "        main(args)\n"
         "    except SystemExit:\n"
         "        pass\n"
+        "classes = [b.factory for i in build_registry().plugins.values() for b in i.backends]\n"
+        "assert len(classes) >= 23 and all(isinstance(c, type) for c in classes), classes\n"
         "heavy = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
         "print('HEAVY', heavy)\n"
     )
