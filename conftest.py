@@ -1,5 +1,7 @@
 """Plugins of every test session in this repository, contrib's tests included: the vLLM
-server they share (tests/helpers/shared_vllm.py)."""
+server they share (tests/helpers/shared_vllm.py), and the groups that keep tests sharing a
+machine-wide resource on one worker when the suite runs on several (pytest-xdist,
+``make test``: ``-n 2 --dist loadgroup``)."""
 
 from __future__ import annotations
 
@@ -24,3 +26,43 @@ def pytest_configure(config: pytest.Config) -> None:
 # The plugins scale deadlines as they are imported: with no factor to scale by, the session
 # stops above, so they are not loaded.
 pytest_plugins = [] if _BAD_SCALE else ["tests.helpers.shared_vllm"]
+
+
+#: Tests that must not run beside each other on two workers, by group:
+#: - ``vllm``: every test that starts a vLLM server (or uses the shared one): one server
+#:   at a time keeps the two cores' share of each predictable, and the shared server is
+#:   started once, on one worker;
+#: - ``sandbox``: tests that run programs in the code sandbox, because some of them check
+#:   that no process of the sandbox's users is left behind (tests/helpers/sandbox_processes.py),
+#:   which a program of another worker's test would seem to be;
+#: - ``slurm``: jobs of the one local Slurm node, which would queue behind each other.
+_GROUP_MODULES = {
+    "vllm": ("test_vllm.py", "test_wedged_engine.py", "test_generator_faults.py", "test_vllm_security.py",
+             "test_shared_vllm.py", "test_generator_kit.py", "test_contrib_openai.py",
+             "test_openai_conformance.py", "test_reward_model_served.py"),
+    "sandbox": ("test_code_sandbox.py", "test_python_environment.py", "test_code_reward_attacks.py",
+                "test_code_run.py", "test_code_reward.py", "test_sandbox_deadline.py"),
+    "slurm": ("test_slurm.py", "test_slurm_faults.py", "test_run_dir_jobs.py"),
+}
+
+
+def _group(item: pytest.Item) -> str | None:
+    module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    for group, modules in _GROUP_MODULES.items():
+        if module in modules:
+            return group
+    name = item.nodeid.lower()
+    if "vllm" in name and "/unit/" not in item.nodeid:  # a run of the vllm generator elsewhere
+        return "vllm"
+    if "slurm" in name and "/unit/" not in item.nodeid:
+        return "slurm"
+    return None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        group = _group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
