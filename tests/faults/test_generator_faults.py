@@ -4,7 +4,7 @@ A hung server (SIGSTOP: its process exists, nothing answers) must be handled lik
 crashed one: its launcher sees ``/health`` go silent, kills it, the scheduler restarts the
 replica, and the generator brings the new server to the current weights before it serves.
 The run completes with no step lost or repeated. (A kill -9 of one of two replicas mid-run
-is tests/integration/test_vllm.py::test_forge_run_end_to_end_survives_a_killed_replica.)
+is tests/integration/test_sglang_double.py::test_forge_run_end_to_end_survives_a_killed_replica.)
 """
 
 from __future__ import annotations

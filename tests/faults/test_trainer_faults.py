@@ -38,10 +38,14 @@ RUN = [
     "--set", "loop.sampling.max_tokens=12",
     "--set", "loop.eval_size=4",
     "--set", "trainer.options.lr=1e-3",
+    # A stopped role gets stop_timeout before SIGKILL: a run that hangs on gloo instead of
+    # failing takes at least that long, far past FAIL_FAST_S even when both are scaled.
+    "--set", "scheduler.options.stop_timeout=1000",
 ]
-#: The local scheduler polls every 0.1 s and gives a stopped role stop_timeout (30 s) before
-#: SIGKILL: a run that hangs on gloo instead of failing would take at least that long.
-FAIL_FAST_S = 20
+#: Failing fast (the other rank's gloo call errors, the job ends) takes a few seconds idle;
+#: the margin is for a loaded machine (20 s was once not enough at load 10), and anything
+#: below stop_timeout tells "failed" from "hung until killed".
+FAIL_FAST_S = 120
 
 
 def metrics(run_dir: Path) -> list[dict]:

@@ -231,3 +231,59 @@ def test_forge_run_three_steps_against_the_double(tmp_path, transport, policy):
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
     gaps = [r["logprob_gap/max"] for r in rows]
     assert max(gaps) < 1e-4, f"train/inference logprob gap per step: {gaps}"
+
+
+def test_forge_run_end_to_end_survives_a_killed_replica(tmp_path):
+    """A replica's server killed mid-run (held after step 1): the run fails its requests over
+    to the other replica, the scheduler restarts the dead one, and every step trains on
+    the current weights. The pool, its watcher and the loop are the vllm generator's too
+    (tests/integration/test_vllm.py kills a real vLLM replica at the pool's level)."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from ..helpers import hold_at_step
+    from ..helpers.timing import wait_until
+
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "forgerl.cli", "run",
+        "--model", "tiny", "--generator", "sglang_double", "--trainer", "fsdp",
+        "--steps", "3", "--reward", "format", "--set", "rewards.0.options.pattern=\\d",
+        "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=4",
+        "--set", "loop.sampling.max_tokens=12", "--set", "loop.eval_size=4",
+        "--set", "generator.options.replicas=2",
+        "--set", f"generator.options.launch_command={json.dumps(DOUBLE_COMMAND)}",
+        "--set", "generator.options.health_interval=0.5",
+        "--set", "scheduler.options.oversubscribe=true",
+        "--set", "logging.progress=false", "--output", str(out),
+        "--set", "trainer.options.autocast_bf16=false",
+    ]  # fmt: skip
+    env = hold_at_step.hold_env(1)  # the repo on the path
+    env["FORGE_PLUGINS"] = f"{PLUGIN},{env['FORGE_PLUGINS']}"
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    killed = None
+    try:
+        wait_until(lambda: proc.poll() is not None or hold_at_step.marker(out, 1).exists(), 600,
+                   "step 1 of the run (or its end)", interval=0.2)
+        if proc.poll() is None:
+            killed = json.loads((out / "generators" / "sglang-1.json").read_text())["pid"]
+            os.kill(killed, signal.SIGKILL)  # held after step 1, before step 2
+            hold_at_step.release(out, 1)
+        _, stderr = proc.communicate(timeout=scaled(600))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert killed is not None, "the run ended before a replica could be killed"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["policy_version"] for r in rows] == [1, 2, 3]
+    gaps = [r["logprob_gap/max"] for r in rows]
+    assert max(gaps) < 1e-4, f"train/inference logprob gap per step: {gaps}"
+    events = (out / "logs" / "scheduler.log").read_text()
+    assert "restarting sglang-1" in events, events[-2000:]
+
