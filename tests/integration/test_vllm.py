@@ -402,7 +402,7 @@ def _requests_held_until(gen, release_after: Callable[[str, int], bool]):
     held: list[str] = []
     release = asyncio.Event()
     calls: dict[str, int] = {}
-    complete, admin, update = gen._client.complete, gen._client.admin, gen._update_replica
+    complete, admin, update = gen.engine.client.complete, gen.engine.client.admin, gen.updater.update_replica
 
     async def held_complete(r, body):
         if not release.is_set():
@@ -423,13 +423,13 @@ def _requests_held_until(gen, release_after: Callable[[str, int], bool]):
             release.set()
         await (update(r, version) if policy is None else update(r, version, policy))
 
-    gen._client.complete, gen._client.admin = held_complete, watched_admin
-    gen._update_replica = watched_update
+    gen.engine.client.complete, gen.engine.client.admin = held_complete, watched_admin
+    gen.updater.update_replica = watched_update
     try:
         yield held, release
     finally:
         gen._io.loop.call_soon_threadsafe(release.set)
-        del gen._client.complete, gen._client.admin, gen._update_replica
+        del gen.engine.client.complete, gen.engine.client.admin, gen.updater.update_replica
 
 
 @pytest.mark.parametrize(
