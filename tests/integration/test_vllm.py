@@ -461,7 +461,7 @@ def test_requests_in_flight_during_an_update(cluster: Cluster, policy: str, when
     }[when]
     results: list[Any] = []
     worker = threading.Thread(target=lambda: results.append(_generate(gen, requests)))
-    gen.options = gen.options.model_copy(update={"update_policy": policy})
+    gen.updater.policy = policy
     try:
         with _requests_held_until(gen, release_after) as (held, released):
             worker.start()
@@ -470,7 +470,7 @@ def test_requests_in_flight_during_an_update(cluster: Cluster, policy: str, when
             assert released.is_set(), f"the update never reached the point {when!r}"
         worker.join(scaled(300))
     finally:
-        gen.options = gen.options.model_copy(update={"update_policy": "wait"})
+        gen.updater.policy = "wait"
     assert results, "generation did not finish"
     versions = [comp.policy_version for cs in results[0] for comp in cs]
     # wait: drained on the old weights; abort: every request that overlapped the update is

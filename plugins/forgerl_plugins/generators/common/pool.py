@@ -33,7 +33,7 @@ from forgerl.types import Completion, GenerationRequest, GeneratorHealth
 from .launcher import endpoint_file, log_file
 from .replica import Replica
 from .updates import WeightUpdater
-from .watch import ReplicaWatch
+from .watch import ReplicaWatcher
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Engine
@@ -72,7 +72,7 @@ class ReplicaPool(Generator):
         # first waits on them (Python >= 3.10).
         self._sem = asyncio.Semaphore(options.max_concurrency)
         self._changed = asyncio.Condition()  # a replica may serve now, or the version changed
-        self.watcher = ReplicaWatch(engine, run_dir=run_dir, startup_timeout=options.startup_timeout)
+        self.watcher = ReplicaWatcher(engine, run_dir=run_dir, startup_timeout=options.startup_timeout)
         self.updater = WeightUpdater(
             engine,
             self._replicas,

@@ -26,8 +26,8 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 
-class ReplicaWatch:
-    """``ReplicaWatch(engine, run_dir=..., startup_timeout=...)``: first contact with a
+class ReplicaWatcher:
+    """``ReplicaWatcher(engine, run_dir=..., startup_timeout=...)``: first contact with a
     replica, then one health check of it at a time (the pool runs them every
     ``health_interval``), on the pool's event loop."""
 
