@@ -122,7 +122,7 @@ def main() -> None:
             sync = time.perf_counter() - start
             if errors:
                 raise errors[0]
-            workers = [w for loads in gen.last_update["workers"].values() for w in loads]
+            workers = [w for loads in gen.updater.last_update["workers"].values() for w in loads]
             rounds.append(
                 {
                     "version": version,
@@ -130,7 +130,7 @@ def main() -> None:
                     "sync_s": sync,
                     "send_s": sender.last_send_seconds,
                     "sent_bytes": sender.last_send_bytes,
-                    "generator_s": gen.last_update["seconds"],
+                    "generator_s": gen.updater.last_update["seconds"],
                     "worker_s": max(w["seconds"] for w in workers),
                     "worker_wait_s": max(w.get("wait_seconds", 0.0) for w in workers),
                     "worker_read_s": max(w.get("read_seconds", 0.0) for w in workers),

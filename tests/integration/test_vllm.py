@@ -399,7 +399,7 @@ def _requests_held_until(gen, release_after: Callable[[str, int], bool]):
     held: list[str] = []
     release = asyncio.Event()
     calls: dict[str, int] = {}
-    complete, admin, update = gen._client.complete, gen._client.admin, gen._update_replica
+    complete, admin, update = gen.engine.client.complete, gen.engine.client.admin, gen.updater.update_replica
 
     async def held_complete(r, body):
         if not release.is_set():
@@ -420,13 +420,13 @@ def _requests_held_until(gen, release_after: Callable[[str, int], bool]):
             release.set()
         await (update(r, version) if policy is None else update(r, version, policy))
 
-    gen._client.complete, gen._client.admin = held_complete, watched_admin
-    gen._update_replica = watched_update
+    gen.engine.client.complete, gen.engine.client.admin = held_complete, watched_admin
+    gen.updater.update_replica = watched_update
     try:
         yield held, release
     finally:
         gen._io.loop.call_soon_threadsafe(release.set)
-        del gen._client.complete, gen._client.admin, gen._update_replica
+        del gen.engine.client.complete, gen.engine.client.admin, gen.updater.update_replica
 
 
 @pytest.mark.parametrize(
@@ -458,7 +458,7 @@ def test_requests_in_flight_during_an_update(cluster: Cluster, policy: str, when
     }[when]
     results: list[Any] = []
     worker = threading.Thread(target=lambda: results.append(_generate(gen, requests)))
-    gen.options = gen.options.model_copy(update={"update_policy": policy})
+    gen.updater.policy = policy
     try:
         with _requests_held_until(gen, release_after) as (held, released):
             worker.start()
@@ -467,7 +467,7 @@ def test_requests_in_flight_during_an_update(cluster: Cluster, policy: str, when
             assert released.is_set(), f"the update never reached the point {when!r}"
         worker.join(scaled(300))
     finally:
-        gen.options = gen.options.model_copy(update={"update_policy": "wait"})
+        gen.updater.policy = "wait"
     assert results, "generation did not finish"
     versions = [comp.policy_version for cs in results[0] for comp in cs]
     # wait: drained on the old weights; abort: every request that overlapped the update is

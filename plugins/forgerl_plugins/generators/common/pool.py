@@ -3,10 +3,11 @@ found through their launchers' endpoint files, spoken to over HTTP.
 
 :class:`ReplicaPool` dispatches each request to the ready replica with the fewest requests
 in flight, at most ``max_concurrency`` at once, and retries it on another replica when
-one fails; it watches the replicas (:mod:`.watch`) and updates their weights
-(:mod:`.updates`). An engine supplies how one request is sent and answered (``_send``),
-what to ask a replica it meets (``_introduce``), how one replica loads weights
-(``_update_replica``), its HTTP client (``_make_client``) and its file names.
+one fails. It is built of parts, each given what it needs: the engine's adapter
+(:class:`.engine.Engine`: the HTTP client, how a request is sent and answered, how a
+replica is met, paused, loaded and resumed), a watcher of the replicas' health and
+restarts (:mod:`.watch`) and an updater of their weights (:mod:`.updates`). A generator
+(vllm, sglang) is this pool built with its engine's adapter.
 
 All HTTP runs on one event loop in a thread of this object
 (:class:`forgerl.loop_thread.LoopThread`): ``generate`` may be awaited
@@ -16,29 +17,28 @@ connection pool and one view of the replicas.
 
 from __future__ import annotations
 
-import abc
 import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import GeneratorError, GeneratorUnreachable
-from forgerl.interfaces import Generator, RunContext, Transport
+from forgerl.interfaces import Generator, RunContext
 from forgerl.loop_thread import LoopThread
 from forgerl.types import Completion, GenerationRequest, GeneratorHealth
 
+from .launcher import endpoint_file, log_file
 from .replica import Replica
-from .updates import WeightUpdates
-from .watch import ReplicaWatch
+from .updates import WeightUpdater
+from .watch import ReplicaWatcher
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .client import HealthClient
+    from .engine import Engine
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 class ReplicaFailed(Exception):
@@ -49,77 +49,65 @@ class _Retry(Exception):
     """A request should be sent again (to another replica, or after an update)."""
 
 
-class ReplicaPool(ReplicaWatch, WeightUpdates, Generator):
-    """``Engine(options, *, context, transport)``: connects to the replicas of
-    ``context.run_dir`` and dispatches the requests (see the module docstring). The
-    options need ``replicas``, ``max_concurrency``, ``request_timeout``,
-    ``startup_timeout``, ``health_interval`` and ``update_policy``."""
+class ReplicaPool(Generator):
+    """``ReplicaPool(engine, options, *, context)``: connects to the replicas of
+    ``context.run_dir`` through ``engine`` and dispatches the requests (see the module
+    docstring). The options need ``replicas``, ``max_concurrency``, ``startup_timeout``,
+    ``health_interval`` and ``update_policy``."""
 
-    engine = ""  # "vllm": the role, and who speaks in log messages
-    label = ""  # "vLLM": in errors
-    _client: Any
-
-    def __init__(self, options: Any, *, context: RunContext, transport: Transport) -> None:
+    def __init__(self, engine: Engine, options: Any, *, context: RunContext) -> None:
+        self.engine = engine
         self.options = options
-        self.ctx = context
-        self.transport = transport
-        self.run_dir = Path(context.run_dir)
+        run_dir = Path(context.run_dir)
         # httpx logs every request at INFO: thousands of lines per step in the trainer's log.
         if logging.getLogger("httpx").level == logging.NOTSET:
             logging.getLogger("httpx").setLevel(logging.WARNING)
-        self._version = 0
         self._closed = False
-        self._replicas = [Replica(i, self._log_file(i), self.engine) for i in range(options.replicas)]
-        #: Results of the last weight load per replica (for benchmarks and logs).
-        self.last_update: dict[str, Any] = {}
-        self._io = LoopThread(f"forge-{self.engine}-http")
+        role = engine.role
+        self._replicas = [
+            Replica(i, log_file(run_dir, role, i), endpoint_file(run_dir, role, i), role)
+            for i in range(options.replicas)
+        ]
+        # Made here, used on the loop thread: asyncio's primitives bind to the loop that
+        # first waits on them (Python >= 3.10).
+        self._sem = asyncio.Semaphore(options.max_concurrency)
+        self._changed = asyncio.Condition()  # a replica may serve now, or the version changed
+        self.watcher = ReplicaWatcher(engine, run_dir=run_dir, startup_timeout=options.startup_timeout)
+        self.updater = WeightUpdater(
+            engine,
+            self._replicas,
+            policy=options.update_policy,
+            retry_after=10 * options.health_interval,
+            notify=self._notify,
+        )
+        self._io = LoopThread(f"forge-{role}-http")
         self._monitor: asyncio.Task | None = None
         try:
-            self._call(self._start())
+            self._io.call(self._start())
         except BaseException:
             self.close()
             raise
 
-    # ------------------------------------------------------------------ plumbing
-
-    @abc.abstractmethod
-    def _endpoint_file(self, index: int) -> Path: ...
-
-    @abc.abstractmethod
-    def _log_file(self, index: int) -> Path: ...
-
-    @abc.abstractmethod
-    def _make_client(self, connections: int) -> HealthClient: ...
-
-    async def _introduce(self, r: Replica) -> None:
-        """What to ask a replica that answers for the first time (or again)."""
-
-    @abc.abstractmethod
-    async def _send(self, r: Replica, request: GenerationRequest, version: int) -> list[Completion]:
-        """``request``'s completions from ``r``, labelled ``version``. Raises
-        ReplicaFailed or httpx's errors where another replica should be asked."""
-
-    def _call(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Run ``coro`` on the generator's loop from another thread and wait for it."""
-        return self._io.call(coro, timeout)
-
     async def _start(self) -> None:
-        self._client = self._make_client(self.options.max_concurrency + 4 * self.options.replicas)
-        self._sem = asyncio.Semaphore(self.options.max_concurrency)
-        self._changed = asyncio.Condition()
-        self._update_lock = asyncio.Lock()
-        for r in self._replicas:
-            r.idle = asyncio.Event()
-            r.idle.set()
+        self.engine.connect(self.options.max_concurrency + 4 * self.options.replicas)
         deadline = time.monotonic() + self.options.startup_timeout
-        await asyncio.gather(*(self._first_contact(r, deadline) for r in self._replicas))
+        await asyncio.gather(*(self.watcher.first_contact(r, deadline) for r in self._replicas))
         self._monitor = asyncio.get_running_loop().create_task(self._watch())
-        log.info(
-            "%s generator: %d replica(s) ready: %s",
-            self.engine,
-            len(self._replicas),
-            ", ".join(r.url for r in self._replicas),
-        )
+        urls = ", ".join(r.url for r in self._replicas)
+        log.info("%s generator: %d replica(s) ready: %s", self.engine.role, len(self._replicas), urls)
+
+    async def _watch(self) -> None:
+        """Health checks, restarted replicas, and bringing stale replicas up to date."""
+        while True:
+            try:
+                await asyncio.gather(*(self.watcher.check(r) for r in self._replicas))
+                await self._notify()
+                await self.updater.catch_up()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("%s: replica watcher failed; continuing", self.engine.role)
+            await asyncio.sleep(self.options.health_interval)
 
     async def _notify(self) -> None:
         async with self._changed:
@@ -127,13 +115,19 @@ class ReplicaPool(ReplicaWatch, WeightUpdates, Generator):
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self.updater.version
+
+    def update_weights(self, version: int) -> None:
+        """Load ``version`` into every replica that is up (:meth:`.updates.WeightUpdater.update`)."""
+        if self._closed:
+            raise GeneratorError(f"the {self.engine.role} generator is closed")
+        self._io.call(self.updater.update(int(version)))
 
     # ---------------------------------------------------------------- generation
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
         if self._closed:
-            raise GeneratorError(f"the {self.engine} generator is closed")
+            raise GeneratorError(f"the {self.engine.role} generator is closed")
         return await self._io.map(self._one, requests)
 
     async def _one(self, request: GenerationRequest) -> list[Completion]:
@@ -151,7 +145,7 @@ class ReplicaPool(ReplicaWatch, WeightUpdates, Generator):
                 r.dispatched += 1
                 r.idle.clear()
                 try:
-                    completions = await self._send(r, request, version)
+                    completions = await self.engine.send(r, request, version)
                     if r.aborts != aborts and r.instance == instance:
                         raise _Retry()  # an abort-policy update overlapped it: see Replica.aborts
                     return completions
@@ -170,12 +164,12 @@ class ReplicaPool(ReplicaWatch, WeightUpdates, Generator):
                         tried.clear()  # every replica failed once: let restarted ones be tried again
                     if attempts >= 2 * len(self._replicas) + 1:
                         raise GeneratorError(
-                            f"request {request.request_id!r} failed on every {self.label} replica "
+                            f"request {request.request_id!r} failed on every {self.engine.label} replica "
                             f"({attempts} attempts): {'; '.join(errors[-3:])}"
                         ) from exc
                     log.warning(
                         "%s: request %s failed on replica %d (%s); retrying",
-                        self.engine,
+                        self.engine.role,
                         request.request_id,
                         r.index,
                         why,
@@ -192,8 +186,8 @@ class ReplicaPool(ReplicaWatch, WeightUpdates, Generator):
         async with self._changed:
             while True:
                 if self._closed:
-                    raise GeneratorError(f"the {self.engine} generator is closed")
-                ready = [r for r in self._replicas if r.serves(self._version)]
+                    raise GeneratorError(f"the {self.engine.role} generator is closed")
+                ready = [r for r in self._replicas if r.serves(self.updater.version)]
                 fresh = [r for r in ready if r.index not in tried] or ready
                 if fresh:
                     return min(fresh, key=lambda r: (r.outstanding, r.dispatched, r.index))
@@ -201,7 +195,7 @@ class ReplicaPool(ReplicaWatch, WeightUpdates, Generator):
                 if left <= 0:
                     states = "; ".join(r.describe() for r in self._replicas)
                     raise GeneratorUnreachable(
-                        f"no {self.label} replica has served for {self.options.startup_timeout:g} s: {states}"
+                        f"no {self.engine.label} replica has served for {self.options.startup_timeout:g} s: {states}"
                     )
                 try:
                     await asyncio.wait_for(
@@ -213,10 +207,10 @@ class ReplicaPool(ReplicaWatch, WeightUpdates, Generator):
     # ------------------------------------------------------------------ health
 
     def health(self) -> GeneratorHealth:
-        serving = [r for r in self._replicas if r.serves(self._version)]
+        serving = [r for r in self._replicas if r.serves(self.updater.version)]
         return GeneratorHealth(
             healthy=bool(serving) and not self._closed,
-            policy_version=self._version,
+            policy_version=self.updater.version,
             replicas=len(self._replicas),
             healthy_replicas=len(serving),
             detail="; ".join(r.describe() for r in self._replicas),
@@ -231,7 +225,7 @@ class ReplicaPool(ReplicaWatch, WeightUpdates, Generator):
                 "pid": r.pid,
                 "instance": r.instance,
                 "up": r.up,
-                "serving": r.serves(self._version),
+                "serving": r.serves(self.updater.version),
                 "version": r.version,
                 "dispatched": r.dispatched,
                 "outstanding": r.outstanding,
@@ -251,8 +245,9 @@ class ReplicaPool(ReplicaWatch, WeightUpdates, Generator):
                 self._monitor.cancel()
                 with contextlib.suppress(BaseException):  # its CancelledError, awaited here
                     await self._monitor
-            client = getattr(self, "_client", None)
+            client = getattr(self.engine, "client", None)  # none where connect never ran
             if client is not None:
                 await client.aclose()
 
         self._io.close(shutdown())
+        self.engine.close()

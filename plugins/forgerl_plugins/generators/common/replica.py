@@ -29,7 +29,8 @@ class Replica:
     """What the generator knows about one replica."""
 
     index: int
-    log: Path
+    log: Path  # its server's output
+    endpoint: Path  # its launcher's endpoint file (:mod:`.launcher`)
     engine: str = "generator"  # who speaks in log messages ("vllm", "sglang")
     instance: str | None = None  # changes when the replica restarts
     url: str = ""
@@ -51,7 +52,10 @@ class Replica:
     last_error: str = ""
     last_load: list[Any] = field(default_factory=list)  # what its workers reported
     next_resync: float = 0.0  # monotonic time before which a failed re-sync is not retried
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while nothing is outstanding
+
+    def __post_init__(self) -> None:
+        self.idle.set()
 
     def describe(self) -> str:
         state = "updating" if self.updating else ("up" if self.up else "down")

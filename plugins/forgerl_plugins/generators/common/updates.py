@@ -1,15 +1,14 @@
 """Weight updates of a server generator's replicas: which replicas load a version, what
-a failure means, and bringing a replica that missed one up to date.
+happens to the requests in flight, what a failure means, and bringing a replica that missed
+one up to date.
 
-How one replica pauses, loads and resumes is the engine's ``_update_replica(r, version,
-policy)`` (vllm: :mod:`..vllm.weights`; sglang: :mod:`..sglang.weights`). The update
-policy decides what happens to requests in flight: ``wait`` drains our requests on the
-replica first; ``abort`` aborts them (they are resubmitted once the new weights are in:
-see :attr:`.replica.Replica.aborts`). A replica never serves while its weights change,
-so every completion reports the version that produced all its tokens. A replica that
-missed a version (down, restarted, failed half-way) is re-synced before it serves again.
-While a replica is paused its launcher is told so (:mod:`.update_notice`): a paused engine
-answers no liveness probe, and must not be killed as hung for it.
+One replica's update: the update policy (one method each, :attr:`WeightUpdater.policies`)
+deals with our requests in flight on it (``wait``: they drain; ``abort``: they are aborted
+and resubmitted once the new weights are in, see :attr:`.replica.Replica.aborts`), then the
+engine pauses it in the policy's mode, loads the version and resumes it. A replica never
+serves while its weights change, so every completion reports the version that produced
+all its tokens. While a replica is paused its launcher is told so (:mod:`.update_notice`):
+a paused engine answers no liveness probe, and must not be killed as hung for it.
 """
 
 from __future__ import annotations
@@ -17,70 +16,67 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from pathlib import Path
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from forgerl.errors import GeneratorError, TransportError
+from forgerl.errors import TransportError
 
 from .replica import Replica
 from .update_notice import UpdateNotice
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.interfaces import RunContext, Transport
+    from .engine import Engine
 
 log = logging.getLogger(__name__)
+Policy = Callable[[Replica], Awaitable[None]]
 
 
-class WeightUpdates:
-    """Weight updates, mixed into :class:`~.pool.ReplicaPool` (whose state below they
-    read and change, on its event loop)."""
+class WeightUpdater:
+    """``WeightUpdater(engine, replicas, policy=..., retry_after=..., notify=...)``: updates
+    ``replicas`` (the pool's list) through ``engine`` on the pool's event loop; ``policy``:
+    the configured update policy; ``retry_after``: seconds before a failed re-sync is tried
+    again; ``notify``: wakes the pool's requests waiting for a replica that serves."""
 
-    options: Any  # the engine's: update_policy, health_interval
-    ctx: RunContext
-    transport: Transport
-    engine: str
-    label: str
-    last_update: dict[str, Any]
-    _closed: bool
-    _version: int
-    _replicas: list[Replica]
-    _update_replica: Callable[..., Coroutine[Any, Any, None]]
-    _update_lock: asyncio.Lock
-    _call: Callable[[Coroutine[Any, Any, Any]], Any]
-    _notify: Callable[[], Coroutine[Any, Any, None]]
-    _endpoint_file: Callable[[int], Path]
+    def __init__(self, engine: Engine, replicas: list[Replica], *, policy: str, retry_after: float,
+                 notify: Callable[[], Awaitable[None]]) -> None:  # fmt: skip
+        self.engine = engine
+        self.replicas = replicas
+        self.retry_after = retry_after
+        self.notify = notify
+        #: Update policy -> what happens to a replica's requests in flight before the engine
+        #: pauses it in that policy's mode.
+        self.policies: dict[str, Policy] = {"wait": self._wait, "abort": self._abort}
+        self.policy = policy
+        self.version = 0  # the version served: generation waits for a replica that has it
+        #: Results of the last update (for benchmarks and logs).
+        self.last_update: dict[str, Any] = {}
+        self.lock = asyncio.Lock()  # one update or re-sync at a time
 
-    def _pause_notice(self, r: Replica) -> UpdateNotice:
-        """The notice to :meth:`~.update_notice.UpdateNotice.start` before ``r`` is paused
-        and stop once it resumed (the engine's ``_update_replica``)."""
-        return UpdateNotice(self._endpoint_file(r.index), r.instance)
+    async def _wait(self, r: Replica) -> None:
+        await r.idle.wait()  # our requests on it finish with the weights they started with
 
-    def update_weights(self, version: int) -> None:
-        """Load ``version`` into every replica that is up (see the module docstring).
+    async def _abort(self, r: Replica) -> None:
+        # Before the pause: every request in flight now may be aborted, or queued and run
+        # on the new weights; the pool resubmits all of them.
+        r.aborts += 1
 
-        From then on only ``version`` is served. A replica that missed it (down, hung, its
-        connection lost mid-load) is brought to it by the watcher before it serves again,
-        and generation waits for one that has it (up to ``startup_timeout``): a hung or
-        killed server is replaced by its launcher and the scheduler, not fatal. Raises
-        TransportError when replicas answered but could not load it (the transport or
-        the weights failed); they then keep serving the last version, or reload it where
-        a load failed half-way.
-        """
-        if self._closed:
-            raise GeneratorError(f"the {self.engine} generator is closed")
-        self._call(self._update(int(version)))
-
-    async def _update(self, version: int) -> None:
+    async def update(self, version: int) -> None:
+        """Load ``version`` into every replica that is up; from then on only ``version`` is
+        served. A replica that missed it (down, hung, its connection lost mid-load) is
+        brought to it (:meth:`catch_up`) before it serves again, and generation waits for
+        one that has it: a hung or killed server is replaced by its launcher and the
+        scheduler, not fatal. Raises TransportError when replicas answered but none could
+        load it (the transport or the weights failed); they then keep serving the last
+        version, or reload it where a load failed half-way."""
         import httpx
 
-        async with self._update_lock:
-            targets = [r for r in self._replicas if r.up]
+        async with self.lock:
+            targets = [r for r in self.replicas if r.up]
             for r in targets:  # before any await: nothing new reaches any of them
                 r.updating = True
             start = time.perf_counter()
             results = await asyncio.gather(
-                *(self._update_replica(r, version) for r in targets), return_exceptions=True
+                *(self.update_replica(r, version) for r in targets), return_exceptions=True
             )
             failures = [(r, res) for r, res in zip(targets, results) if isinstance(res, BaseException)]
             errors = [f"replica {r.index}: {type(e).__name__}: {e}" for r, e in failures]
@@ -89,7 +85,7 @@ class WeightUpdates:
             # are replaced, and are brought to this version then.
             unreachable = all(isinstance(e, httpx.HTTPError) for _, e in failures)
             if done or unreachable:
-                self._version = version
+                self.version = version
             self.last_update = {
                 "version": version,
                 "seconds": time.perf_counter() - start,
@@ -97,40 +93,85 @@ class WeightUpdates:
                 "errors": errors,
                 "workers": {r.index: r.last_load for r in targets},
             }
-            await self._notify()
+            await self.notify()
+            role = self.engine.role
             if not done and not unreachable:
-                raise TransportError(f"no {self.label} replica loaded weights version {version}: {'; '.join(errors)}")
+                raise TransportError(
+                    f"no {self.engine.label} replica loaded weights version {version}: {'; '.join(errors)}"
+                )
             if not done:
-                states = "; ".join(r.describe() for r in self._replicas)
+                states = "; ".join(r.describe() for r in self.replicas)
                 log.warning(
                     "%s: no replica could load weights version %d now; each is brought to it when it "
-                    "answers again (%s)", self.engine, version, states,
+                    "answers again (%s)", role, version, states,
                 )  # fmt: skip
             for e in errors:
                 log.warning(
-                    "%s: weights version %d not loaded on %s (reloaded before it serves again)", self.engine, version, e
+                    "%s: weights version %d not loaded on %s (reloaded before it serves again)", role, version, e
                 )
 
-    async def _resync(self, r: Replica) -> None:
+    async def update_replica(self, r: Replica, version: int, policy: str | None = None) -> None:
+        """Deal with ``r``'s requests in flight by ``policy`` (default: the configured one),
+        pause it, load ``version`` and resume it. The caller has set ``r.updating``."""
+        import httpx
+
+        policy = policy or self.policy
+        paused = False
+        notice = UpdateNotice(r.endpoint, r.instance)  # its launcher must not take the pause for a hang
+        try:
+            await self.policies[policy](r)
+            await notice.start()
+            await self.engine.pause(r, policy)
+            paused = True
+            await self.engine.load(r, version)
+            r.version = version
+            log.debug("%s: replica %d loaded version %d", r.engine, r.index, version)
+        except httpx.HTTPError as exc:
+            r.version = None  # it stopped answering mid-update: what it holds is unknown
+            r.take_out(f"weight update: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            try:
+                if paused and r.up:
+                    await self.engine.resume(r)
+            except httpx.HTTPError as exc:
+                r.take_out(f"resume after update: {type(exc).__name__}")
+            await notice.stop()
+            r.updating = False
+
+    async def catch_up(self) -> None:
+        """Re-sync every replica that answers but serves another version (none while an
+        update runs, which loads it anyway)."""
+        for r in self.replicas:
+            if (
+                r.up
+                and not r.updating
+                and r.version != self.version
+                and not self.lock.locked()
+                and time.monotonic() >= r.next_resync
+            ):
+                await self.resync(r)
+
+    async def resync(self, r: Replica) -> None:
         """Bring ``r`` (restarted, left behind by a failed load, or back from a hang) to the
         current version before it takes traffic."""
         import httpx
 
-        async with self._update_lock:
-            version = self._version
+        async with self.lock:
+            version = self.version
             if not r.up or r.updating or r.version == version:
                 return
             r.updating = True
             try:
                 # Requests may still be in flight on it (it was slow, not dead): abort
                 # them, never let them run on across the load.
-                await self._update_replica(r, version, policy="abort")
-                log.info("%s: replica %d brought to weights version %d", self.engine, r.index, version)
+                await self.update_replica(r, version, policy="abort")
+                log.info("%s: replica %d brought to weights version %d", r.engine, r.index, version)
             except (TransportError, httpx.HTTPError) as exc:
                 # Retried later, or the next update loads it anyway.
-                r.next_resync = time.monotonic() + 10 * self.options.health_interval
+                r.next_resync = time.monotonic() + self.retry_after
                 log.warning(
                     "%s: could not bring replica %d to version %d yet (%s); it serves once it has it",
-                    self.engine, r.index, version, exc,
+                    r.engine, r.index, version, exc,
                 )  # fmt: skip
-        await self._notify()
+        await self.notify()

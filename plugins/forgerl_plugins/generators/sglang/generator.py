@@ -1,41 +1,29 @@
 """The ``sglang`` generator: SGLang servers (started by the scheduler), used over HTTP.
 
-Trainer rank 0 builds :class:`SGLangGenerator`, a pool of replicas shared with the other
+Trainer rank 0 builds :class:`SGLangGenerator`: the pool of replicas shared with the other
 server generators (:mod:`..common.pool`: dispatch to the least busy ready replica,
 failover to the others, the watcher that re-syncs a restarted replica before it takes
-traffic). What is SGLang's own:
-
-* **generation**: one native ``/generate`` per sample (:mod:`.payloads`), every HTTP call
-  with the replica's key (:mod:`.client`); each answer's ``meta_info.weight_version`` is
-  checked against the version the sample was dispatched under;
-* **weight loads** (:mod:`.weights`) through an engine receiver of the run's transport
-  (``files`` → ``/update_weights_from_disk``, ``broadcast`` →
-  ``/update_weights_from_distributed``), paused by the update policy;
-* **meeting a replica**: the weights it serves (``/model_info``).
+traffic, the update policy) built with SGLang's engine adapter (:mod:`.engine`: native
+``/generate`` per sample, weight loads through an engine receiver of the run's transport:
+``files`` → ``/update_weights_from_disk``, ``broadcast`` →
+``/update_weights_from_distributed``). Here: its identity, options, server roles, and
+which of the transport's engine receivers it uses.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
 
 from forgerl.config import MAX_SECONDS
 from forgerl.errors import UserError
-from forgerl.interfaces import EngineReceiver, RunContext, Transport
+from forgerl.interfaces import RunContext, Transport
 from forgerl.options import OptionsModel
-from forgerl.types import Completion, GenerationRequest
 from forgerl_plugins.generators.common.pool import ReplicaPool
-from forgerl_plugins.generators.common.replica import Replica
 
 from . import SGLANG_VERSION, server
-from .client import SGLangClient
-from .payloads import generate_body, parse_generate
-from .server import endpoint_file, log_file
-from .weights import SGLangWeightUpdates
+from .engine import SGLangEngine
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.types import RoleSpec
@@ -64,7 +52,7 @@ def choose_weight_sync(wanted: str, transport: Transport) -> str:
     return wanted
 
 
-class SGLangGenerator(SGLangWeightUpdates, ReplicaPool):
+class SGLangGenerator(ReplicaPool):
     """``SGLangGenerator(options, *, context, transport)``: connects to the replicas of
     ``context.run_dir`` and loads new weights into them through ``transport``'s engine
     receivers."""
@@ -159,50 +147,7 @@ class SGLangGenerator(SGLangWeightUpdates, ReplicaPool):
         """The replicas' launchers the scheduler starts (:func:`.server.roles`)."""
         return server.roles(options, context=context)
 
-    engine = "sglang"
-    label = "SGLang"
-    options: SGLangGenerator.Options
-    _client: SGLangClient
-
     def __init__(self, options: SGLangGenerator.Options, *, context: RunContext, transport: Transport) -> None:
-        self.weight_sync = choose_weight_sync(options.weight_sync, transport)
-        self._receivers: dict[str, EngineReceiver] = {}
-        self._joined: set[int] = set()
-        super().__init__(options, context=context, transport=transport)
-
-    def _endpoint_file(self, index: int) -> Path:
-        return endpoint_file(self.run_dir, index)
-
-    def _log_file(self, index: int) -> Path:
-        return log_file(self.run_dir, index)
-
-    def _make_client(self, connections: int) -> SGLangClient:
-        return SGLangClient(connections, self.options.request_timeout)
-
-    async def _introduce(self, r: Replica) -> None:
-        if not r.probed:
-            await self._client.weight_version(r)
-            # A generator closed in the middle of an update (or one that died) may have
-            # left the server paused: it would queue our requests for ever. Resuming a
-            # server that is not paused does nothing.
-            await self._client.admin(r, "/continue_generation", json={})
-
-    async def _send(self, r: Replica, request: GenerationRequest, version: int) -> list[Completion]:
-        async def one(i: int) -> Completion:
-            body = generate_body(
-                request,
-                i,
-                f"{request.request_id}-{i}-{os.urandom(4).hex()}",
-                send_seed=self.options.send_seed,
-            )
-            return parse_generate(request, await self._client.generate(r, body), version)
-
-        if request.sampling.temperature <= 0:
-            return [await one(0)] * request.n  # greedy: every sample is the same
-        return list(await asyncio.gather(*(one(i) for i in range(request.n))))
-
-    def close(self) -> None:
-        super().close()
-        receivers, self._receivers = self._receivers, {}
-        for receiver in receivers.values():
-            receiver.close()
+        weight_sync = choose_weight_sync(options.weight_sync, transport)  # before any server is asked
+        engine = SGLangEngine(options, weight_sync, context=context, transport=transport)
+        super().__init__(engine, options, context=context)

@@ -1,10 +1,10 @@
-"""How one sglang replica loads a weight version.
+"""The sglang generator's engine adapter (:class:`~..common.engine.Engine`): how the pool
+speaks to one SGLang replica (every HTTP call with the replica's key: :mod:`.client`).
 
-The replica is paused by the update policy (``wait``: our requests on it drain, then
-``/pause_generation`` in place; ``abort``: ``/pause_generation`` mode abort, and the
-generator resubmits what was aborted), loads the version, has its cache flushed
-(``/flush_cache``) and resumes (``/continue_generation``). SGLang receives the bytes
-itself, so the run's transport gives an engine receiver per replica instance
+Generation: one native ``/generate`` per sample (:mod:`.payloads`). Weight loads: paused
+(``/pause_generation``, in place or aborting by the update policy), the version loaded,
+the cache flushed (``/flush_cache``), resumed (``/continue_generation``). SGLang receives
+the bytes itself, so the run's transport gives an engine receiver per replica instance
 (:class:`~forgerl.interfaces.EngineReceiver`):
 
 * ``files`` (shm): the version staged alone in a folder → ``/update_weights_from_disk``;
@@ -21,72 +21,84 @@ Version 0 (a replica left behind by a failed load) is reloaded from the model fo
 from __future__ import annotations
 
 import asyncio
-import logging
+import os
 from typing import TYPE_CHECKING
 
 from forgerl.errors import TransportError
+from forgerl.interfaces import EngineReceiver, RunContext, Transport
+from forgerl.types import Completion, GenerationRequest
 from forgerl_plugins.generators.common.replica import Replica
-from forgerl_plugins.generators.common.updates import WeightUpdates
 
 from . import payloads
 from .client import SGLangClient
+from .payloads import generate_body, parse_generate
+from .server import ROLE
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.interfaces import EngineReceiver
-
     from .generator import SGLangGenerator
 
-log = logging.getLogger(__name__)
 
+class SGLangEngine:
+    """``SGLangEngine(options, weight_sync, *, context, transport)``: loads new weights
+    into the replicas through ``transport``'s engine receivers of kind ``weight_sync``
+    (``files`` or ``broadcast``)."""
 
-class SGLangWeightUpdates(WeightUpdates):
-    """The sglang generator's ``_update_replica`` (see the module docstring)."""
+    role = ROLE
+    label = "SGLang"
+    client: SGLangClient
 
-    options: SGLangGenerator.Options
-    _client: SGLangClient
-    weight_sync: str
-    _receivers: dict[str, EngineReceiver]  # by "<replica>:<instance>"
-    _joined: set[int]  # broadcast receivers whose engine joined their group
+    def __init__(
+        self, options: SGLangGenerator.Options, weight_sync: str, *, context: RunContext, transport: Transport
+    ) -> None:
+        self.request_timeout = options.request_timeout
+        self.send_seed = options.send_seed
+        self.ranks = options.tensor_parallel_size
+        self.weight_sync = weight_sync
+        self.model_path = str(context.model_path)
+        self.transport_timeout = context.transport_timeout
+        self.transport = transport
+        self._receivers: dict[str, EngineReceiver] = {}  # by "<replica>:<instance>"
+        self._joined: set[int] = set()  # broadcast receivers whose engine joined their group
 
-    async def _update_replica(self, r: Replica, version: int, policy: str | None = None) -> None:
-        import httpx
+    def connect(self, connections: int) -> None:
+        self.client = SGLangClient(connections, self.request_timeout)
 
-        policy = policy or self.options.update_policy
-        paused = False
-        notice = self._pause_notice(r)  # its launcher must not take the pause for a hang
-        try:
-            if policy == "abort":
-                r.aborts += 1  # before the pause: whatever is in flight now is resubmitted
-            else:
-                await r.idle.wait()  # our requests finish on the weights they started with
-            await notice.start()
-            await self._client.admin(r, "/pause_generation", json=payloads.pause_body(policy))
-            paused = True
-            await self._load(r, version)
-        except httpx.HTTPError as exc:
-            r.version = None  # it stopped answering mid-update: what it holds is unknown
-            r.take_out(f"weight update: {type(exc).__name__}: {exc}")
-            raise
-        finally:
-            try:
-                if paused and r.up:
-                    await self._client.admin(r, "/flush_cache")
-                    await self._client.admin(r, "/continue_generation", json={})
-            except httpx.HTTPError as exc:
-                r.take_out(f"resume after update: {type(exc).__name__}")
-            await notice.stop()
-            r.updating = False
+    async def introduce(self, r: Replica) -> None:
+        if not r.probed:
+            await self.client.weight_version(r)
+            # A generator closed in the middle of an update (or one that died) may have
+            # left the server paused: it would queue our requests for ever. Resuming a
+            # server that is not paused does nothing.
+            await self.client.admin(r, "/continue_generation", json={})
 
-    async def _load(self, r: Replica, version: int) -> None:
-        timeout = self.ctx.transport_timeout
+    async def send(self, r: Replica, request: GenerationRequest, version: int) -> list[Completion]:
+        async def one(i: int) -> Completion:
+            rid = f"{request.request_id}-{i}-{os.urandom(4).hex()}"
+            body = generate_body(request, i, rid, send_seed=self.send_seed)
+            return parse_generate(request, await self.client.generate(r, body), version)
+
+        if request.sampling.temperature <= 0:
+            return [await one(0)] * request.n  # greedy: every sample is the same
+        return list(await asyncio.gather(*(one(i) for i in range(request.n))))
+
+    async def pause(self, r: Replica, policy: str) -> None:
+        await self.client.admin(r, "/pause_generation", json=payloads.pause_body(policy))
+
+    async def resume(self, r: Replica) -> None:
+        await self.client.admin(r, "/flush_cache")
+        await self.client.admin(r, "/continue_generation", json={})
+
+    def close(self) -> None:
+        receivers, self._receivers = self._receivers, {}
+        for receiver in receivers.values():
+            receiver.close()
+
+    async def load(self, r: Replica, version: int) -> None:
+        timeout = self.transport_timeout
         try:
             if version == 0:
-                await self._client.load(
-                    r,
-                    "/update_weights_from_disk",
-                    payloads.update_from_disk_body(str(self.ctx.model_path), 0),
-                    timeout,
-                )
+                body = payloads.update_from_disk_body(self.model_path, 0)
+                await self.client.load(r, "/update_weights_from_disk", body, timeout)
             elif self.weight_sync == "files":
                 await self._load_files(r, version, timeout)
             else:
@@ -94,8 +106,6 @@ class SGLangWeightUpdates(WeightUpdates):
         except TransportError:
             r.version = None  # SGLang may have loaded part of it: reload before serving
             raise
-        r.version = version
-        log.debug("sglang: replica %d loaded version %d", r.index, version)
 
     def _receiver(self, r: Replica) -> EngineReceiver:
         """The engine receiver of ``r``'s current server instance (a restarted server gets
@@ -107,7 +117,7 @@ class SGLangWeightUpdates(WeightUpdates):
             self._receivers[key] = self.transport.engine_receiver(
                 f"sglang-{r.index}-{(r.instance or '')[:8]}",
                 self.weight_sync,
-                ranks=self.options.tensor_parallel_size,
+                ranks=self.ranks,
             )
         return self._receivers[key]
 
@@ -125,7 +135,7 @@ class SGLangWeightUpdates(WeightUpdates):
         assert isinstance(receiver, FilesEngineReceiver)
         folder = await asyncio.to_thread(receiver.stage, version, timeout)
         try:
-            await self._client.load(
+            await self.client.load(
                 r, "/update_weights_from_disk", payloads.update_from_disk_body(str(folder), version), timeout
             )
         finally:
@@ -141,7 +151,7 @@ class SGLangWeightUpdates(WeightUpdates):
             # Both sides block until the other has joined: the trainer's side in a thread.
             joining = asyncio.ensure_future(asyncio.to_thread(receiver.connect, timeout))
             try:
-                await self._client.load(
+                await self.client.load(
                     r, "/init_weights_update_group", payloads.init_group_body(group), timeout
                 )
             finally:
@@ -154,7 +164,7 @@ class SGLangWeightUpdates(WeightUpdates):
                 # The transport broadcasts the bucket meanwhile; asking for the next one
                 # waits for (and raises what went wrong with) this one's broadcast.
                 body = payloads.update_distributed_body(bucket, group["group_name"])
-                await self._client.load(r, "/update_weights_from_distributed", body, timeout)
+                await self.client.load(r, "/update_weights_from_distributed", body, timeout)
                 bucket = await asyncio.to_thread(next, it, None)
         except BaseException:
             close = getattr(it, "close", None)
@@ -164,4 +174,4 @@ class SGLangWeightUpdates(WeightUpdates):
             raise
         # Named only once every bucket is in: a replica that failed half-way still reports
         # the old name (and is reloaded before it serves again).
-        await self._client.load(r, "/update_weight_version", payloads.weight_version_body(version), timeout)
+        await self.client.load(r, "/update_weight_version", payloads.weight_version_body(version), timeout)
