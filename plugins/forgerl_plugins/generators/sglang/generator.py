@@ -159,6 +159,11 @@ class SGLangGenerator(SGLangWeightUpdates, ReplicaPool):
         """The replicas' launchers the scheduler starts (:func:`.server.roles`)."""
         return server.roles(options, context=context)
 
+    @staticmethod
+    def serve(options: SGLangGenerator.Options, *, context: RunContext, role: str, replica: int) -> int:
+        """One replica of the role, in the process forgerl.server_role starts (:func:`.server.serve`)."""
+        return server.serve(options, context=context, role=role, replica=replica)
+
     engine = "sglang"
     label = "SGLang"
     options: SGLangGenerator.Options
