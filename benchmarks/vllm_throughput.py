@@ -148,11 +148,11 @@ def main() -> None:
     config = resolved_config(args.model, [f"generator.options.kv_cache_gb={args.kv_cache_gb}", *args.set])
     model_dir = model_folder(config)
     prompts = prompts_for(config, model_dir, args.prompts)
-    options = config.generator.options
+    options = config.generator.options  # the resolved config's VLLMGenerator.Options
     spec = {
         "model": str(model_dir),
-        "dtype": config.model.dtype if options["dtype"] == "auto" else options["dtype"],
-        "enforce_eager": options["enforce_eager"],
+        "dtype": config.model.dtype if options.dtype == "auto" else options.dtype,
+        "enforce_eager": options.enforce_eager,
         "kv_cache_bytes": int(args.kv_cache_gb * 2**30),
         "prompts": prompts,
         "n": args.n,

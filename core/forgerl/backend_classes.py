@@ -22,8 +22,8 @@ Optional class attributes: ``extra`` (the pip extra that installs ``requires``),
 extra), ``implemented`` (False: registered, not built yet), ``info`` (facts for ``forge
 plugins list``), and, as static methods taking the validated options, ``preflight`` and
 ``local_preflight`` (checks before launch) and, for generators and rewards, ``roles``
-(server processes to start). The registry keeps a record of each class
-(:class:`forgerl.backends.Backend`): records written by hand are the earlier shape, still
+(server processes to start) and ``serve`` (what each of them runs). The registry keeps a
+record of each class (:class:`forgerl.backends.Backend`): records written by hand are the earlier shape, still
 accepted (docs/plugins.md, "Registering a backend").
 """
 
@@ -72,8 +72,9 @@ def record_for_class(expected: type[Backend], given: Any, hook: str) -> Backend:
     fields["info"] = dict(fields["info"] or {})
     if not fields["description"]:
         fields["description"] = (cls.__doc__ or "").strip().split("\n")[0].rstrip(".")
-    if "roles" in expected.__dataclass_fields__:
-        fields["roles"] = getattr(cls, "roles", None)
+    for server_part in ("roles", "serve"):
+        if server_part in expected.__dataclass_fields__:
+            fields[server_part] = getattr(cls, server_part, None)
     return expected(name=name, factory=cls, options=getattr(cls, "Options", NO_OPTIONS), **fields)
 
 

@@ -143,6 +143,19 @@ class Backend:
         validated = self.validate_options(options)
         return list(self._call(roles, "roles", f"{self.kind} roles", validated, {"context": context}))
 
+    def serve_role(self, options: Options, *, context: RunContext, role: str, replica: int) -> int:
+        """Run replica ``replica`` of this backend's server role ``role`` in this process
+        (:mod:`forgerl.server_role`) until it ends; its exit status."""
+        serve = getattr(self, "serve", None)
+        if serve is None:
+            raise BackendContractError(
+                f"{self._label()} declares the server role {role!r} but no `serve` to run it: give the "
+                "class a static method serve(options, *, context, role, replica) -> int"
+            )
+        validated = self.validate_options(options)
+        runtime = {"context": context, "role": role, "replica": replica}
+        return int(self._call(serve, "serve", f"{self.kind} serve", validated, runtime))
+
     def _call(self, ref: Any, part: str, what: str, options: BaseModel, runtime: Mapping[str, Any]) -> Any:
         if ref is None:
             raise TypeError(f"{self.kind} {self.name!r} has no {part}")
@@ -164,6 +177,8 @@ class Backend:
                 self.load_part(ref, part)(self.validate_options(options))
 
     def validate_options(self, options: Options) -> BaseModel:
+        """``options`` as the backend's options model: a model of that class (a resolved
+        config's) passes as it is; a mapping, or None for all defaults, is validated."""
         model = self.options_model
         if isinstance(options, model):
             return options
@@ -216,10 +231,13 @@ class GeneratorBackend(Backend):
     """A generator: built with the run's transport, through which it receives new weights
     (``transport.receiver(...)`` in this process, or ``transport.receiver_spec()`` handed
     to the engine's worker processes). ``roles`` (optional): server processes the scheduler
-    starts beside the trainer (e.g. vLLM replicas); in-process generators have none."""
+    starts beside the trainer (e.g. vLLM replicas); in-process generators have none.
+    ``serve`` runs one replica of such a role, in the process the role's command
+    (:func:`forgerl.runs.server_role_command`) starts."""
 
     kind: ClassVar[str] = "generator"
     roles: Callable[..., Any] | str | None = None
+    serve: Callable[..., Any] | str | None = None
 
 
 @dataclass(frozen=True)
@@ -231,12 +249,13 @@ class TrainerBackend(Backend):
 
 @dataclass(frozen=True)
 class RewardBackend(Backend):
-    """A reward. ``roles`` (optional), as for a generator: server processes for it (e.g. a
-    vLLM server for a large reward model). Roles of the same name from several rewards must
-    be identical, and are started once (two rewards may share a server)."""
+    """A reward. ``roles`` and ``serve`` (optional), as for a generator: server processes for
+    it (e.g. a vLLM server for a large reward model). Roles of the same name from several
+    rewards must be identical, and are started once (two rewards may share a server)."""
 
     kind: ClassVar[str] = "reward"
     roles: Callable[..., Any] | str | None = None
+    serve: Callable[..., Any] | str | None = None
 
     def _built(self, reward: Any, options: BaseModel) -> Any:
         from forgerl.interfaces import Reward

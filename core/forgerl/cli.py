@@ -23,7 +23,7 @@ from forgerl.errors import ForgeError, JobNotFound, NotSupported
 from forgerl.kinds import FLAGS, REGISTRATION_HOOKS
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.backends import Backend
+    from forgerl.backends import Backend, Options
     from forgerl.interfaces import Scheduler
     from forgerl.plugin_info import PluginInfo
     from forgerl.plugins import Registry
@@ -331,7 +331,7 @@ def _job_scheduler(job: str, scheduler_name: str | None) -> tuple[Scheduler, str
     if scheduler_name is None:
         raise JobNotFound(f"{job!r} is not a run directory; give the scheduler too, e.g. `--scheduler slurm`")
     backend = registry.require("scheduler", scheduler_name)
-    options: dict[str, Any] = {}
+    options: Options = None  # the scheduler's defaults
     if Path(job).is_dir():
         from forgerl.config import read_yaml, validate_config
 

@@ -2,16 +2,27 @@
 
 Every section refuses unknown keys and checks its ranges (bounds in
 :mod:`forgerl.config_limits`); a backend choice's ``options`` block is left to the
-backend's own model, checked when the config is resolved (:func:`forgerl.resolve.resolve`).
+backend's own model, checked when the config is resolved (:func:`forgerl.resolve.resolve`),
+which puts the validated options model in its place (:data:`BackendOptions`).
 Import these from :mod:`forgerl.config`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    PlainValidator,
+    SerializationInfo,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 from forgerl.algorithms.config import PRESETS, AlgorithmConfig, fill_length_defaults
 from forgerl.config_limits import (
@@ -35,11 +46,38 @@ class _Strict(OptionsModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+def _options_block(value: Any) -> dict[str, Any] | BaseModel:
+    if isinstance(value, (dict, BaseModel)):
+        return value
+    raise ValueError(f"must be a mapping of the backend's options, not a {type(value).__name__}")
+
+
+def _dump_options(value: dict[str, Any] | BaseModel, info: SerializationInfo) -> dict[str, Any]:
+    return value.model_dump(mode=info.mode) if isinstance(value, BaseModel) else value
+
+
+#: A backend's options: the block as written (a mapping) until the config is resolved, then
+#: the backend's own options model, validated once (:func:`forgerl.resolve.resolve`). Either
+#: way the config dumps (config.yaml, ``forge config show``) as the mapping.
+BackendOptions = Annotated[
+    dict[str, Any] | BaseModel,
+    PlainValidator(_options_block),
+    PlainSerializer(_dump_options),
+    WithJsonSchema({"type": "object", "additionalProperties": True}),
+]
+
+
+def options_dict(options: dict[str, Any] | BaseModel) -> dict[str, Any]:
+    """The options as a JSON-ready mapping (a validated model's values, defaults filled in):
+    what another process rebuilds them from."""
+    return options.model_dump(mode="json") if isinstance(options, BaseModel) else dict(options)
+
+
 class BackendChoice(_Strict):
-    """A backend selected by name, with its options block (validated by the backend)."""
+    """A backend selected by name, with its options (validated by the backend)."""
 
     name: str = Field(description="Backend name, as listed by `forge plugins list`.")
-    options: dict[str, Any] = Field(default_factory=dict, description="The backend's own options.")
+    options: BackendOptions = Field(default_factory=dict, description="The backend's own options.")
 
 
 class GeneratorChoice(BackendChoice):
@@ -79,7 +117,7 @@ class EnvironmentChoice(_Strict):
     name: str | None = Field(
         None, description="Environment backend (`forge plugins list`); none: single-turn rollouts."
     )
-    options: dict[str, Any] = Field(default_factory=dict, description="The environment's own options.")
+    options: BackendOptions = Field(default_factory=dict, description="The environment's own options.")
     max_turns: int = Field(4, ge=1, le=1000, description="Most assistant turns per trajectory.")
     max_total_tokens: int = Field(
         512,
@@ -109,7 +147,7 @@ class ModelConfig(_Strict):
         "a local Hugging Face folder, or a hub id given as owner/name where the network allows.",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Parameter dtype.")
-    options: dict[str, Any] = Field(default_factory=dict, description="Options of a named model source.")
+    options: BackendOptions = Field(default_factory=dict, description="Options of a named model source.")
 
 
 class SamplingConfig(_Strict):

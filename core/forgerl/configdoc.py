@@ -7,6 +7,7 @@ drifts from the code.
 from __future__ import annotations
 
 import re
+import typing
 from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel
@@ -25,6 +26,10 @@ refused everywhere.
 
 
 def _type_name(annotation: Any) -> str:
+    from forgerl.config_sections import BackendOptions
+
+    if annotation == typing.get_args(BackendOptions)[0]:
+        return "dict[str, Any]"  # as written; a resolved config holds the backend's options model
     text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
     text = text or str(annotation)
     # A class inside a generic prints with its module (list[forgerl.config_sections.RewardChoice]):

@@ -49,8 +49,12 @@ class Call:
 
 _CONTEXT = ("context", "RunContext")
 _ROLES = Call("roles", (_CONTEXT,), "list[RoleSpec]", "server processes started beside the trainer")
+_SERVE = Call(
+    "serve", (_CONTEXT, ("role", "str"), ("replica", "int")), "int",
+    "one replica of a role, in the process `python -m forgerl.server_role` starts; returns its exit status",
+)  # fmt: skip
 
-#: The build contract, the one place it is written: kind (or "<kind> roles") -> the call.
+#: The build contract, the one place it is written: kind (or "<kind> roles", "<kind> serve") -> the call.
 #: Error messages, the records' ``build`` and docs/plugins.md's table come from it.
 CONTRACT: dict[str, Call] = {
     "generator": Call("factory", (_CONTEXT, ("transport", "Transport")), "Generator"),
@@ -63,6 +67,8 @@ CONTRACT: dict[str, Call] = {
     "environment": Call("factory", (), "Environment", "once per trajectory"),
     "generator roles": _ROLES,
     "reward roles": _ROLES,
+    "generator serve": _SERVE,
+    "reward serve": _SERVE,
 }
 
 #: The call each kind's factory must accept, as error messages and docs write it.

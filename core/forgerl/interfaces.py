@@ -50,13 +50,16 @@ class RunContext:
     options and these facts, never another section of the run config.
 
     ``model_path`` is a local Hugging Face folder (resolved by the core before backends
-    are built). ``rank``/``world_size`` describe this process among the trainer ranks.
+    are built), ``model_name`` the model as the config names it (a named model, a folder,
+    a hub id). ``rank``/``world_size`` describe this process among the trainer ranks.
     ``seed`` is the run's seed, ``dtype`` the model's (``float32`` | ``bfloat16``),
     ``transport_timeout`` the seconds a weight transfer may take, ``temperature`` the
     sampling temperature (the trainer's logprobs are taken at it), ``sampling`` the run's
     sampling settings (:class:`~forgerl.config_sections.SamplingConfig`: a generator that
-    cannot honour one refuses it when built) and ``algorithm`` the loss settings
-    (:class:`~forgerl.algorithms.config.AlgorithmConfig`, for trainers).
+    cannot honour one refuses it when built), ``algorithm`` the loss settings
+    (:class:`~forgerl.algorithms.config.AlgorithmConfig`, for trainers) and ``max_staleness``
+    how many policy versions a sample may lag (0: generation and training take turns, so a
+    generator's servers may use every core while the trainer waits).
     Other backends a backend works with (a generator's transport) are build arguments of
     their own (:mod:`forgerl.contract`), not part of the context. Build one for a run with
     :meth:`for_run`.
@@ -72,6 +75,8 @@ class RunContext:
     temperature: float = 1.0
     sampling: SamplingConfig | None = None
     algorithm: AlgorithmConfig | None = None
+    model_name: str = ""
+    max_staleness: int = 0
 
     @classmethod
     def for_run(
@@ -89,6 +94,8 @@ class RunContext:
             temperature=float(config.loop.sampling.temperature),
             sampling=config.loop.sampling,
             algorithm=config.algorithm,
+            model_name=config.model.name,
+            max_staleness=config.loop.max_staleness,
         )
 
 

@@ -1,6 +1,8 @@
 """A run config resolved against the installed plugins: every backend name checked, every
-options block validated by the backend's own model (its defaults filled in), ``generator:
-auto`` made concrete. Every process that builds backends from a config resolves it first."""
+options block validated by the backend's own model and kept as that model (its defaults
+filled in), ``generator: auto`` made concrete. Every process that builds backends from a
+config resolves it first, once (a run's processes: :func:`forgerl.runs.load_config`);
+building a backend from a resolved config validates nothing again."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ if TYPE_CHECKING:  # pragma: no cover
 def resolve(config: RunConfig, registry: Registry, *, check_available: bool = False) -> RunConfig:
     """Check every backend name against the registry and validate every options block
     with the backend's own model; fill in their defaults. ``generator: auto`` becomes the
-    fastest available generator. With ``check_available`` a backend that cannot run here
-    (missing extra, not built yet) is an error."""
+    fastest available generator. Each choice's ``options`` becomes the backend's validated
+    options model (a config resolved before passes as it is). With ``check_available`` a
+    backend that cannot run here (missing extra, not built yet) is an error."""
     config = config.model_copy(deep=True)
     if config.generator.name == "auto":
         config.generator.name = "vllm" if "vllm" in registry.available("generator") else "hf"
@@ -39,7 +42,7 @@ def resolve(config: RunConfig, registry: Registry, *, check_available: bool = Fa
             options = backend.validate_options(choice.options)
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, prefix=f"{field}.options")) from None
-        choice.options = options.model_dump(mode="json")
+        choice.options = options
         if check_available and (reason := backend.unavailable_reason()):
             raise BackendUnavailable(f"{kind} {choice.name!r} is unavailable: {reason}")
     _check_model_name(config, registry)
@@ -52,7 +55,7 @@ def _check_model_name(config: RunConfig, registry: Registry) -> None:
     if name in registry.backends("model"):
         backend = registry.get("model", name)
         try:
-            config.model.options = backend.validate_options(config.model.options).model_dump(mode="json")
+            config.model.options = backend.validate_options(config.model.options)
         except ValidationError as exc:
             raise ConfigError(format_validation_error(exc, prefix="model.options")) from None
         return

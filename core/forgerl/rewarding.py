@@ -109,6 +109,8 @@ class RewardSet:
         cls, config: RunConfig, registry: Registry, *, max_workers: int | None = None
     ) -> RewardSet:
         """Build every reward of ``config.rewards`` through the registry."""
+        from forgerl.config_sections import options_dict
+
         rewards = []
         for i, choice in enumerate(config.rewards):
             backend = registry.require("reward", choice.name)
@@ -123,7 +125,7 @@ class RewardSet:
             # A plugin object passed in by an embedding caller exists in this process only:
             # a worker could not find its backend.
             embedded = registry.owner("reward", choice.name).distribution == "<embedded>"
-            recipe = None if embedded else RewardRecipe(choice.name, dict(choice.options))
+            recipe = None if embedded else RewardRecipe(choice.name, options_dict(choice.options))
             rewards.append(NamedReward(choice.name, choice.weight, instance, recipe))
         reward_set = cls(
             rewards,

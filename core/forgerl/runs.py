@@ -2,7 +2,7 @@
 
 A run directory holds everything about one run::
 
-    config.yaml        the resolved config (what the workers read)
+    config.yaml        the resolved config (what every process of the run loads: load_config)
     submission.json    which scheduler runs it, and its job id
     metrics.jsonl      one JSON object per training step
     summary.json       written when the run ends
@@ -24,7 +24,10 @@ from forgerl.errors import ConfigError, JobNotFound, ResumeError
 from forgerl.types import JobHandle, JobSpec, Resources, RoleSpec
 
 if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.backends import Backend
     from forgerl.config import RunConfig
+    from forgerl.config_sections import BackendChoice
+    from forgerl.interfaces import RunContext
     from forgerl.plugins import Registry
 
 CONFIG_FILE = "config.yaml"
@@ -128,6 +131,18 @@ def _first_difference(a: Any, b: Any, where: str) -> tuple[str, Any, Any] | None
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
+
+
+def load_config(run_dir: Path, registry: Registry) -> RunConfig:
+    """The run's config as each of its processes uses it (a trainer rank, a server role):
+    ``config.yaml`` read once and resolved against ``registry``, every backend's options
+    validated into its options model (:func:`forgerl.resolve.resolve`). The file is the
+    description that crosses from ``forge run`` to the run's processes; no backend reads it."""
+    from forgerl.config import read_yaml, validate_config
+    from forgerl.resolve import resolve
+
+    config = validate_config(read_yaml(run_dir / CONFIG_FILE), source=str(run_dir / CONFIG_FILE))
+    return resolve(config, registry)
 
 
 def write_config(run_dir: Path, config: RunConfig, *, then: str = "run the command again") -> None:
@@ -238,12 +253,33 @@ def worker_command(run_dir: Path) -> tuple[str, ...]:
     return (sys.executable, "-m", "forgerl.worker", "--run-dir", str(run_dir))
 
 
+def server_role_command(run_dir: Path | str, role: str) -> tuple[str, ...]:
+    """The command of every replica of server role ``role`` (:mod:`forgerl.server_role`): it
+    loads the run's config and calls the ``serve`` of the backend that declares the role.
+    The replica index comes from ``FORGE_REPLICA``, which every scheduler sets."""
+    return (sys.executable, "-m", "forgerl.server_role", "--run-dir", str(run_dir), "--role", role)
+
+
+def server_roles(
+    config: RunConfig, registry: Registry, context: RunContext
+) -> list[tuple[RoleSpec, Backend, BackendChoice, str]]:
+    """Every server role the run's backends declare (the generator's, then each reward's),
+    each with the backend, its choice and where the choice is in the config (``generator``,
+    ``rewards.N``); a role shared by two rewards comes once per reward."""
+    found: list[tuple[RoleSpec, Backend, BackendChoice, str]] = []
+    choices: list[tuple[str, str, BackendChoice]] = [("generator", "generator", config.generator)]
+    choices += [("reward", f"rewards.{index}", choice) for index, choice in enumerate(config.rewards)]
+    for kind, where, choice in choices:
+        backend = registry.get(kind, choice.name)
+        found += [(role, backend, choice, where) for role in backend.server_roles(choice.options, context=context)]
+    return found
+
+
 def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
     """The JobSpec of a run: trainer ranks (primary; rank 0 drives the loop) plus any
     server roles the generator (e.g. vLLM replicas) and the rewards (e.g. a served reward
     model) need."""
     from forgerl.allocator import trainer_allocator_env
-    from forgerl.backends import GeneratorBackend, RewardBackend
     from forgerl.interfaces import RunContext
 
     roles: list[RoleSpec] = [
@@ -257,15 +293,8 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
             env=trainer_allocator_env(_launch_env(config)),
         )
     ]
-    context = RunContext.for_run(config, run_dir)
-    gen_backend = registry.get("generator", config.generator.name)
-    if isinstance(gen_backend, GeneratorBackend):  # always: the registry checks record types
-        roles += gen_backend.server_roles(config.generator.options, context=context)
-    for index, choice in enumerate(config.rewards):
-        reward_backend = registry.get("reward", choice.name)
-        if isinstance(reward_backend, RewardBackend):
-            for role in reward_backend.server_roles(choice.options, context=context):
-                roles = _add_role(roles, role, f"rewards.{index}")
+    for role, _, _, where in server_roles(config, registry, RunContext.for_run(config, run_dir)):
+        roles = _add_role(roles, role, where)
     env = {"PYTHONUNBUFFERED": "1"}
     # OpenMP threads that spin while waiting turn a busy CPU into a 10x slowdown when a
     # run's processes and threads share cores (measured here: a 16x576x1536 matmul on 2
@@ -279,8 +308,10 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
 def _launch_env(config: RunConfig) -> dict[str, str]:
     """The environment the trainer would have without forge's additions: this process's,
     then the scheduler's ``env`` option (Slurm and Kubernetes export it under role env)."""
+    from forgerl.config_sections import options_dict
+
     env = dict(os.environ)
-    scheduler_env = config.scheduler.options.get("env")
+    scheduler_env = options_dict(config.scheduler.options).get("env")
     if isinstance(scheduler_env, dict):
         env.update({str(k): str(v) for k, v in scheduler_env.items()})
     return env

@@ -21,8 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import yaml
-
 from forgerl.env import debug_enabled
 from forgerl.errors import ForgeError
 
@@ -79,9 +77,10 @@ def exit_now(code: int) -> NoReturn:
 
 def run_worker(run_dir: Path) -> int:
     from forgerl import runs
-    from forgerl.config import validate_config
+    from forgerl.plugins import build_registry
 
-    config = validate_config(yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text()), source=str(run_dir))
+    registry = build_registry()
+    config = runs.load_config(run_dir, registry)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     logging.basicConfig(
@@ -103,10 +102,8 @@ def run_worker(run_dir: Path) -> int:
 
     from forgerl.interfaces import RunContext
     from forgerl.models import resolve_model
-    from forgerl.plugins import build_registry
     from forgerl.spmd import TrainerDriver
 
-    registry = build_registry()
     # On rank 0, a run that fails before its loop starts (a backend whose module does not
     # import, a model that cannot be built) still ends like any run: summary.json says
     # failed and forge_run_end hears of it.

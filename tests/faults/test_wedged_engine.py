@@ -25,9 +25,9 @@ from pathlib import Path
 
 import pytest
 
-from forgerl_plugins.generators.common import liveness
-from forgerl_plugins.generators.common.launcher import healthy
 from forgerl_plugins.generators.common.replica import read_endpoint
+from forgerl_plugins.serving import liveness
+from forgerl_plugins.serving.launcher import healthy
 
 from ..helpers.timing import scaled, wait_until
 

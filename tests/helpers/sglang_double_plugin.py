@@ -24,6 +24,7 @@ def forge_generators():
             name="sglang_double",
             factory="forgerl_plugins.generators.sglang.generator:SGLangGenerator",
             roles="forgerl_plugins.generators.sglang.server:roles",
+            serve="forgerl_plugins.generators.sglang.server:serve",
             options="forgerl_plugins.generators.sglang.generator:SGLangGenerator.Options",
             description="the sglang generator against the SGLang test double (tests only)",
         )

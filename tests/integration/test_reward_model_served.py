@@ -118,7 +118,7 @@ def run(classifier_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("FORGE_RUN_DIR", str(run_dir))  # every process of a run has it
         try:
-            yield run_dir, config.rewards[0].options
+            yield run_dir, config.dump()["rewards"][0]["options"]  # as config.yaml holds them
         finally:
             scheduler.cancel(str(run_dir))
             thread.join(scaled(60))

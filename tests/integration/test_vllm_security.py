@@ -2,7 +2,7 @@
 
 The servers run in vLLM's dev mode (weight updates go through ``/collective_rpc``,
 ``/pause``, ``/resume``, ``/reset_prefix_cache``), and vLLM's own ``--api-key`` check
-guards only ``/v1``-style paths. The plugin's middleware (plugins/forgerl_plugins/generators/vllm/auth.py)
+guards only ``/v1``-style paths. The plugin's middleware (plugins/forgerl_plugins/serving/vllm_auth.py)
 guards every path. The first tests drive the middleware with plain ASGI messages; the
 rest call every route of one real server, started through the plugin's server role exactly
 as a run does (the session's shared one: tests/helpers/shared_vllm.py), without the key,
@@ -67,7 +67,7 @@ def _call(app: Any, scope: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _guarded(key: str = "the-key") -> tuple[Any, list[dict[str, Any]]]:
-    from forgerl_plugins.generators.vllm.auth import RequireRunKey
+    from forgerl_plugins.serving.vllm_auth import RequireRunKey
 
     reached: list[dict[str, Any]] = []
 
@@ -111,7 +111,7 @@ def test_middleware_passes_lifespan_and_closes_websockets_without_the_key():
 
 
 def test_middleware_fails_closed_without_a_key(monkeypatch):
-    from forgerl_plugins.generators.vllm.auth import KEY_ENV, RequireRunKey
+    from forgerl_plugins.serving.vllm_auth import KEY_ENV, RequireRunKey
 
     monkeypatch.delenv(KEY_ENV, raising=False)
     with pytest.raises(RuntimeError, match=KEY_ENV):
@@ -122,8 +122,8 @@ def test_middleware_fails_closed_without_a_key(monkeypatch):
 
 def test_the_key_travels_in_the_environment_and_the_middleware_on_the_command_line(tmp_path):
     from forgerl_plugins.generators.vllm import server
-    from forgerl_plugins.generators.vllm.auth import KEY_ENV, MIDDLEWARE
     from forgerl_plugins.generators.vllm.generator import VLLMGenerator
+    from forgerl_plugins.serving.vllm_auth import KEY_ENV, MIDDLEWARE
 
     command = server.server_command(VLLMGenerator.Options(), tmp_path, "float32", 1234)
     assert command[command.index("--middleware") + 1] == MIDDLEWARE

@@ -346,8 +346,8 @@ def test_every_flags_key_is_documented():
 
 def test_run_directory_files_are_documented():
     from forgerl import checkpoint, checkpoint_format, metrics, runs
-    from forgerl_plugins.generators.common import launcher
     from forgerl_plugins.schedulers.local import jobfile
+    from forgerl_plugins.serving import launcher
     from forgerl_plugins.transports.common import auth
 
     files = {

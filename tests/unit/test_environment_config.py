@@ -20,14 +20,18 @@ def test_the_flag_selects_one_and_its_options_are_validated_and_filled():
         flags={"model": "tiny", "environment": "guess"}, sets=["environment.options.high=64", "environment.max_turns=6"]
     )
     assert config.environment.name == "guess" and config.environment.max_turns == 6
-    assert config.environment.options == {"low": 1, "high": 64, "max_guesses": 5}
+    # The resolved config holds the environment's own options model, and writes its values.
+    options = config.environment.options
+    assert type(options).__qualname__ == "GuessEnvironment.Options" and options.high == 64
+    assert config.dump()["environment"]["options"] == {"low": 1, "high": 64, "max_guesses": 5}
 
 
 def test_a_different_environment_drops_the_old_ones_options(tmp_path):
     file = tmp_path / "run.yaml"
     file.write_text("environment:\n  name: guess\n  options: {high: 64}\n")
     config = forgerl.load_config(file, flags={"model": "tiny", "environment": "calculator"})
-    assert config.environment.name == "calculator" and config.environment.options == {"tag": "answer", "tool_bonus": 0.0}
+    assert config.environment.name == "calculator"
+    assert config.dump()["environment"]["options"] == {"tag": "answer", "tool_bonus": 0.0}
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,7 @@
-"""The launcher every served engine shares (generators.common.launcher.serve), with a
+"""The launcher every served engine shares (forgerl_plugins.serving.launcher.serve), with a
 stand-in server on loopback: the served reward model's uses of it (its own folder for the
-endpoint file, fields its first request learned) and the launcher's command line."""
+endpoint file, fields its first request learned), the server's environment and engine
+flags. (The role's command line: tests/unit/test_server_role.py.)"""
 
 from __future__ import annotations
 
@@ -12,10 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from forgerl_plugins.generators.common import launcher
 from forgerl_plugins.rewards import reward_server
+from forgerl_plugins.serving import launcher
 from tests.helpers.timing import scaled, wait_until
 
 STAND_IN = """
@@ -37,7 +36,7 @@ HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
 LAUNCHER = """
 import os, sys
 from pathlib import Path
-from forgerl_plugins.generators.common import launcher
+from forgerl_plugins.serving import launcher
 
 run_dir, first, stand_in, startup = Path(sys.argv[1]), sys.argv[2], sys.argv[3], float(sys.argv[4])
 
@@ -101,16 +100,6 @@ def test_a_failed_first_request_is_written_as_the_error_with_the_plans_advice(tm
     assert "forge reward-model-test launcher: could not classify (no /classify)" in output
 
 
-def test_the_command_line_takes_the_replica_from_the_scheduler_and_required_options(tmp_path, monkeypatch):
-    monkeypatch.setenv("FORGE_REPLICA", "2")
-    args = launcher.launcher_args("prog", ["--run-dir", str(tmp_path / "."), "--role", "r"], "--role")
-    assert (args.run_dir, args.replica, args.role) == (tmp_path.resolve(), 2, "r")
-    assert launcher.launcher_args("prog", ["--run-dir", "x", "--replica", "1"]).replica == 1
-    with pytest.raises(SystemExit) as exit_:
-        launcher.launcher_args("prog", ["--run-dir", "x"], "--role")
-    assert exit_.value.code == 2
-
-
 def test_a_server_environment_has_no_trainer_rendezvous_and_the_users_env(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("RANK", "3")
@@ -121,7 +110,7 @@ def test_a_server_environment_has_no_trainer_rendezvous_and_the_users_env(monkey
 
 def test_engine_arguments_become_each_engines_flags():
     from forgerl_plugins.generators.sglang.server import server_arg_flags
-    from forgerl_plugins.generators.vllm.server import engine_arg_flags
+    from forgerl_plugins.serving.vllm_server import engine_arg_flags
 
     arguments = {"max_num_seqs": 8, "enable_x": True, "enable_y": False, "z": None, "ids": [1, 2], "cfg": {"a": 1}}
     common = ["--max-num-seqs", "8", "--enable-x", "--ids", "1", "2", "--cfg", '{"a": 1}']

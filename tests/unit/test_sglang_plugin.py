@@ -36,7 +36,7 @@ def test_the_role_runs_the_launcher_per_replica_on_its_gpus(tmp_path):
         SGLangGenerator.Options(replicas=3, tensor_parallel_size=2, max_restarts=2), context=_ctx(tmp_path)
     )
     assert role.name == "sglang" and role.replicas == 3 and role.max_restarts == 2
-    assert role.command[1:] == ("-m", "forgerl_plugins.generators.sglang.server", "--run-dir", str(tmp_path))
+    assert role.command[1:] == ("-m", "forgerl.server_role", "--run-dir", str(tmp_path), "--role", "sglang")
     assert role.resources.gpus == 2
 
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from forgerl_plugins.generators.common import liveness
-from forgerl_plugins.generators.vllm.server import free_port, healthy
+from forgerl_plugins.serving import liveness
+from forgerl_plugins.serving.launcher import free_port, healthy
 from tests.helpers.timing import wait_until
 
 SERVER = textwrap.dedent(

@@ -14,6 +14,7 @@ from forgerl.errors import GeneratorUnreachable
 from forgerl.interfaces import RunContext
 from forgerl_plugins.generators.vllm import server
 from forgerl_plugins.generators.vllm.generator import VLLMGenerator
+from forgerl_plugins.serving import launcher
 from tests.helpers.timing import scaled
 
 
@@ -33,7 +34,8 @@ def _generator(options: VLLMGenerator.Options, run_dir: Path):
 def test_the_role_runs_the_launcher_per_replica_and_restarts_it(tmp_path):
     (role,) = server.roles(VLLMGenerator.Options(replicas=3, max_restarts=2), context=_ctx(tmp_path))
     assert role.name == "vllm" and role.replicas == 3 and role.max_restarts == 2 and not role.primary
-    assert role.command[1:] == ("-m", "forgerl_plugins.generators.vllm.server", "--run-dir", str(tmp_path))
+    # The core's server role entry, which calls VLLMGenerator.serve (tests/unit/test_server_role.py).
+    assert role.command[1:] == ("-m", "forgerl.server_role", "--run-dir", str(tmp_path), "--role", "vllm")
     # The replica index comes from FORGE_REPLICA, so one command serves every replica.
     assert "--replica" not in role.command
 
@@ -105,7 +107,7 @@ def test_a_synchronous_run_binds_every_core_to_vllms_cpu_worker():
 
 def test_endpoint_files_are_written_atomically_and_privately(tmp_path):
     path = server.endpoint_file(tmp_path, 1)
-    server.write_endpoint(path, {"port": 1})
+    launcher.write_endpoint(path, {"port": 1})
     assert json.loads(path.read_text()) == {"port": 1}
     assert path.stat().st_mode & 0o077 == 0, oct(path.stat().st_mode)
     assert [p.name for p in path.parent.iterdir()] == ["vllm-1.json"]
@@ -130,7 +132,7 @@ def test_a_replica_whose_launcher_reported_a_failure_fails_at_once(tmp_path):
     pytest.importorskip("httpx")
 
     error = "vLLM failed its first request (HTTP 500: RuntimeError: boom)"
-    server.write_endpoint(server.endpoint_file(tmp_path, 0), {"error": error, "time": time.time()})
+    launcher.write_endpoint(server.endpoint_file(tmp_path, 0), {"error": error, "time": time.time()})
     start = time.monotonic()
     with pytest.raises(
         GeneratorUnreachable, match="replica 0 failed to start: vLLM failed its first request"
@@ -147,9 +149,9 @@ def test_files_left_by_an_earlier_job_are_not_taken_for_this_ones(tmp_path):
     pytest.importorskip("httpx")
 
     old = time.time() - 3600
-    server.write_endpoint(server.endpoint_file(tmp_path, 0), {"error": "old failure", "time": old})
-    port = server.free_port("127.0.0.1")  # nothing listens there
-    server.write_endpoint(
+    launcher.write_endpoint(server.endpoint_file(tmp_path, 0), {"error": "old failure", "time": old})
+    port = launcher.free_port("127.0.0.1")  # nothing listens there
+    launcher.write_endpoint(
         server.endpoint_file(tmp_path, 1),
         {"instance": "old", "host": "127.0.0.1", "port": port, "api_key": "k", "started": old},
     )

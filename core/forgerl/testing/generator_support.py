@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from forgerl.config_sections import options_dict
 from forgerl.testing.registry import backend_under_test, registry_for
 from forgerl.testing.timing import scaled, wait_until
 
@@ -94,7 +95,9 @@ class GeneratorSite:
         ctx = self.context()
         registry = registry_for(self.plugins)
         choice = self.config.transport
-        options = {**choice.options, "directory": str(transport_dir)} if choice.name == "shm" else choice.options
+        options = choice.options
+        if choice.name == "shm":
+            options = {**options_dict(options), "directory": str(transport_dir)}
         transport = registry.require("transport", choice.name).build(options, context=ctx)
         sender = generator = None
         try:
@@ -215,7 +218,7 @@ def open_site(
     }
     config = resolve(build_config(base=base, sets=settings), registry)
     runs.write_config(run_dir, config)
-    site = GeneratorSite(backend, dict(config.generator.options), tuple(plugins), model_dir, run_dir, config)
+    site = GeneratorSite(backend, options_dict(config.generator.options), tuple(plugins), model_dir, run_dir, config)
     roles = record.server_roles(config.generator.options, context=site.context())
     try:
         if roles:
@@ -235,8 +238,12 @@ def start_roles(site: GeneratorSite, roles: Sequence[Any]) -> Any:
     (PR_SET_PDEATHSIG): one thread submits and supervises them until they are stopped."""
     from forgerl.types import JobSpec
 
-    scheduler = registry_for(site.plugins).require("scheduler", "local").build({"stop_timeout": 10})
-    job = JobSpec(f"kit-{site.backend}", str(site.run_dir), tuple(roles))
+    registry = registry_for(site.plugins)
+    scheduler = registry.require("scheduler", "local").build({"stop_timeout": 10})
+    # As a run's job (forgerl.runs.build_job): the roles' processes load the plugins under
+    # test too, to find the backend that serves them.
+    env = {"FORGE_PLUGINS": ",".join(registry.plugin_refs)} if registry.plugin_refs else {}
+    job = JobSpec(f"kit-{site.backend}", str(site.run_dir), tuple(roles), env=env)
     submitted = threading.Event()
     failed: list[BaseException] = []
 

@@ -123,10 +123,17 @@ class RewardModelReward(Reward):
     @staticmethod
     def roles(options: RewardModelReward.Options, *, context: RunContext) -> list[RoleSpec]:
         """One vLLM pooling server when ``server: vllm``; none otherwise (:mod:`.reward_server`,
-        imported only then: it brings in the vLLM generator's launcher)."""
+        imported only then: it brings in the served engines' launcher)."""
         from .reward_server import roles
 
         return roles(options, context=context)
+
+    @staticmethod
+    def serve(options: RewardModelReward.Options, *, context: RunContext, role: str, replica: int) -> int:
+        """The server of ``role``, in the process forgerl.server_role starts (:func:`.reward_server.serve`)."""
+        from .reward_server import serve
+
+        return serve(options, context=context, role=role, replica=replica)
 
     @staticmethod
     def local_preflight(options: RewardModelReward.Options) -> None:

@@ -2,38 +2,37 @@
 
 ``roles(options, *, context)`` asks the scheduler to run, beside the trainer::
 
-    python -m forgerl_plugins.rewards.reward_server --run-dir RUN_DIR --role ROLE
+    python -m forgerl.server_role --run-dir RUN_DIR --role ROLE
 
-The launcher finds in the run's config.yaml the ``reward_model`` reward whose role is
-``ROLE``, starts vLLM's OpenAI server for its model in pooling mode (``--runner pooling``:
-a ``*ForSequenceClassification`` model serves ``/classify``) as its child, checks one
-classification, and publishes the endpoint in ``<run_dir>/rewards/<ROLE>-<replica>.json``
-(host, port, API key, labels) atomically; the reward in the trainer reads it
-(:mod:`.reward_model_client`). All of that, the liveness watch (a hung server is killed)
-and the exit status (the scheduler restarts a dead server) are the server generators'
-launcher's (:func:`forgerl_plugins.generators.common.launcher.serve`). Every path of the server needs the run's key (the generator's
-middleware): ``/classify`` sits outside the prefixes vLLM's own key check guards.
+That process loads the run's config, finds the ``reward_model`` reward whose role is
+``ROLE`` and calls :func:`serve` (through ``RewardModelReward.serve``) with its options:
+it starts vLLM's OpenAI server for the reward's model in pooling mode (``--runner
+pooling``: a ``*ForSequenceClassification`` model serves ``/classify``) as its child,
+checks one classification, and publishes the endpoint in
+``<run_dir>/rewards/<ROLE>-<replica>.json`` (host, port, API key, labels) atomically; the
+reward in the trainer reads it (:mod:`.reward_model_client`). All of that, the liveness
+watch (a hung server is killed) and the exit status (the scheduler restarts a dead server)
+are the launcher's that every served engine shares (:mod:`forgerl_plugins.serving`), as
+is the vLLM command's common part: every path of the server needs the run's key
+(``/classify`` sits outside the prefixes vLLM's own key check guards).
 
 The role's name is ``reward-model-<digest>`` of what shapes the server (model, dtype,
 parallelism, engine arguments, ...): two rewards with the same served model share one
-server. Like the generator's launcher, this module imports neither vLLM nor torch.
+server. Like the generators' launchers, this module imports neither vLLM nor torch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import secrets
-import sys
 import urllib.error
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl import events
-from forgerl_plugins.generators.common import launcher
-from forgerl_plugins.generators.vllm.auth import KEY_ENV, MIDDLEWARE
-from forgerl_plugins.generators.vllm.server import engine_arg_flags, is_cpu_build
+from forgerl_plugins.serving import launcher, vllm_server
+from forgerl_plugins.serving.vllm_server import is_cpu_build
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
@@ -41,7 +40,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from forgerl_plugins.rewards.reward_model import RewardModelReward
 
 ENDPOINT_DIR = "rewards"
-MODULE = "forgerl_plugins.rewards.reward_server"
 SERVED_MODEL_NAME = "forge-reward-model"
 DEFAULT_CPU_KV_CACHE_GB = 0.25  # scoring holds one sequence per request: little cache
 HEALTH_INTERVAL = 2.0
@@ -76,6 +74,7 @@ def log_file(run_dir: Path, role: str, replica: int = 0) -> Path:
 
 def roles(options: RewardModelReward.Options, *, context: RunContext) -> list[RoleSpec]:
     """One vLLM pooling server when ``server: vllm``; none otherwise."""
+    from forgerl.runs import server_role_command
     from forgerl.types import Resources, RoleSpec
 
     if options.server != "vllm":
@@ -84,7 +83,7 @@ def roles(options: RewardModelReward.Options, *, context: RunContext) -> list[Ro
     return [
         RoleSpec(
             name=name,
-            command=launcher.launcher_command(MODULE, context.run_dir, "--role", name),
+            command=server_role_command(context.run_dir, name),
             resources=Resources(cpus=1, gpus=0 if is_cpu_build() else options.tensor_parallel_size),
             max_restarts=options.max_restarts,
         )
@@ -95,29 +94,17 @@ def roles(options: RewardModelReward.Options, *, context: RunContext) -> list[Ro
 
 
 def server_command(options: RewardModelReward.Options, port: int) -> list[str]:
-    args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", options.model,
-        "--served-model-name", SERVED_MODEL_NAME,
-        "--runner", "pooling",
-        "--host", options.host,
-        "--port", str(port),
-        "--dtype", options.dtype or "auto",
-        "--tensor-parallel-size", str(options.tensor_parallel_size),
-        "--enforce-eager",  # start-up in seconds; engine_args {enforce_eager: false} compiles
-        "--disable-uvicorn-access-log",
-        "--middleware", MIDDLEWARE,
-    ]  # fmt: skip
+    args = vllm_server.api_server_command(
+        options.model, SERVED_MODEL_NAME, options.host, port, options.dtype or "auto", options.tensor_parallel_size
+    )
+    # --enforce-eager: start-up in seconds; engine_args {enforce_eager: false} compiles.
+    args += ["--runner", "pooling", "--enforce-eager"]
     positions = _model_positions(options.model)
     if positions is None or options.max_length < positions:
         # The reward cuts each text to this many tokens (keeping its end) before sending.
         args += ["--max-model-len", str(options.max_length)]
-    kv_gb = options.kv_cache_gb
-    if kv_gb is None and is_cpu_build() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        kv_gb = DEFAULT_CPU_KV_CACHE_GB  # vLLM's CPU default takes most of the machine's memory
-    if kv_gb is not None:
-        args += ["--kv-cache-memory-bytes", str(int(kv_gb * 2**30))]
-    return args + engine_arg_flags(options.engine_args)  # last: the user's own say wins
+    args += vllm_server.kv_cache_flags(options.kv_cache_gb, DEFAULT_CPU_KV_CACHE_GB)
+    return args + vllm_server.engine_arg_flags(options.engine_args)  # last: the user's own say wins
 
 
 def _model_positions(model: str) -> int | None:
@@ -128,41 +115,11 @@ def _model_positions(model: str) -> int | None:
         return None  # a hub id: vLLM reads the config itself
 
 
-def server_env(options: RewardModelReward.Options, api_key: str) -> dict[str, str]:
-    env = launcher.server_env(options.env)
-    env[KEY_ENV] = api_key  # in the environment, where `ps` does not show it
-    return env
-
-
-# ----------------------------------------------------------------------- the launcher
-
-
-def find_options(run_dir: Path, role: str) -> RewardModelReward.Options | None:
-    """The options of the run's reward_model reward served by ``role``."""
-    import yaml
-
-    from forgerl import runs
-    from forgerl.config import validate_config
-    from forgerl_plugins.rewards.reward_model import RewardModelReward
-
-    config = validate_config(yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text()), source=str(run_dir))
-    for choice in config.rewards:
-        if choice.name != "reward_model":
-            continue
-        options = RewardModelReward.Options.model_validate(choice.options)
-        if options.server == "vllm" and role_name(options) == role:
-            return options
-    return None
-
-
-def launch(run_dir: Path, role: str, replica: int) -> int:
-    endpoint = endpoint_file(run_dir, role, replica)
-    endpoint.unlink(missing_ok=True)  # the previous instance's file points at a dead server
-    options = find_options(run_dir, role)
-    if options is None:
-        return launcher.failed(
-            endpoint, f"no reward_model reward with server: vllm in the run's config has role {role!r}"
-        )
+def serve(options: RewardModelReward.Options, *, context: RunContext, role: str, replica: int) -> int:
+    """Run replica ``replica`` of ``role`` (the launcher, until its server ends); the exit status."""
+    run_dir = context.run_dir
+    # The previous instance's file points at a dead server.
+    endpoint_file(run_dir, role, replica).unlink(missing_ok=True)
     api_key = secrets.token_urlsafe(24)
     starting = events.phase(
         f"starting the reward model server for {options.model}", stage="server", run_dir=run_dir,
@@ -176,7 +133,7 @@ def launch(run_dir: Path, role: str, replica: int) -> int:
         health_interval=HEALTH_INTERVAL,
         liveness_timeout=LIVENESS_TIMEOUT,
         command=lambda port: server_command(options, port),
-        env=server_env(options, api_key),
+        env=vllm_server.server_env(options.env, api_key),
         api_key=api_key,
         first_request=first_classification,
         explain=lambda problem: f"vLLM could not classify with {options.model} ({problem})",
@@ -198,12 +155,3 @@ def first_classification(url: str, api_key: str, timeout: float = 120.0) -> dict
         return f"HTTP {exc.code} from /classify: {detail or exc.reason}"
     except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
         return f"{type(exc).__name__}: {exc}"
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = launcher.launcher_args(MODULE, argv, "--role")
-    return launch(args.run_dir, args.role, args.replica)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,7 +30,7 @@ from forgerl.interfaces import Generator, RunContext
 from forgerl.loop_thread import LoopThread
 from forgerl.types import Completion, GenerationRequest, GeneratorHealth
 
-from .launcher import endpoint_file, log_file
+from ...serving.launcher import endpoint_file, log_file
 from .replica import Replica
 from .updates import WeightUpdater
 from .watch import ReplicaWatcher

@@ -1,9 +1,10 @@
 """What a server generator (vllm, sglang) knows about one replica, and how it finds the
 replica's server.
 
-Each replica's launcher (:mod:`.launcher`) writes an endpoint file when its server is up
-(host, port, API key, model, pid, and an ``instance`` id that changes on every restart)
-and removes it when the server exits; a start-up failure is written there as ``error``.
+Each replica's launcher (:mod:`forgerl_plugins.serving.launcher`) writes an endpoint file
+when its server is up (host, port, API key, model, pid, and an ``instance`` id that changes
+on every restart) and removes it when the server exits; a start-up failure is written
+there as ``error``.
 """
 
 from __future__ import annotations

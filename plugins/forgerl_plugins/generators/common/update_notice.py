@@ -1,8 +1,8 @@
 """A weight update in progress, told by the generator to the launcher of the replica it pauses.
 
-The launcher's liveness probes go through the engine (:mod:`.liveness`), and an engine that
-is paused for a weight load answers none of them until it resumes: to the launcher it looks
-exactly like a wedged one. Only the generator knows that it paused the server and is still
+The launcher's liveness probes go through the engine (:mod:`forgerl_plugins.serving.liveness`),
+and an engine that is paused for a weight load answers none of them until it resumes: to
+the launcher it looks exactly like a wedged one. Only the generator knows that it paused the server and is still
 waiting on the load, so it says so in the run directory, beside the replica's endpoint file
 (``<run_dir>/generators/<role>-<replica>.updating``; the run directory is how generator and
 launchers find each other on every scheduler). The notice is a lease: the generator renews

@@ -147,6 +147,11 @@ class SGLangGenerator(ReplicaPool):
         """The replicas' launchers the scheduler starts (:func:`.server.roles`)."""
         return server.roles(options, context=context)
 
+    @staticmethod
+    def serve(options: SGLangGenerator.Options, *, context: RunContext, role: str, replica: int) -> int:
+        """One replica of the role, in the process forgerl.server_role starts (:func:`.server.serve`)."""
+        return server.serve(options, context=context, role=role, replica=replica)
+
     def __init__(self, options: SGLangGenerator.Options, *, context: RunContext, transport: Transport) -> None:
         weight_sync = choose_weight_sync(options.weight_sync, transport)  # before any server is asked
         engine = SGLangEngine(options, weight_sync, context=context, transport=transport)

@@ -12,7 +12,7 @@ module:
 
 * takes the key out of the environment (SGLang's subprocesses do not inherit it);
 * makes uvicorn, which serves SGLang's app, put
-  :class:`~forgerl_plugins.generators.common.require_key.RequireKey` in front of the app it
+  :class:`~forgerl_plugins.serving.require_key.RequireKey` in front of the app it
   loads: the outermost layer, so every request is checked before routing;
 * refuses a uvicorn with several worker processes or reload (those load the app in
   processes this guard never reaches; SGLang itself refuses an API key with several
@@ -33,7 +33,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from forgerl_plugins.generators.common.require_key import RequireKey
+from forgerl_plugins.serving.require_key import RequireKey
 
 #: The variable the launcher puts the key in.
 KEY_ENV = "FORGE_SGLANG_KEY"

@@ -2,12 +2,13 @@
 
 ``roles(options, *, context)`` tells the scheduler to run ``replicas`` copies of::
 
-    python -m forgerl_plugins.generators.sglang.server --run-dir RUN_DIR
+    python -m forgerl.server_role --run-dir RUN_DIR --role sglang
 
-Each copy (its replica index comes from ``FORGE_REPLICA``) resolves the run's model exactly
-as the trainer does and runs ``python -m sglang.launch_server`` under the key guard
-(:mod:`.guard`: every path needs the run's key) through the launcher all
-server generators share (:mod:`..common.launcher`: free port, ``/health``, one first
+Each copy (its replica index comes from ``FORGE_REPLICA``) loads the run's config,
+prepares the run's model exactly as the trainer does, and calls :func:`serve` (through
+``SGLangGenerator.serve``), which runs ``python -m sglang.launch_server`` under the key
+guard (:mod:`.guard`: every path needs the run's key) through the launcher all served
+engines share (:mod:`forgerl_plugins.serving.launcher`: free port, ``/health``, one first
 ``/generate``, the endpoint file ``<run_dir>/generators/sglang-<replica>.json``, liveness,
 exit status). It imports neither SGLang nor torch: it only spawns them.
 """
@@ -23,8 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl import events
-from forgerl_plugins.generators.common import launcher
+from forgerl_plugins.generators.common.update_notice import NoticeReader
 from forgerl_plugins.generators.sglang import guard
+from forgerl_plugins.serving import launcher
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
@@ -49,12 +51,13 @@ def log_file(run_dir: Path, replica: int) -> Path:
 
 def roles(options: SGLangGenerator.Options, *, context: RunContext) -> list[RoleSpec]:
     """The server role the scheduler starts beside the trainer."""
+    from forgerl.runs import server_role_command
     from forgerl.types import Resources, RoleSpec
 
     return [
         RoleSpec(
             name=ROLE,
-            command=launcher.launcher_command("forgerl_plugins.generators.sglang.server", context.run_dir),
+            command=server_role_command(context.run_dir, ROLE),
             replicas=options.replicas,
             resources=Resources(cpus=1, gpus=options.tensor_parallel_size),
             max_restarts=options.max_restarts,
@@ -146,26 +149,16 @@ def engine_probe(url: str, api_key: str) -> Callable[[float], bool]:
     return probe
 
 
-def launch(run_dir: Path, replica: int) -> int:
-    import yaml
-
-    from forgerl import runs
-    from forgerl.config import validate_config
-    from forgerl.models import resolve_model
-    from forgerl.plugins import build_registry
-    from forgerl_plugins.generators.sglang.generator import SGLangGenerator
-
-    config = validate_config(yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text()), source=str(run_dir))
-    options = SGLangGenerator.Options.model_validate(config.generator.options)
+def serve(options: SGLangGenerator.Options, *, context: RunContext, role: str, replica: int) -> int:
+    """Run replica ``replica`` of the role (the launcher, until its server ends); the exit status."""
+    run_dir, model_dir = context.run_dir, context.model_path
+    assert model_dir is not None, "forgerl.server_role prepares a generator's model"
     # A file left by the previous instance of this replica points at a dead server.
     endpoint_file(run_dir, replica).unlink(missing_ok=True)
-    with events.phase(f"preparing model {config.model.name}", stage="model",
-                      key=f"model:{config.model.name}", run_dir=run_dir):  # fmt: skip
-        model_dir = resolve_model(config.model, build_registry())
     api_key = secrets.token_urlsafe(24)
     starting = events.phase(
         "starting the SGLang server", detail="loading the model, then one first request",
-        stage="server", key=f"sglang-start:{config.model.name}", run_dir=run_dir, log=log_file(run_dir, replica),
+        stage="server", key=f"sglang-start:{context.model_name}", run_dir=run_dir, log=log_file(run_dir, replica),
     )  # fmt: skip
     plan = launcher.ServerPlan(
         role=ROLE,
@@ -174,21 +167,13 @@ def launch(run_dir: Path, replica: int) -> int:
         startup_timeout=options.startup_timeout,
         health_interval=options.health_interval,
         liveness_timeout=options.liveness_timeout,
-        command=lambda port: server_command(options, model_dir, config.model.dtype, port),
+        command=lambda port: server_command(options, model_dir, context.dtype, port),
         env=server_env(options, api_key),
         api_key=api_key,
         first_request=first_request,
         endpoint={"model_path": str(model_dir)},
         engine_probe=engine_probe,
         probe_name="/health_generate (its engine)",
+        paused=lambda endpoint, instance: NoticeReader(endpoint, instance).updating,
     )
     return launcher.serve(plan, run_dir, replica, starting)
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = launcher.launcher_args("forgerl_plugins.generators.sglang.server", argv)
-    return launch(args.run_dir, args.replica)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

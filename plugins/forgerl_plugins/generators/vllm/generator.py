@@ -95,6 +95,11 @@ class VLLMGenerator(ReplicaPool):
         return server.roles(options, context=context)
 
     @staticmethod
+    def serve(options: VLLMGenerator.Options, *, context: RunContext, role: str, replica: int) -> int:
+        """One replica of the role, in the process forgerl.server_role starts (:func:`.server.serve`)."""
+        return server.serve(options, context=context, role=role, replica=replica)
+
+    @staticmethod
     def preflight(options: VLLMGenerator.Options) -> None:
         """Before ``forge run`` starts anything: vLLM's server parser takes ``engine_args``
         (:func:`.preflight.preflight`)."""

@@ -13,7 +13,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import ConfigError
-from forgerl_plugins.generators.common import launcher
+from forgerl_plugins.serving import launcher
 
 if TYPE_CHECKING:  # pragma: no cover
     import argparse

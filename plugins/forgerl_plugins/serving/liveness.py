@@ -15,7 +15,8 @@ healthy forever. An engine probe is the engine's own (``ServerPlan.engine_probe`
 engine made progress since the last probe, or a one-token generation answered within the
 probe's deadline; a long batch therefore counts as alive. An engine that the generator
 paused for a weight load answers nothing until it resumes: while the generator's notice of
-that update is fresh (:mod:`.update_notice`) its silence is excused.
+that update is fresh (:mod:`forgerl_plugins.generators.common.update_notice`, which the
+generators' launchers read) its silence is excused.
 """
 
 from __future__ import annotations

@@ -1,31 +1,29 @@
-"""The launcher every server generator (vllm, sglang) runs per replica, beside its server.
+"""The launcher every served engine runs per replica, beside its server (the ``vllm`` and
+``sglang`` generators' replicas, the served ``reward_model``).
 
-A role's command starts ``python -m forgerl_plugins.generators.<engine>.server``; that
-module resolves the run's model and options and calls :func:`serve`, which picks a free
+A server role's process (:mod:`forgerl.server_role`) calls its backend's ``serve``, which
+describes its engine in a :class:`ServerPlan` and calls :func:`serve`: it picks a free
 port, starts the engine's server as its child, waits until it answers ``/health`` and one
-first request, and then publishes the endpoint in ``<run_dir>/generators/<role>-<replica>.json``
-(host, port, API key, pids, and an ``instance`` id that changes on every restart),
-atomically. The generator on trainer rank 0 finds the servers through these files: no
-fixed ports. A start-up failure is written there as ``error`` (the generator fails at
-once with it). The served reward model's launcher
-(:mod:`forgerl_plugins.rewards.reward_server`) is the same with its own first request
-(``/classify``, which adds ``num_labels``) and its files in ``<run_dir>/rewards/``.
+first request, and then publishes the endpoint in ``<run_dir>/<endpoint_dir>/<role>-<replica>.json``
+(host, port, API key, pids, what the first request learned, and an ``instance`` id that
+changes on every restart), atomically. The client (the generator on trainer rank 0, the
+reward) finds the servers through these files: no fixed ports. A start-up failure is
+written there as ``error`` (the client fails at once with it).
 
 The launcher then watches its server through its engine (:mod:`.liveness`: a hung one is
-killed; a weight update the generator announced is not a hang, :mod:`.update_notice`) and exits
-with the server's exit status (128+N when a signal killed it), so the scheduler sees a
-dead server as a dead replica and restarts it. Nothing here imports an engine or torch.
+killed; a pause the plan excuses, such as a weight update the generator announced, is not
+a hang) and exits with the server's exit status (128+N when a signal killed it), so the
+scheduler sees a dead server as a dead replica and restarts it. Nothing here imports an
+engine or torch.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -38,7 +36,6 @@ from typing import Any
 from forgerl import events
 
 from . import liveness
-from .update_notice import NoticeReader
 
 ENDPOINT_DIR = "generators"
 # Variables the scheduler sets for torch.distributed rendezvous of trainer ranks; an engine
@@ -70,28 +67,6 @@ def server_env(options_env: Mapping[str, str]) -> dict[str, str]:
     env.update(options_env)
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
-
-
-def launcher_command(module: str, run_dir: Path | str, *more: str) -> tuple[str, ...]:
-    """The role's command that runs launcher ``module`` (its ``main`` takes :func:`launcher_args`)."""
-    return (sys.executable, "-m", module, "--run-dir", str(run_dir), *more)
-
-
-def launcher_args(prog: str, argv: list[str] | None, *required: str) -> argparse.Namespace:
-    """A launcher's command line: ``--run-dir`` (resolved), ``--replica`` (default:
-    ``$FORGE_REPLICA``, which every scheduler sets, else 0) and the ``required`` options."""
-    parser = argparse.ArgumentParser(prog=prog)
-    parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument(
-        "--replica", type=int, default=None, help="replica index (default: $FORGE_REPLICA, else 0)"
-    )
-    for option in required:
-        parser.add_argument(option, required=True)
-    args = parser.parse_args(argv)
-    args.run_dir = args.run_dir.resolve()
-    if args.replica is None:
-        args.replica = int(os.environ.get("FORGE_REPLICA", "0"))
-    return args
 
 
 def cli_flags(arguments: Mapping[str, Any], *, negative: bool) -> list[str]:
@@ -216,6 +191,10 @@ class ServerPlan:
     engine_probe: Callable[[str, str], Callable[[float], bool]] | None = None
     #: What the probe asks, for the message when it kills the server.
     probe_name: str = "/health"
+    #: ``paused(endpoint_file, instance)`` → whether the server's engine is paused on
+    #: purpose right now (a generator's weight update), which excuses its silence; None:
+    #: it never is.
+    paused: Callable[[Path, str], Callable[[], bool]] | None = None
 
 
 def serve(plan: ServerPlan, run_dir: Path, replica: int, starting: Any) -> int:
@@ -303,7 +282,7 @@ def serve(plan: ServerPlan, run_dir: Path, replica: int, starting: Any) -> int:
             interval=plan.health_interval,
             timeout=plan.liveness_timeout,
             stopping=lambda: bool(stopping),
-            excused=NoticeReader(endpoint, instance).updating,
+            excused=plan.paused(endpoint, instance) if plan.paused else lambda: False,
             what=plan.probe_name,
         )
     finally:

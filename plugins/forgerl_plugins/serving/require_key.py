@@ -3,7 +3,7 @@
 Engines guard only some of their routes with their own key check: vLLM's ``--api-key``
 skips its dev-mode admin routes, SGLang's skips ``/health*``, ``/metrics`` and CORS
 preflights. forgerl puts this in front of the whole app instead (vLLM: ``--middleware``,
-:mod:`..vllm.auth`; SGLang: :mod:`..sglang.guard`), so any request without the key is
+:mod:`.vllm_auth`; SGLang: :mod:`forgerl_plugins.generators.sglang.guard`), so any request without the key is
 refused before routing.
 
 ``/health`` is guarded too: the only clients of a forgerl server are the launcher and the

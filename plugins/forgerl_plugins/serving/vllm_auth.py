@@ -1,4 +1,5 @@
-"""The key guard of a forgerl vLLM server: every path requires the run's key.
+"""The key guard of a forgerl vLLM server (the generator's replicas, a served reward
+model): every path requires the run's key.
 
 vLLM's own ``--api-key`` check guards only ``/v1``, ``/v2``, ``/inference`` and
 ``/cohere``. Our servers run with ``VLLM_SERVER_DEV_MODE=1`` (the weight updates need
@@ -8,7 +9,7 @@ call a worker method by name. The launcher adds it with ``--middleware`` (vLLM a
 last, so it is the outermost layer and sees every request before routing); it reads the
 key from ``VLLM_API_KEY`` in the server's environment, the same variable vLLM's own check
 reads, so both agree on one key that never appears on a command line. The check itself is
-:class:`..common.require_key.RequireKey`, shared with the SGLang servers' guard.
+:class:`.require_key.RequireKey`, shared with the SGLang servers' guard.
 
 The module imports nothing outside the standard library: vLLM imports it in its API
 server process.
@@ -19,13 +20,13 @@ from __future__ import annotations
 import os
 from collections.abc import Awaitable, Callable
 
-from forgerl_plugins.generators.common.require_key import RequireKey, presented_key
+from forgerl_plugins.serving.require_key import RequireKey, presented_key
 
 __all__ = ["KEY_ENV", "MIDDLEWARE", "RequireRunKey", "presented_key"]
 
 KEY_ENV = "VLLM_API_KEY"
 #: The dotted name the launcher passes to ``--middleware``.
-MIDDLEWARE = "forgerl_plugins.generators.vllm.auth.RequireRunKey"
+MIDDLEWARE = "forgerl_plugins.serving.vllm_auth.RequireRunKey"
 
 
 class RequireRunKey(RequireKey):
