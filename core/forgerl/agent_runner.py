@@ -38,7 +38,14 @@ from forgerl.chat_tokens import ChatTokens
 from forgerl.config_limits import MAX_SECONDS, MAX_TOKENS
 from forgerl.environment import Environment, Message, Step
 from forgerl.options import OptionsModel
-from forgerl.trajectory import GarbageError, Limits, RequestBatcher, Trajectory, fail_trajectory
+from forgerl.trajectory import (
+    GarbageError,
+    Limits,
+    RequestBatcher,
+    Trajectory,
+    fail_trajectory,
+    run_concurrently,
+)
 from forgerl.types import Problem, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -205,14 +212,7 @@ class AgentRunner:
     ) -> tuple[list[Trajectory], RequestBatcher]:
         """Episodes for ``(problem, request id, seed)`` jobs, at most ``concurrency`` at a
         time, in job order. Their calls are batched together on the endpoint's loop."""
-        batcher = RequestBatcher(generator)
-        gate = asyncio.Semaphore(self.limits.concurrency)
-
-        async def one(job: tuple[Problem, str, int]) -> Trajectory:
-            async with gate:
-                return await self.run(batcher, *job, sampling=sampling)
-
-        return list(await asyncio.gather(*(one(j) for j in jobs))), batcher
+        return await run_concurrently(self.run, generator, jobs, self.limits.concurrency, sampling)
 
     async def run(
         self, batcher: RequestBatcher, problem: Problem, request_id: str, seed: int,

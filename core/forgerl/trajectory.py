@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -171,14 +171,7 @@ class TrajectoryRunner:
     ) -> tuple[list[Trajectory], RequestBatcher]:
         """Trajectories for ``(problem, request id, seed)`` jobs, at most ``concurrency`` at
         a time, in job order."""
-        batcher = RequestBatcher(generator)
-        gate = asyncio.Semaphore(self.limits.concurrency)
-
-        async def one(job: tuple[Problem, str, int]) -> Trajectory:
-            async with gate:
-                return await self.run(batcher, *job, sampling=sampling)
-
-        return list(await asyncio.gather(*(one(j) for j in jobs))), batcher
+        return await run_concurrently(self.run, generator, jobs, self.limits.concurrency, sampling)
 
     async def run(
         self, batcher: RequestBatcher, problem: Problem, request_id: str, seed: int,
@@ -290,3 +283,24 @@ def fail_trajectory(traj: Trajectory, kind: FailureKind, reason: str) -> None:
     c = traj.completion
     c.mask = [0] * len(c.token_ids)
     log.warning("environment failed a trajectory (%s): %s", kind, reason)
+
+
+
+async def run_concurrently(
+    run: Callable[..., Awaitable[Trajectory]],
+    generator: Generator,
+    jobs: Sequence[tuple[Problem, str, int]],
+    concurrency: int,
+    sampling: SamplingParams | None,
+) -> tuple[list[Trajectory], RequestBatcher]:
+    """``run(batcher, problem, request_id, seed, sampling=)`` for each job, at most
+    ``concurrency`` at a time, their generations batched together; results in job order."""
+    batcher = RequestBatcher(generator)
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(job: tuple[Problem, str, int]) -> Trajectory:
+        async with gate:
+            return await run(batcher, *job, sampling=sampling)
+
+    return list(await asyncio.gather(*(one(j) for j in jobs))), batcher
+
