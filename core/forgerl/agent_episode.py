@@ -218,7 +218,7 @@ class EpisodeRecorder:
             self._append(segment, plan.observation, sampled=False, version=segment.turn_versions[-1])
             segment.observations += 1
         self._append(segment, sampled.token_ids, sampled=True, version=sampled.policy_version,
-                     logprobs=sampled.logprobs)
+                     logprobs=sampled.logprobs, versions=sampled.versions)
         c = segment.completion
         c.text += sampled.text
         c.finish_reason = sampled.finish_reason
@@ -242,13 +242,14 @@ class EpisodeRecorder:
 
     @staticmethod
     def _append(segment: Segment, ids: list[int], *, sampled: bool, version: int,
-                logprobs: list[float] | None = None) -> None:
+                logprobs: list[float] | None = None, versions: list[int] | None = None) -> None:
+        """``versions``: per token, where the turn ran across a weight update (policy keep)."""
         c = segment.completion
         assert c.mask is not None and c.versions is not None, "a segment's completion carries its mask"
         c.token_ids += ids
         c.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         c.mask += [int(sampled)] * len(ids)
-        c.versions += [version] * len(ids)
+        c.versions += versions or [version] * len(ids)
 
     # ------------------------------------------------------------------ results
 

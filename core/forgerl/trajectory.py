@@ -238,7 +238,8 @@ class TrajectoryRunner:
             c.token_ids += sampled.token_ids
             c.logprobs += sampled.logprobs
             c.mask += [1] * len(sampled.token_ids)
-            c.versions += [sampled.policy_version] * len(sampled.token_ids)
+            # A turn that ran across a weight update (update policy keep) has its own.
+            c.versions += sampled.versions or [sampled.policy_version] * len(sampled.token_ids)
             c.text += sampled.text
             traj.last_text = sampled.text
             step = check_step(await call_bounded(env.step, sampled.text, timeout=lim.turn_timeout, what="step"))

@@ -72,8 +72,9 @@ class Completion:
 
     ``logprobs[i]`` is the log-probability (natural log) that the *sampling* policy gave
     ``token_ids[i]``; the loss uses it as the behaviour policy. ``policy_version`` is the
-    weight version that produced it (all tokens: a generator must not mix versions within
-    one completion).
+    weight version that produced it. A completion that ran across a weight update (the
+    vllm generator's update policy ``keep``) carries ``versions[i]``, the version that
+    sampled token ``i``, and ``policy_version`` the oldest of them (``mask`` stays None).
 
     A multi-turn trajectory (:mod:`forgerl.trajectory`) is one Completion holding every
     token after the first prompt: ``mask[i]`` is 1 for a sampled token, 0 for an

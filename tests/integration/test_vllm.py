@@ -481,6 +481,90 @@ def test_requests_in_flight_during_an_update(cluster: Cluster, policy: str, when
             assert gap < ATOL, f"{policy}, {when}: completion of version {comp.policy_version}: gap {gap:.2e}"
 
 
+def _generation_tokens(c: Cluster, replica: int) -> float:
+    """The tokens replica ``replica`` has sampled (vLLM's counter; prompts not counted)."""
+    import httpx
+
+    ep = _endpoint(c, replica)
+    text = httpx.get(
+        f"http://{ep['host']}:{ep['port']}/metrics",
+        headers={"Authorization": f"Bearer {ep['api_key']}"},
+        timeout=scaled(10),
+    ).text
+    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:generation_tokens_total")]  # fmt: skip
+    assert counts, "vLLM's /metrics has no vllm:generation_tokens_total"
+    return sum(counts)
+
+
+def test_keep_continues_requests_across_an_update_with_per_token_versions(cluster: Cluster):
+    """Update policy keep: the servers pause with long completions half-way, load the new
+    weights and go on. Each completion is sent once, comes back whole, and says per token
+    which weights sampled it; the trainer's logprobs match the served ones per token
+    under that token's version, so the boundary is exact (one token off would show the
+    other version's gap, of order 1e-2 here)."""
+    from forgerl.types import GenerationRequest, SamplingParams
+
+    c = cluster
+    gen = c.generator
+    before = c.version
+    prompts = _prompts(c.tokenizer)
+    room = 1024 - max(len(p) for p in prompts) - 8  # the tiny model's 1024 positions
+    requests = [
+        GenerationRequest(f"keep-{i}", prompts[i % 2], 2, SamplingParams(max_tokens=room, temperature=1.0))
+        for i in range(4)
+    ]
+    baseline = {i: _generation_tokens(c, i) for i in range(2)}
+    dispatched = sum(info["dispatched"] for info in gen.replica_info())
+    admin = gen.engine.client.admin
+
+    async def pause_once_generating(r, path, params=None):
+        if path == "/pause":  # the update waits until this replica's requests are sampling
+            deadline = asyncio.get_running_loop().time() + scaled(120)
+            while await asyncio.to_thread(_generation_tokens, c, r.index) < baseline[r.index] + 12:
+                assert asyncio.get_running_loop().time() < deadline, f"replica {r.index} never sampled"
+                await asyncio.sleep(0.05)
+        return await admin(r, path, params)
+
+    results: list[Any] = []
+    worker = threading.Thread(target=lambda: results.append(_generate(gen, requests)))
+    gen.updater.policy = "keep"
+    gen.engine.client.admin = pause_once_generating
+    try:
+        worker.start()
+        wait_until(
+            lambda: all(info["outstanding"] > 0 for info in gen.replica_info()), 60, "requests on both replicas"
+        )
+        _push(c, before + 1)
+        worker.join(scaled(300))
+    finally:
+        gen.updater.policy = "wait"
+        del gen.engine.client.admin
+    assert results, "generation did not finish"
+    # Continued, not resubmitted: one dispatch per request.
+    assert sum(info["dispatched"] for info in gen.replica_info()) - dispatched == len(requests)
+    import torch
+
+    crossed = 0
+    for request, completions in zip(requests, results[0]):
+        assert len(completions) == request.n
+        for comp in completions:
+            assert comp.finish_reason in ("stop", "length")
+            assert comp.policy_version == before  # the oldest token's: staleness counts from it
+            versions = comp.versions or [before] * len(comp.token_ids)
+            assert len(versions) == len(comp.token_ids) == len(comp.logprobs)
+            boundary = versions.index(before + 1) if before + 1 in versions else len(versions)
+            assert versions == [before] * boundary + [before + 1] * (len(versions) - boundary), versions
+            crossed += 0 < boundary < len(versions)
+            prompt, served = list(request.prompt_token_ids), torch.tensor(comp.logprobs)
+            for version, part in ((before, slice(0, boundary)), (before + 1, slice(boundary, None))):
+                want = _teacher_forced(c.reference(version), prompt, comp.token_ids, 1.0)
+                if len(served[part]):
+                    gap = float((served[part] - want[part]).abs().max())
+                    assert gap < ATOL, f"{request.request_id}: gap {gap:.2e} of version {version}'s tokens {part}"
+    assert crossed, "no completion ran across the update: the pause did not find them sampling"
+
+
 def test_a_killed_replica_fails_over_restarts_and_rejoins_at_the_current_weights(cluster: Cluster):
     from forgerl.types import GenerationRequest, SamplingParams
 

@@ -37,14 +37,21 @@ class Engine(Protocol):
 
     async def pause(self, r: Replica, policy: str) -> None:
         """Pause ``r`` in the engine's mode for update ``policy`` (``wait``: in place,
-        our requests drained; ``abort``: what runs is aborted)."""
+        our requests drained; ``abort``: what runs is aborted; ``keep``: in place, what
+        runs frozen, to go on with the new weights after the resume)."""
+
+    async def sampled_so_far(self, r: Replica, keys: list[str]) -> dict[str, dict[int, int]]:
+        """While ``r`` is paused in place: how many tokens each of our requests ``keys``
+        (:attr:`.replica.Replica.flights`) has sampled, per choice index; a request (or
+        choice) not started yet may be left out (:mod:`.crossings`)."""
 
     async def load(self, r: Replica, version: int) -> None:
         """Load ``version`` into paused ``r`` (0: the model folder's). Raises TransportError
         when it could not, setting ``r.version = None`` where it may have loaded part of it."""
 
-    async def resume(self, r: Replica) -> None:
-        """Drop what ``r`` cached under the old weights and let it run again."""
+    async def resume(self, r: Replica, policy: str) -> None:
+        """Drop what ``r`` cached under the old weights (what ``policy`` allows: under
+        ``keep`` the frozen requests keep their own) and let it run again."""
 
     def close(self) -> None:
         """Release what the adapter holds beside its client (which the pool closes)."""

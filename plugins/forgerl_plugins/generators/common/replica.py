@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .crossings import Flight
+
 log = logging.getLogger(__name__)
 
 # Consecutive failed health checks (timeouts) before a replica is taken out; a refused
@@ -54,6 +56,8 @@ class Replica:
     last_load: list[Any] = field(default_factory=list)  # what its workers reported
     next_resync: float = 0.0  # monotonic time before which a failed re-sync is not retried
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while nothing is outstanding
+    #: Our requests on it now, by the engine's id: the updates they cross (policy ``keep``).
+    flights: dict[str, Flight] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.idle.set()

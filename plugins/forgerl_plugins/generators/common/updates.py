@@ -4,11 +4,14 @@ one up to date.
 
 One replica's update: the update policy (one method each, :attr:`WeightUpdater.policies`)
 deals with our requests in flight on it (``wait``: they drain; ``abort``: they are aborted
-and resubmitted once the new weights are in, see :attr:`.replica.Replica.aborts`), then the
-engine pauses it in the policy's mode, loads the version and resumes it. A replica never
-serves while its weights change, so every completion reports the version that produced
-all its tokens. While a replica is paused its launcher is told so (:mod:`.update_notice`):
-a paused engine answers no liveness probe, and must not be killed as hung for it.
+and resubmitted once the new weights are in, see :attr:`.replica.Replica.aborts`; ``keep``:
+nothing, they are frozen where they are), then the engine pauses it in the policy's mode,
+loads the version and resumes it. Under ``wait`` and ``abort`` no request runs while the
+weights change, so a completion's tokens all come from one version. Under ``keep`` the
+frozen requests go on with the new weights: before the resume each is told how many tokens
+it had sampled (:mod:`.crossings`), and its completion carries per-token versions. While
+a replica is paused its launcher is told so (:mod:`.update_notice`): a paused engine
+answers no liveness probe, and must not be killed as hung for it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import TransportError
 
+from .crossings import Crossing
 from .replica import Replica
 from .update_notice import UpdateNotice
 
@@ -45,7 +49,7 @@ class WeightUpdater:
         self.notify = notify
         #: Update policy -> what happens to a replica's requests in flight before the engine
         #: pauses it in that policy's mode.
-        self.policies: dict[str, Policy] = {"wait": self._wait, "abort": self._abort}
+        self.policies: dict[str, Policy] = {"wait": self._wait, "abort": self._abort, "keep": self._keep}
         self.policy = policy
         self.version = 0  # the version served: generation waits for a replica that has it
         #: Results of the last update (for benchmarks and logs).
@@ -59,6 +63,9 @@ class WeightUpdater:
         # Before the pause: every request in flight now may be aborted, or queued and run
         # on the new weights; the pool resubmits all of them.
         r.aborts += 1
+
+    async def _keep(self, r: Replica) -> None:
+        pass  # frozen in place by the pause; update_replica records where they were
 
     async def update(self, version: int) -> None:
         """Load ``version`` into every replica that is up; from then on only ``version`` is
@@ -123,7 +130,10 @@ class WeightUpdater:
             await notice.start()
             await self.engine.pause(r, policy)
             paused = True
-            await self.engine.load(r, version)
+            if policy == "keep":
+                await self._load_kept(r, version)
+            else:
+                await self.engine.load(r, version)
             r.version = version
             log.debug("%s: replica %d loaded version %d", r.engine, r.index, version)
         except httpx.HTTPError as exc:
@@ -133,11 +143,28 @@ class WeightUpdater:
         finally:
             try:
                 if paused and r.up:
-                    await self.engine.resume(r)
+                    await self.engine.resume(r, policy)
             except httpx.HTTPError as exc:
                 r.take_out(f"resume after update: {type(exc).__name__}")
             await notice.stop()
             r.updating = False
+
+    async def _load_kept(self, r: Replica, version: int) -> None:
+        """Under ``keep``: note where each frozen request stands, load, and tell them (before
+        the resume: no token is sampled in between). A load that failed half-way leaves
+        weights nobody can name: what was frozen is aborted and resubmitted instead."""
+        old = r.version
+        flights = list(r.flights.values())  # nothing new reaches it while it updates
+        counts = await self.engine.sampled_so_far(r, [f.key for f in flights])
+        try:
+            await self.engine.load(r, version)
+        except BaseException:
+            if r.version != old:  # touched (None): the frozen requests must not go on
+                r.aborts += 1
+                await self.engine.pause(r, "abort")
+            raise
+        for f in flights:
+            f.crossings.append(Crossing(counts.get(f.key, {}), version))
 
     async def catch_up(self) -> None:
         """Re-sync every replica that answers but serves another version (none while an

@@ -84,7 +84,11 @@ class SGLangEngine:
     async def pause(self, r: Replica, policy: str) -> None:
         await self.client.admin(r, "/pause_generation", json=payloads.pause_body(policy))
 
-    async def resume(self, r: Replica) -> None:
+    async def sampled_so_far(self, r: Replica, keys: list[str]) -> dict[str, dict[int, int]]:
+        # SGLang reports no per-request progress: its generator offers no ``keep`` yet.
+        raise NotImplementedError("the sglang generator has no update policy keep")
+
+    async def resume(self, r: Replica, policy: str) -> None:
         await self.client.admin(r, "/flush_cache")
         await self.client.admin(r, "/continue_generation", json={})
 

@@ -51,6 +51,19 @@ class ReplicaClient(HealthClient):
         r.version = versions.pop() if len(versions) == 1 else None
         r.probed = True
 
+    async def sampled_so_far(self, r: Replica, keys: str) -> dict[str, dict[str, int]]:
+        """Tokens sampled so far by our requests ``keys`` (a JSON list) on paused ``r``
+        (the first worker's answer: every worker runs the same requests)."""
+        resp = await self.http.post(
+            r.url + "/collective_rpc",
+            json={"method": "forge_sampled_so_far", "args": [keys]},
+            headers=r.headers,
+            timeout=60.0,
+        )
+        resp.raise_for_status()
+        results = resp.json().get("results") or [{}]
+        return dict(results[0] or {})
+
     async def load_weights(self, r: Replica, request: str, timeout: float) -> httpx.Response:
         """``forge_load_weights(request)`` on every worker of ``r``; ``timeout``: the
         transport's, which the workers wait at most."""

@@ -3,10 +3,15 @@ speaks to one vLLM replica (every HTTP call, with the replica's key: :mod:`.clie
 
 * **generation**: one ``/v1/completions`` request per prompt (:mod:`.completions`);
 * **meeting a replica**: its model info (context length) and the weights its workers hold;
-* **weight loads**: ``/pause`` in the update policy's mode (``wait``, ``abort``), then
-  ``POST /collective_rpc`` into the worker extension (:mod:`.worker_extension`), which
-  pulls the version from the run's transport inside vLLM's workers; then the prefix cache
-  is reset and the replica resumes.
+* **weight loads**: ``/pause`` in the update policy's mode (vLLM's own: ``wait``,
+  ``abort``, ``keep``), then ``POST /collective_rpc`` into the worker extension
+  (:mod:`.worker_extension`), which pulls the version from the run's transport inside
+  vLLM's workers; then the prefix cache is reset and the replica resumes. Under ``keep``
+  the workers are first asked how many tokens each frozen request has sampled
+  (:mod:`..common.crossings`), and the reset also drops the frozen requests' own KV
+  (``reset_running_requests``): vLLM recomputes it with the new weights when they go on,
+  so every token after the update is sampled by the new weights given its whole prefix,
+  as the trainer scores it.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from forgerl.errors import TransportError
 from forgerl.interfaces import RunContext, Transport
 from forgerl.types import Completion, GenerationRequest
+from forgerl_plugins.generators.common.crossings import Flight, label
 from forgerl_plugins.generators.common.replica import Replica
 
 from .client import ReplicaClient, error_message
@@ -53,15 +59,32 @@ class VLLMEngine:
 
     async def send(self, r: Replica, request: GenerationRequest, version: int) -> list[Completion]:
         body = request_body(request, r, send_seed=self.send_seed)
-        body["request_id"] = f"{request.request_id}-{os.urandom(4).hex()}"
-        resp = await self.client.complete(r, body)
-        return parse_completions(request, resp, version)
+        key = body["request_id"] = f"{request.request_id}-{os.urandom(4).hex()}"
+        flight = r.flights[key] = Flight(key, version)
+        try:
+            resp = await self.client.complete(r, body)
+        finally:
+            r.flights.pop(key, None)
+        completions = parse_completions(request, resp, version)
+        greedy = request.sampling.temperature <= 0  # every completion a copy of choice 0
+        label(completions, flight, choices=[0] * len(completions) if greedy else None)
+        return completions
 
     async def pause(self, r: Replica, policy: str) -> None:
-        await self.client.admin(r, "/pause", params={"mode": policy})  # vLLM's modes: wait, abort
+        await self.client.admin(r, "/pause", params={"mode": policy})  # vLLM's modes: wait, abort, keep
 
-    async def resume(self, r: Replica) -> None:
-        await self.client.admin(r, "/reset_prefix_cache")
+    async def sampled_so_far(self, r: Replica, keys: list[str]) -> dict[str, dict[int, int]]:
+        if not keys:
+            return {}
+        found = await self.client.sampled_so_far(r, json.dumps(keys))
+        return {key: {int(c): int(n) for c, n in choices.items()} for key, choices in found.items()}
+
+    async def resume(self, r: Replica, policy: str) -> None:
+        # Under keep the frozen requests hold blocks computed by the old weights: vLLM
+        # then declines a plain reset. Preempting them frees those blocks; each is
+        # recomputed (prompt and tokens so far, one prefill) with the new weights.
+        params = {"reset_running_requests": "true"} if policy == "keep" else None
+        await self.client.admin(r, "/reset_prefix_cache", params=params)
         await self.client.admin(r, "/resume")
 
     async def load(self, r: Replica, version: int) -> None:

@@ -54,8 +54,10 @@ class VLLMGenerator(ReplicaPool):
         max_concurrency: int = Field(64, ge=1, le=1 << 20, description="HTTP requests in flight across all replicas.")
         update_policy: str = Field(
             "wait",
-            pattern="^(wait|abort)$",
-            description="In-flight requests at a weight update: wait (drain first) or abort (and resubmit).",
+            pattern="^(wait|abort|keep)$",
+            description="In-flight requests at a weight update: wait (drain first), abort (and resubmit), "
+            "or keep (frozen in place, then continued with the new weights; their completions carry "
+            "per-token versions, and a sample's staleness counts from its oldest token).",
         )
         startup_timeout: float = Field(
             300.0,

@@ -112,8 +112,52 @@ class ForgeWorkerExtension:
         }
 
     def forge_policy_version(self) -> int:
-        """The weight version this worker last loaded (0: the model folder's)."""
+        """The weight version this worker last loaded (0: the model folder's). Asked when
+        the generator first meets the server, before it sends a request: from then on the
+        worker remembers how long the requests that finish were (:meth:`forge_sampled_so_far`)."""
+        self._forge_watch_finished()
         return self._forge_version
+
+    def forge_sampled_so_far(self, keys: str) -> dict[str, dict[str, int]]:
+        """While the engine is paused in place (``/pause?mode=keep``): how many tokens each
+        request sampled so far, for the generator's request ids ``keys`` (a JSON list), as
+        ``{key: {choice: count}}``. Exact: a paused engine samples nothing, and every
+        request it started is either in the model runner's states (running, preempted, or
+        finished at the last step) or among the finished ones remembered since. A request
+        left out had not started: all its tokens come after the resume."""
+        wanted = set(json.loads(keys))
+        self._forge_watch_finished()
+        finished: dict[str, int] = self.__dict__.setdefault("_forge_finished", {})
+        lengths = dict(finished)
+        for req_id, state in self.model_runner.requests.items():
+            lengths[req_id] = len(state.output_token_ids)
+        out: dict[str, dict[str, int]] = {}
+        for req_id, n in lengths.items():
+            found = _our_request(req_id, wanted)
+            if found is not None:
+                key, choice = found
+                out.setdefault(key, {})[str(choice)] = n
+        return out
+
+    def _forge_watch_finished(self) -> None:
+        """Remember the length of each request the model runner forgets (it drops a
+        finished request's state one step after it finished, while its answer may still
+        be on its way to the generator)."""
+        runner = self.model_runner
+        if getattr(runner, "_forge_watched", False):
+            return
+        finished: dict[str, int] = self.__dict__.setdefault("_forge_finished", {})
+        removed = runner._on_request_state_removed
+
+        def remember(req_id: str, req_state: Any, *args: Any, **kwargs: Any) -> Any:
+            if req_state is not None:
+                finished[req_id] = len(req_state.output_token_ids)
+                while len(finished) > FINISHED_REMEMBERED:
+                    finished.pop(next(iter(finished)))  # the oldest: long answered
+            return removed(req_id, req_state, *args, **kwargs)
+
+        runner._on_request_state_removed = remember
+        runner._forge_watched = True
 
     def forge_tied_head_is_current(self) -> bool:
         """True when the output layer computes with the current embedding matrix (a check
@@ -167,6 +211,25 @@ class ForgeWorkerExtension:
             from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
             dispatch_cpu_unquantized_gemm(head, remove_weight=False)
+
+
+#: Finished requests whose lengths a worker remembers (a few steps' worth at any batch size).
+FINISHED_REMEMBERED = 1 << 16
+
+
+def _our_request(req_id: str, keys: set[str]) -> tuple[str, int] | None:
+    """``(key, choice)`` when vLLM's internal ``req_id`` is one of our requests ``keys``.
+    vLLM 0.32 names the request ``cmpl-<key>-<prompt index>-<8 random chars>`` and the
+    ``n`` samples of one request ``<choice>_<that>``."""
+    choice, sep, rest = req_id.partition("_")
+    if not (sep and choice.isdigit()):
+        choice, rest = "0", req_id
+    rest = rest.removeprefix("cmpl-")
+    for _ in range(2):  # strip the random suffix, then the prompt index
+        rest = rest.rpartition("-")[0]
+        if rest in keys:
+            return rest, int(choice)
+    return None
 
 
 def _shares_weight(head: Any, embed: Any) -> bool:

@@ -1,0 +1,137 @@
+"""Update policy ``keep``: per-token versions of completions that ran across an update
+(:mod:`forgerl_plugins.generators.common.crossings`) and what the updater does around
+the load (:mod:`forgerl_plugins.generators.common.updates`), against a recording engine.
+The real engines are covered by tests/integration/test_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from forgerl.errors import TransportError
+from forgerl.types import Completion
+from forgerl_plugins.generators.common.crossings import Crossing, Flight, label
+from forgerl_plugins.generators.common.replica import Replica
+from forgerl_plugins.generators.common.updates import WeightUpdater
+
+
+def completion(n: int, version: int = 3) -> Completion:
+    return Completion(list(range(n)), [-0.5] * n, "length", version)
+
+
+def test_a_completion_across_an_update_is_labelled_at_the_token_the_engine_reported():
+    flight = Flight("req-1", 3, [Crossing({0: 4, 1: 0}, 4)])
+    first, second = completion(6), completion(2)
+    label([first, second], flight)
+    assert first.versions == [3, 3, 3, 3, 4, 4] and first.policy_version == 3  # staleness from the oldest
+    assert second.versions == [4, 4] and second.policy_version == 3  # not started at the pause
+
+
+def test_two_updates_and_a_choice_the_engine_never_started():
+    flight = Flight("req-1", 3, [Crossing({0: 2}, 4), Crossing({0: 5}, 5)])
+    c, late = completion(7), completion(3)
+    label([c, late], flight)  # choice 1 absent from both counts: all of it sampled by 5
+    assert c.versions == [3, 3, 4, 4, 4, 5, 5]
+    assert late.versions == [5, 5, 5]
+
+
+def test_a_completion_finished_before_the_pause_keeps_one_version_and_no_versions_list():
+    flight = Flight("req-1", 3, [Crossing({0: 5}, 4)])
+    done = completion(5)
+    label([done], flight)
+    assert done.versions is None and done.policy_version == 3
+    untouched = completion(5)
+    label([untouched], Flight("req-2", 3))
+    assert untouched.versions is None
+
+
+def test_greedy_copies_take_choice_zeros_count():
+    flight = Flight("req-1", 3, [Crossing({0: 1}, 4)])
+    copies = [completion(3), completion(3)]
+    label(copies, flight, choices=[0, 0])
+    assert [c.versions for c in copies] == [[3, 4, 4], [3, 4, 4]]
+
+
+class RecordingEngine:
+    """Answers like a paused engine; records the calls in order."""
+
+    role, label = "fake", "Fake"
+
+    def __init__(self, counts: dict[str, dict[int, int]], fail: str | None = None) -> None:
+        self.counts = counts
+        self.fail = fail  # "before" (weights intact) or "half-way" (touched)
+        self.calls: list[tuple[str, str]] = []
+
+    async def pause(self, r: Replica, policy: str) -> None:
+        self.calls.append(("pause", policy))
+
+    async def sampled_so_far(self, r: Replica, keys: list[str]) -> dict[str, dict[int, int]]:
+        self.calls.append(("sampled_so_far", ",".join(sorted(keys))))
+        return {k: v for k, v in self.counts.items() if k in keys}
+
+    async def load(self, r: Replica, version: int) -> None:
+        self.calls.append(("load", str(version)))
+        if self.fail == "half-way":
+            r.version = None
+        if self.fail:
+            raise TransportError("load failed")
+
+    async def resume(self, r: Replica, policy: str) -> None:
+        self.calls.append(("resume", policy))
+
+
+def run_update(tmp_path: Path, engine: RecordingEngine, flights: list[Flight]) -> tuple[Replica, BaseException | None]:
+    r = Replica(0, tmp_path / "log", tmp_path / "fake-0.json", "fake")
+    r.up, r.version, r.instance = True, 3, "i1"
+    r.flights = {f.key: f for f in flights}
+
+    async def notify() -> None:
+        pass
+
+    async def go() -> BaseException | None:
+        updater = WeightUpdater(engine, [r], policy="keep", retry_after=1.0, notify=notify)  # type: ignore[arg-type]
+        updater.version = 3
+        try:
+            await updater.update(4)
+        except BaseException as exc:  # noqa: BLE001
+            return exc
+        return None
+
+    return r, asyncio.run(go())
+
+
+def test_keep_pauses_in_place_counts_loads_then_resumes_and_records_the_crossing(tmp_path: Path):
+    running, waiting = Flight("a", 3), Flight("b", 3)
+    engine = RecordingEngine({"a": {0: 7, 1: 2}})
+    r, error = run_update(tmp_path, engine, [running, waiting])
+    assert error is None
+    assert engine.calls == [("pause", "keep"), ("sampled_so_far", "a,b"), ("load", "4"), ("resume", "keep")]
+    assert running.crossings == [Crossing({0: 7, 1: 2}, 4)]
+    assert waiting.crossings == [Crossing({}, 4)]  # not started: everything after the resume
+    assert r.version == 4 and r.aborts == 0 and not r.updating
+
+
+@pytest.mark.parametrize("fail", ["before", "half-way"])
+def test_a_failed_load_under_keep_records_no_crossing(tmp_path: Path, fail: str):
+    flight = Flight("a", 3)
+    engine = RecordingEngine({"a": {0: 7}}, fail=fail)
+    r, error = run_update(tmp_path, engine, [flight])
+    assert isinstance(error, TransportError)
+    assert flight.crossings == []
+    if fail == "before":  # the old weights are intact: the frozen requests go on with them
+        assert r.aborts == 0 and ("pause", "abort") not in engine.calls
+    else:  # weights nobody can name: what was frozen is aborted (and the pool resubmits it)
+        assert r.aborts == 1 and engine.calls[-2:] == [("pause", "abort"), ("resume", "keep")]
+    assert engine.calls[-1] == ("resume", "keep") and not r.updating
+
+
+def test_vllm_internal_request_ids_map_back_to_ours():
+    from forgerl_plugins.generators.vllm.worker_extension import _our_request
+
+    keys = {"step3_p1-0a1b2c3d", "r-9-ffff0000"}
+    assert _our_request("cmpl-step3_p1-0a1b2c3d-0-1234abcd", keys) == ("step3_p1-0a1b2c3d", 0)
+    assert _our_request("2_cmpl-step3_p1-0a1b2c3d-0-1234abcd", keys) == ("step3_p1-0a1b2c3d", 2)
+    assert _our_request("cmpl-r-9-ffff0000-0-00000000", keys) == ("r-9-ffff0000", 0)
+    assert _our_request("cmpl-someone-else-0-1234abcd", keys) is None
