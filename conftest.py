@@ -1,7 +1,7 @@
 """Plugins of every test session in this repository, contrib's tests included: the vLLM
 server they share (tests/helpers/shared_vllm.py), and the groups that keep tests sharing a
 machine-wide resource on one worker when the suite runs on several (pytest-xdist,
-``make test``: ``-n 2 --dist loadgroup``)."""
+``make test``: ``-n 2``)."""
 
 from __future__ import annotations
 
@@ -46,26 +46,37 @@ _GROUP_MODULES = {
 }
 
 
-def _group(item: pytest.Item) -> str | None:
-    module = item.nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+def worker_group(nodeid: str) -> str | None:
+    """The group a test (by its pytest node id) runs in, or None where it may run anywhere."""
+    path = nodeid.split("::", 1)[0]
+    module = path.rsplit("/", 1)[-1]
     for group, modules in _GROUP_MODULES.items():
         if module in modules:
             return group
-    name = item.nodeid.lower()
-    if "vllm" in name and "/unit/" not in item.nodeid:  # a run of the vllm generator elsewhere
+    name = nodeid.lower()
+    unit = path.startswith("tests/unit/")
+    if "vllm" in name and not unit:  # a run of the vllm generator elsewhere
         return "vllm"
-    if "slurm" in name and "/unit/" not in item.nodeid:
+    if "slurm" in name and not unit:
         return "slurm"
     return None
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its hook names each test by its group)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        group = _group(item)
-        if group is not None:
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     # The vllm group is the longest unit of work (a third of the suite's time): handed out
     # first, it runs on one worker while the other takes everything else.
-    items.sort(key=lambda item: _group(item) != "vllm")
+    items.sort(key=lambda item: worker_group(item.nodeid) != "vllm")
 
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """xdist's scheduler, handing out each group as one unit and every other test alone.
+    (Its own ``--dist loadgroup`` renames tests by their group, which pytest 9 no longer
+    lets a plugin do: there, every test went anywhere.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid) or nodeid
+
+    return GroupScheduling(config, log)
