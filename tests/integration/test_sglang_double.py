@@ -287,3 +287,36 @@ def test_forge_run_end_to_end_survives_a_killed_replica(tmp_path):
     events = (out / "logs" / "scheduler.log").read_text()
     assert "restarting sglang-1" in events, events[-2000:]
 
+
+def test_multi_turn_trajectories_through_the_sglang_generator_are_token_exact(tmp_path):
+    """The sglang generator sends each turn as token ids too (the double serves them as
+    SGLang does): a multi-turn run's trainer logprobs equal the served ones (fp32)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "run"
+    root = Path(__file__).parents[2]
+    command = [
+        sys.executable, "-m", "forgerl.cli", "run",
+        "--model", "tiny", "--generator", "sglang_double", "--environment", "guess", "--steps", "2",
+        "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=2",
+        "--set", "loop.sampling.max_tokens=8", "--set", "loop.eval_size=2",
+        "--set", "environment.max_turns=3", "--set", "environment.max_total_tokens=96",
+        "--set", f"generator.options.launch_command={json.dumps(DOUBLE_COMMAND)}",
+        "--set", "scheduler.options.oversubscribe=true",
+        "--set", "logging.progress=false", "--output", str(out),
+        "--set", "trainer.options.autocast_bf16=false",
+    ]  # fmt: skip
+    env = {**os.environ, "FORGE_PLUGINS": PLUGIN}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=scaled(600))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["env/failed"] == 0 and row["env/observations_mean"] > 0, row
+        assert row["logprob_gap/max"] < 1e-4, f"the double and the trainer disagree: {row['logprob_gap/max']}"
+
