@@ -193,6 +193,36 @@ def test_a_killed_replica_fails_over_restarts_and_rejoins_at_the_current_weights
         again = asyncio.run(gen.generate(requests))
         assert all(cs[0].policy_version == 30 for cs in again)
 
+def _forge_run_on_the_double(out, *more: str) -> list[str]:
+    """`forge run` with the sglang generator's code (registered as sglang_double through
+    FORGE_PLUGINS, servers from the double), the tiny model, fp32 on both sides (the gap
+    checks compare fp32 to fp32), and ``more`` arguments."""
+    import json
+    import sys
+
+    return [
+        sys.executable, "-m", "forgerl.cli", "run", "--model", "tiny", "--generator", "sglang_double",
+        "--set", "loop.prompts_per_step=2", "--set", "loop.sampling.max_tokens=12", "--set", "loop.eval_size=4",
+        "--set", f"generator.options.launch_command={json.dumps(DOUBLE_COMMAND)}",
+        "--set", "generator.options.health_interval=0.5",
+        # The role asks for a GPU per replica (tp 1); the double needs none.
+        "--set", "scheduler.options.oversubscribe=true",
+        "--set", "logging.progress=false", "--output", str(out),
+        "--set", "trainer.options.autocast_bf16=false",
+        *more,
+    ]  # fmt: skip
+
+
+def _double_env(base: dict[str, str] | None = None) -> dict[str, str]:
+    """``base`` (this environment) with the double's plugin and the repository importable."""
+    import os
+    from pathlib import Path
+
+    env = dict(os.environ if base is None else base)
+    env["FORGE_PLUGINS"] = ",".join(p for p in (PLUGIN, env.get("FORGE_PLUGINS", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parents[2]), env.get("PYTHONPATH", "")])
+    return env
+
 
 @pytest.mark.parametrize(("transport", "policy"), [("shm", "wait"), ("nccl", "abort")])
 def test_forge_run_three_steps_against_the_double(tmp_path, transport, policy):
@@ -200,30 +230,15 @@ def test_forge_run_three_steps_against_the_double(tmp_path, transport, policy):
     through FORGE_PLUGINS, servers from the double): trained weights reach the servers each
     step, and the trainer's logprobs match the served ones."""
     import json
-    import os
     import subprocess
-    import sys
-    from pathlib import Path
 
     out = tmp_path / "run"
-    root = Path(__file__).parents[2]
-    command = [
-        sys.executable, "-m", "forgerl.cli", "run",
-        "--model", "tiny", "--generator", "sglang_double", "--transport", transport, "--trainer", "fsdp",
-        "--steps", "3", "--reward", "format", "--set", "rewards.0.options.pattern=\\d",
-        "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=4",
-        "--set", "loop.sampling.max_tokens=12", "--set", "loop.eval_size=4",
+    command = _forge_run_on_the_double(
+        out, "--transport", transport, "--trainer", "fsdp", "--steps", "3",
+        "--reward", "format", "--set", "rewards.0.options.pattern=\\d", "--set", "loop.group_size=4",
         "--set", "generator.options.replicas=2", "--set", f"generator.options.update_policy={policy}",
-        "--set", f"generator.options.launch_command={json.dumps(DOUBLE_COMMAND)}",
-        "--set", "generator.options.health_interval=0.5",
-        # The role asks for a GPU per replica (tp 1); the double needs none.
-        "--set", "scheduler.options.oversubscribe=true",
-        "--set", "logging.progress=false", "--output", str(out),
-        # fp32 like the double's sampler on every CPU: the gap check compares fp32 to fp32.
-        "--set", "trainer.options.autocast_bf16=false",
-    ]  # fmt: skip
-    env = {**os.environ, "FORGE_PLUGINS": PLUGIN}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    )  # fmt: skip
+    env = _double_env()
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=scaled(600))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -242,27 +257,17 @@ def test_forge_run_end_to_end_survives_a_killed_replica(tmp_path):
     import os
     import signal
     import subprocess
-    import sys
 
     from ..helpers import hold_at_step
     from ..helpers.timing import wait_until
 
     out = tmp_path / "run"
-    command = [
-        sys.executable, "-m", "forgerl.cli", "run",
-        "--model", "tiny", "--generator", "sglang_double", "--trainer", "fsdp",
-        "--steps", "3", "--reward", "format", "--set", "rewards.0.options.pattern=\\d",
-        "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=4",
-        "--set", "loop.sampling.max_tokens=12", "--set", "loop.eval_size=4",
+    command = _forge_run_on_the_double(
+        out, "--trainer", "fsdp", "--steps", "3",
+        "--reward", "format", "--set", "rewards.0.options.pattern=\\d", "--set", "loop.group_size=4",
         "--set", "generator.options.replicas=2",
-        "--set", f"generator.options.launch_command={json.dumps(DOUBLE_COMMAND)}",
-        "--set", "generator.options.health_interval=0.5",
-        "--set", "scheduler.options.oversubscribe=true",
-        "--set", "logging.progress=false", "--output", str(out),
-        "--set", "trainer.options.autocast_bf16=false",
-    ]  # fmt: skip
-    env = hold_at_step.hold_env(1)  # the repo on the path
-    env["FORGE_PLUGINS"] = f"{PLUGIN},{env['FORGE_PLUGINS']}"
+    )  # fmt: skip
+    env = _double_env(hold_at_step.hold_env(1))  # held after step 1
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     killed = None
     try:
@@ -292,26 +297,15 @@ def test_multi_turn_trajectories_through_the_sglang_generator_are_token_exact(tm
     """The sglang generator sends each turn as token ids too (the double serves them as
     SGLang does): a multi-turn run's trainer logprobs equal the served ones (fp32)."""
     import json
-    import os
     import subprocess
-    import sys
-    from pathlib import Path
 
     out = tmp_path / "run"
-    root = Path(__file__).parents[2]
-    command = [
-        sys.executable, "-m", "forgerl.cli", "run",
-        "--model", "tiny", "--generator", "sglang_double", "--environment", "guess", "--steps", "2",
-        "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=2",
+    command = _forge_run_on_the_double(
+        out, "--environment", "guess", "--steps", "2", "--set", "loop.group_size=2",
         "--set", "loop.sampling.max_tokens=8", "--set", "loop.eval_size=2",
         "--set", "environment.max_turns=3", "--set", "environment.max_total_tokens=96",
-        "--set", f"generator.options.launch_command={json.dumps(DOUBLE_COMMAND)}",
-        "--set", "scheduler.options.oversubscribe=true",
-        "--set", "logging.progress=false", "--output", str(out),
-        "--set", "trainer.options.autocast_bf16=false",
-    ]  # fmt: skip
-    env = {**os.environ, "FORGE_PLUGINS": PLUGIN}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    )  # fmt: skip
+    env = _double_env()
     proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=scaled(600))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
