@@ -5,6 +5,7 @@ scheduler, fsdp trainer, the fastest available generator) for --steps steps and 
 held-out accuracy at the start and at the end, the reward curve and the wall time.
 
     .venv/bin/python benchmarks/learning.py --steps 20 [--output DIR] [--set key=value ...] [--json]
+    .venv/bin/python benchmarks/learning.py --environment calculator --steps 40   # multi-turn, tools
 
 Extra --set values go to `forge run` unchanged (e.g. `--set trainer.options.lr=5e-6`).
 """
@@ -24,6 +25,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--output", default=None)
     parser.add_argument("--generator", default=None)
+    parser.add_argument("--environment", default=None, help="run with this environment (multi-turn rollouts)")
     parser.add_argument("--set", dest="sets", action="append", default=[])
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -33,6 +35,8 @@ def main() -> None:
            "--set", "logging.progress=false"]
     if args.generator:
         cmd += ["--generator", args.generator]
+    if args.environment:
+        cmd += ["--environment", args.environment]
     for s in args.sets:
         cmd += ["--set", s]
     t0 = time.perf_counter()
@@ -53,6 +57,9 @@ def main() -> None:
         "reward_first5": sum(r["reward/mean"] for r in rows[:5]) / max(1, len(rows[:5])),
         "reward_last5": sum(r["reward/mean"] for r in rows[-5:]) / max(1, len(rows[-5:])),
         "wall_minutes": round(wall / 60, 1),
+        # With an environment: assistant turns per trajectory (above 1: tools were called).
+        "turns_first5": _mean(rows[:5], "env/turns_mean"),
+        "turns_last5": _mean(rows[-5:], "env/turns_mean"),
         "time": summary["time"],
         "run_dir": str(out),
         "generator": config["generator"]["name"],
@@ -65,6 +72,14 @@ def main() -> None:
           f"after {result['steps']} steps ({result['wall_minutes']} min)")
     print(f"mean reward, first 5 steps: {result['reward_first5']:.3f}; last 5 steps: {result['reward_last5']:.3f}")
     print(f"eval curve: {result['eval_curve']}")
+    if result["turns_first5"] is not None:
+        print(f"assistant turns per trajectory, first 5 steps: {result['turns_first5']:.2f}; "
+              f"last 5 steps: {result['turns_last5']:.2f}")
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if key in r]
+    return sum(values) / len(values) if values else None
 
 
 if __name__ == "__main__":
