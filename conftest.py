@@ -41,7 +41,9 @@ _GROUP_MODULES = {
              "test_shared_vllm.py", "test_generator_kit.py", "test_contrib_openai.py",
              "test_openai_conformance.py", "test_reward_model_served.py"),
     "sandbox": ("test_code_sandbox.py", "test_python_environment.py", "test_code_reward_attacks.py",
-                "test_code_run.py", "test_code_reward.py", "test_sandbox_deadline.py"),
+                "test_code_run.py", "test_code_reward.py", "test_sandbox_deadline.py",
+                "test_kit_builtin_environments.py", "test_kit_builtin_rewards_tasks.py",
+                "test_code_task_format.py"),
     "slurm": ("test_slurm.py", "test_slurm_faults.py", "test_run_dir_jobs.py"),
 }
 
