@@ -9,10 +9,7 @@ scores the next program normally.
 from __future__ import annotations
 
 import os
-import shutil
 import socket
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -20,7 +17,7 @@ from forgerl.plugins import build_registry
 from forgerl.types import Problem, RewardInput
 from forgerl_plugins.rewards.sandbox import SandboxUnavailable
 
-from ..helpers.sandbox_processes import sandbox_processes
+from ..helpers.sandbox_processes import sandbox_processes, sandbox_workdir
 from ..helpers.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
@@ -30,12 +27,8 @@ GOOD = "def ok():\n    return True\n"
 
 @pytest.fixture(scope="module")
 def workdir():
-    # Not under pytest's own temp dir: as root, the process level runs programs as another
-    # uid, which must be able to traverse to its directory.
-    path = tempfile.mkdtemp(prefix="forge-sandbox-test-")
-    os.chmod(path, 0o711)
-    yield Path(path)
-    shutil.rmtree(path, ignore_errors=True)
+    with sandbox_workdir("forge-sandbox-test-") as path:
+        yield path
 
 
 @pytest.fixture(scope="module", params=["namespace", "bwrap", "process"])

@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import socket
-import tempfile
 import time
 from pathlib import Path
 
@@ -22,7 +20,7 @@ from forgerl.trajectory import Limits, TrajectoryRunner
 from forgerl.types import Problem, SamplingParams
 from forgerl_plugins.rewards.sandbox import SandboxUnavailable
 
-from ..helpers.sandbox_processes import sandbox_processes
+from ..helpers.sandbox_processes import sandbox_processes, sandbox_workdir
 from ..helpers.timing import scaled, wait_until
 
 pytestmark = pytest.mark.integration
@@ -34,12 +32,8 @@ TURN_SECONDS = scaled(6.0)
 
 @pytest.fixture(scope="module")
 def workdir():
-    # Not under pytest's temp dir: as root, programs run as another uid, which must be
-    # able to traverse to its directory.
-    path = tempfile.mkdtemp(prefix="forge-python-env-test-")
-    os.chmod(path, 0o711)
-    yield Path(path)
-    shutil.rmtree(path, ignore_errors=True)
+    with sandbox_workdir("forge-python-env-test-") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")
