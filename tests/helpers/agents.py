@@ -7,11 +7,13 @@ id, for the test to compare with what the run recorded."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from forgerl.interfaces import Generator
@@ -37,10 +39,14 @@ CALL = '<tool_call>{"name": "calculate", "arguments": {"expression": "2 + 2"}}</
 
 class Scripted(Generator):
     """Answers call ``k`` of every episode with ``turns[k]`` (+ eos), logprob -0.25 per
-    token, at ``version``; records every request and batch size."""
+    token, at ``version``; records every request and batch size. With ``hold_first``, the
+    first batch waits (60 s at most) until ``hold_first()`` is true: a test that checks
+    batching lets the other episodes' calls queue behind it without racing them."""
 
-    def __init__(self, tokenizer: Any, turns: Sequence[str], version: int = 3, fail: bool = False):
+    def __init__(self, tokenizer: Any, turns: Sequence[str], version: int = 3, fail: bool = False,
+                 hold_first: Callable[[], bool] | None = None):
         self.tokenizer = tokenizer
+        self.hold_first = hold_first
         self.turns = list(turns)
         self.version = version
         self.fail = fail
@@ -51,6 +57,11 @@ class Scripted(Generator):
     async def generate(self, requests):
         if self.fail:
             raise RuntimeError("engine died")
+        if self.hold_first is not None and not self.batches:
+            deadline = time.monotonic() + 60
+            while not self.hold_first():
+                assert time.monotonic() < deadline, "the held batch's condition never came true"
+                await asyncio.sleep(0.01)
         self.batches.append(len(requests))
         out = []
         for r in requests:

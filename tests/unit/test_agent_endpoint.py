@@ -17,7 +17,7 @@ from forgerl.agent_chat import ApiError, parse_request
 from forgerl.agent_runner import AgentRunner
 from forgerl.chat_tokens import ChatTokens
 from forgerl.env_rollouts import EnvironmentRollouts
-from forgerl.trajectory import Limits
+from forgerl.trajectory import Limits, RequestBatcher
 from forgerl.types import Problem, RewardInput, RewardResult, SamplingParams
 from forgerl_plugins.environments.agent import AgentProgram
 from tests.helpers import agents
@@ -189,8 +189,15 @@ def test_hostile_requests_get_openai_style_errors_that_clients_do_not_retry(make
     assert len(gen.requests) == 1 and s.trajectory.failure is None and s.trajectory.turns == 1
 
 
-def test_calls_of_concurrent_episodes_are_batched(make_rollouts, tokenizer):
-    gen = Scripted(tokenizer, ["It is 2.", "Yes."])
+def test_calls_of_concurrent_episodes_are_batched(make_rollouts, tokenizer, monkeypatch):
+    # While one batch is generated, the calls that arrive wait and go together in the next.
+    # The first batch is held until all four first calls have reached the batcher, so the
+    # check does not depend on how fast the agents' threads happen to run.
+    batchers: list[RequestBatcher] = []
+    made = RequestBatcher.__init__
+    monkeypatch.setattr(RequestBatcher, "__init__", lambda self, g: (made(self, g), batchers.append(self))[0])
+    gen = Scripted(tokenizer, ["It is 2.", "Yes."],
+                   hold_first=lambda: batchers[0].requests + len(batchers[0]._pending) >= 4)
     scored, _ = run(make_rollouts("chat_twice", concurrency=4), gen, n=8)
     assert all(s.trajectory.failure is None and s.result.value == 0.5 for s in scored)
     assert len(gen.requests) == 16 and max(gen.batches) > 1, gen.batches

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -241,7 +242,7 @@ def test_limits_end_trajectories(tokenizer):
         assert r.sampling.max_tokens <= 170 - used
 
 
-def test_concurrent_trajectories_share_generator_batches_within_the_bound(tokenizer):
+def test_concurrent_trajectories_share_generator_batches_within_the_bound(tokenizer, monkeypatch):
     import threading
 
     active, peak, lock = [0], [0], threading.Lock()
@@ -257,7 +258,21 @@ def test_concurrent_trajectories_share_generator_batches_within_the_bound(tokeni
             with lock:
                 active[0] -= 1
 
-    gen = Scripted(tokenizer, [CALL, "<answer>4</answer>"])
+    # The first batch is held until the three trajectories in flight have each asked for a
+    # turn, so the batching is checked without racing the environments' threads.
+    batchers: list[RequestBatcher] = []
+    made = RequestBatcher.__init__
+    monkeypatch.setattr(RequestBatcher, "__init__", lambda self, g: (made(self, g), batchers.append(self))[0])
+
+    class Held(Scripted):
+        async def generate(self, requests):
+            deadline = time.monotonic() + 60
+            while not self.batches and batchers[0].requests + len(batchers[0]._pending) < 3:
+                assert time.monotonic() < deadline, "three trajectories never asked for a turn"
+                await asyncio.sleep(0.01)
+            return await super().generate(requests)
+
+    gen = Held(tokenizer, [CALL, "<answer>4</answer>"])
     trajectories = run(runner_for(Counting, tokenizer, concurrency=3, max_total_tokens=2000), gen, n=8)
     assert all(t.reward == 1.0 for t in trajectories)
     assert peak[0] <= 3, f"{peak[0]} trajectories in flight with concurrency 3"
