@@ -216,7 +216,7 @@ def test_unreachable_api_server(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     sched = _scheduler(_kubeconfig(tmp_path / "kc", f"http://127.0.0.1:{port}"))
-    sched._client().configuration.retries = 0
+    sched.api.client.configuration.retries = 0
     with pytest.raises(KubernetesUnreachable, match="did not answer") as err:
         sched.status("grpo-1")
     assert "\n" not in str(err.value)

@@ -1,5 +1,6 @@
-"""The ``kubernetes`` scheduler: creates the manifests of :mod:`.manifests` with the
-official client, watches them, reads pod logs, deletes them.
+"""The ``kubernetes`` scheduler: creates the manifests of :mod:`.manifests` through
+:class:`.api.KubeApi`, watches them (their state read by :mod:`.status`), reads pod logs,
+deletes them.
 
 A job id is the run's Kubernetes name (``NAME`` or ``NAMESPACE/NAME``). Everything the
 run created carries the label ``forgerl.dev/job=NAME``; the ConfigMap records whether it
@@ -9,28 +10,23 @@ is a JobSet or Indexed Jobs, so ``forge status`` needs no local state.
 from __future__ import annotations
 
 import logging
-import os
 import posixpath
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from forgerl.errors import BackendUnavailable, ConfigError, JobNotFound, SchedulerError, UserError
+from forgerl.errors import ConfigError, JobNotFound, SchedulerError
 from forgerl.interfaces import Scheduler
 from forgerl.options import OptionsModel
-from forgerl.types import JobHandle, JobSpec, JobState, JobStatus
+from forgerl.types import JobHandle, JobSpec, JobStatus
+from forgerl_plugins.schedulers.kubernetes.api import KubeApi, KubernetesUnreachable, api_client, kube
 from forgerl_plugins.schedulers.kubernetes.manifests import (
-    ANNOTATION_MODE,
     DNS_LABEL,
-    JOBSET_API,
     LABEL_JOB,
-    LABEL_PRIMARY,
-    LABEL_REPLICA,
     LABEL_ROLE,
     QUANTITY,
     config_map_name,
@@ -38,51 +34,18 @@ from forgerl_plugins.schedulers.kubernetes.manifests import (
     render_objects,
     render_yaml,
 )
+from forgerl_plugins.schedulers.kubernetes.status import (
+    job_state,
+    jobs_status,
+    jobset_status,
+    labels,
+    pod_order,
+    primary_exit_code,
+)
+
+__all__ = ["KubernetesScheduler", "KubernetesUnreachable"]
 
 log = logging.getLogger("forgerl.scheduler.kubernetes")
-
-JOBSET_GROUP, JOBSET_VERSION = JOBSET_API.split("/")
-
-
-class KubernetesUnreachable(SchedulerError, UserError):
-    """The Kubernetes API server did not answer."""
-
-
-def _kube():
-    try:
-        import kubernetes  # noqa: F401
-    except ImportError:
-        raise BackendUnavailable(
-            "the kubernetes scheduler needs the kubernetes client: pip install 'forgerl[kubernetes]'"
-        ) from None
-    from kubernetes import client, config
-
-    return client, config
-
-
-def api_client(opts: KubernetesScheduler.Options):
-    """An ApiClient from options.kubeconfig, $KUBECONFIG, ~/.kube/config or the in-cluster
-    service account, in that order; a one-line UserError when there is none."""
-    client, config = _kube()
-    path = opts.kubeconfig or (os.environ.get("KUBECONFIG") or "").split(os.pathsep)[0] or None
-    default = Path.home() / ".kube" / "config"
-    if path is None and default.is_file():
-        path = str(default)
-    try:
-        if path is not None:
-            if not Path(path).expanduser().is_file():
-                raise UserError(f"kubeconfig {path} does not exist: set scheduler.options.kubeconfig or KUBECONFIG")
-            return config.new_client_from_config(config_file=str(Path(path).expanduser()), context=opts.context)
-        if os.environ.get("KUBERNETES_SERVICE_HOST"):
-            cfg = client.Configuration()
-            config.load_incluster_config(client_configuration=cfg)
-            return client.ApiClient(cfg)
-    except config.ConfigException as exc:
-        raise UserError(f"cannot use kubeconfig {path or '(in-cluster)'}: {' '.join(str(exc).split())}") from None
-    raise UserError(
-        "no kubeconfig: set scheduler.options.kubeconfig or KUBECONFIG, create ~/.kube/config, "
-        "or run forge inside the cluster"
-    )
 
 
 class Volume(OptionsModel):
@@ -204,7 +167,7 @@ class KubernetesScheduler(Scheduler):
 
     def __init__(self, options: Options | None = None):
         self.options = options or KubernetesScheduler.Options()
-        self._api = None
+        self.api = KubeApi(self.options.namespace, self.options.kubeconfig, self.options.context)
 
     # ------------------------------------------------------------------ submit
 
@@ -217,32 +180,16 @@ class KubernetesScheduler(Scheduler):
         created: list[dict[str, Any]] = []
         try:
             for obj in objects:
-                self._call(f"create {obj['kind']} {obj['metadata']['name']}", partial(self._create, obj))
+                self.api.create(obj)
                 created.append(obj)
         except BaseException:
             # All or nothing: a half-created run would hold a name and resources.
             for obj in reversed(created):
-                self._delete_quietly(obj["kind"], obj["metadata"]["name"])
+                self.api.delete_quietly(obj["kind"], obj["metadata"]["name"])
             raise
         log.info("created %s in namespace %s", ", ".join(f"{o['kind']}/{o['metadata']['name']}" for o in objects),
                  self.options.namespace)
         return JobHandle(scheduler="kubernetes", job_id=name, run_dir=job.run_dir)
-
-    def _create(self, obj: dict[str, Any]) -> None:
-        client, _ = _kube()
-        ns, kind = self.options.namespace, obj["kind"]
-        api = self._client()
-        if kind == "ConfigMap":
-            client.CoreV1Api(api).create_namespaced_config_map(ns, obj)
-        elif kind == "Service":
-            client.CoreV1Api(api).create_namespaced_service(ns, obj)
-        elif kind == "Job":
-            client.BatchV1Api(api).create_namespaced_job(ns, obj)
-        elif kind == "JobSet":
-            client.CustomObjectsApi(api).create_namespaced_custom_object(
-                JOBSET_GROUP, JOBSET_VERSION, ns, "jobsets", obj)
-        else:  # pragma: no cover - render_objects makes only these
-            raise AssertionError(kind)
 
     # ------------------------------------------------------------------- watch
 
@@ -252,46 +199,16 @@ class KubernetesScheduler(Scheduler):
     def _observe(self, name: str, mode: str) -> tuple[JobStatus, dict[str, Any]]:
         """The run's status, and the status block of each object it was read from (what
         a watch compares events against)."""
+        exit_code = partial(self._primary_exit_code, name)
         if mode == "jobset":
-            client, _ = _kube()
-            js = self._call(f"read JobSet {name}", lambda: client.CustomObjectsApi(self._client())
-                            .get_namespaced_custom_object(JOBSET_GROUP, JOBSET_VERSION, self.options.namespace,
-                                                          "jobsets", name), missing=None)
+            js = self.api.jobset(name)
             if js is None:
                 raise JobNotFound(f"no JobSet {name} in namespace {self.options.namespace}")
-            return self._jobset_status(name, js), {name: js.get("status")}
-        jobs = self._owned("Job", name)
+            return jobset_status(js, exit_code), {name: js.get("status")}
+        jobs = self.api.owned("Job", name)
         if not jobs:
             raise JobNotFound(f"no Jobs of run {name} in namespace {self.options.namespace}")
-        return self._jobs_status(name, jobs), {j["metadata"]["name"]: j.get("status") for j in jobs}
-
-    def _jobset_status(self, name: str, js: dict[str, Any]) -> JobStatus:
-        st = js.get("status") or {}
-        conds = {c.get("type"): c for c in st.get("conditions") or [] if c.get("status") == "True"}
-        if "Completed" in conds:
-            return JobStatus(JobState.COMPLETED, 0, conds["Completed"].get("message") or "Completed")
-        if "Failed" in conds:
-            return JobStatus(JobState.FAILED, self._primary_exit_code(name),
-                             conds["Failed"].get("message") or conds["Failed"].get("reason") or "Failed")
-        if "Suspended" in conds:
-            return JobStatus(JobState.PENDING, None, "suspended")
-        jobs = st.get("replicatedJobsStatus") or []
-        active = sum(int(j.get("active") or 0) + int(j.get("ready") or 0) for j in jobs)
-        restarts = int(st.get("restarts") or 0)
-        detail = f"restarted {restarts}x" if restarts else ""
-        return JobStatus(JobState.RUNNING if active else JobState.PENDING, None, detail)
-
-    def _jobs_status(self, name: str, jobs: list[dict[str, Any]]) -> JobStatus:
-        primaries = [j for j in jobs if _labels(j).get(LABEL_PRIMARY) == "true"] or jobs
-        states = [_job_state(j) for j in primaries]
-        if any(s is JobState.FAILED for s in states):
-            failed = next(j for j, s in zip(primaries, states) if s is JobState.FAILED)
-            return JobStatus(JobState.FAILED, self._primary_exit_code(name),
-                             f"Job {failed['metadata']['name']} failed")
-        if all(s is JobState.COMPLETED for s in states):
-            return JobStatus(JobState.COMPLETED, 0, "primary Jobs complete")
-        running = any(_job_state(j) is JobState.RUNNING for j in jobs)
-        return JobStatus(JobState.RUNNING if running else JobState.PENDING, None, "")
+        return jobs_status(jobs, exit_code), {j["metadata"]["name"]: j.get("status") for j in jobs}
 
     def wait(self, handle: JobHandle, timeout: float | None = None) -> JobStatus:
         name = self._name(handle.job_id)
@@ -319,24 +236,18 @@ class KubernetesScheduler(Scheduler):
         """Block until one of the run's objects differs from ``seen`` (name → status), or
         ``seconds`` pass. A watch starts by replaying every object as ADDED: those count
         only when they differ, so a change made just before the watch began is not missed."""
-        client, _ = _kube()
+        kube()
         from kubernetes import watch
 
-        api = self._client()
-        if mode == "jobset":
-            lister: Callable[..., Any] = client.CustomObjectsApi(api).list_namespaced_custom_object
-            args: tuple = (JOBSET_GROUP, JOBSET_VERSION, self.options.namespace, "jobsets")
-        else:
-            lister = client.BatchV1Api(api).list_namespaced_job
-            args = (self.options.namespace,)
+        lister, args = self.api.lister(mode)
         w = watch.Watch()
         start = time.monotonic()
         try:
             for event in w.stream(lister, *args, label_selector=f"{LABEL_JOB}={name}",
                                   timeout_seconds=max(1, int(seconds)), _request_timeout=int(seconds) + 2):
                 obj = event.get("object")
-                obj = obj if isinstance(obj, dict) else api.sanitize_for_serialization(obj)
-                if _labels(obj).get(LABEL_JOB) == name:
+                obj = obj if isinstance(obj, dict) else self.api.client.sanitize_for_serialization(obj)
+                if labels(obj).get(LABEL_JOB) == name:
                     obj_name = obj.get("metadata", {}).get("name")
                     if event.get("type") != "ADDED" or seen.get(obj_name, ...) != obj.get("status"):
                         break
@@ -352,32 +263,32 @@ class KubernetesScheduler(Scheduler):
         name = self._name(job_id)
         mode = self._mode(name)
         if mode == "jobset":
-            if not self._delete_quietly("JobSet", name):
+            if not self.api.delete_quietly("JobSet", name):
                 raise JobNotFound(f"no JobSet {name} in namespace {self.options.namespace}")
         else:
             if not self._delete_jobs(name, only_running=False):
                 raise JobNotFound(f"no Jobs of run {name} in namespace {self.options.namespace}")
-            self._delete_quietly("Service", name)
-        self._delete_quietly("ConfigMap", config_map_name(name))
+            self.api.delete_quietly("Service", name)
+        self.api.delete_quietly("ConfigMap", config_map_name(name))
         log.info("deleted run %s", name)
 
     def logs(self, job_id: str, role: str | None = None) -> Iterator[str]:
-        client, _ = _kube()
+        client, _ = kube()
         name = self._name(job_id)
-        core = client.CoreV1Api(self._client())
-        pods = self._owned("Pod", name)
+        core = client.CoreV1Api(self.api.client)
+        pods = self.api.owned("Pod", name)
         if role is not None:
             rname = dns_name(role, "role name")
-            pods = [p for p in pods if _labels(p).get(LABEL_ROLE) == rname]
+            pods = [p for p in pods if labels(p).get(LABEL_ROLE) == rname]
             if not pods:
                 raise JobNotFound(f"run {name} has no pods of role {role!r}")
-        elif not pods and self._recorded_mode(name) is None:
+        elif not pods and self.api.recorded_mode(name) is None:
             raise JobNotFound(f"no run {name} in namespace {self.options.namespace}")
-        pods.sort(key=_pod_order)
+        pods.sort(key=pod_order)
         prefix = role is None or len(pods) > 1
         for pod in pods:
             pname = pod["metadata"]["name"]
-            resp = self._call(f"read log of pod {pname}", partial(
+            resp = self.api.call(f"read log of pod {pname}", partial(
                 core.read_namespaced_pod_log, pname, self.options.namespace, _preload_content=False), missing=None)
             if resp is None:
                 continue
@@ -398,12 +309,7 @@ class KubernetesScheduler(Scheduler):
     # ----------------------------------------------------------------- helpers
 
     def check(self) -> None:
-        api_client(self.options)
-
-    def _client(self):
-        if self._api is None:
-            self._api = api_client(self.options)
-        return self._api
+        api_client(self.options.kubeconfig, self.options.context)
 
     def _name(self, job_id: str) -> str:
         ns, sep, name = str(job_id).strip().rpartition("/")
@@ -415,133 +321,19 @@ class KubernetesScheduler(Scheduler):
 
     def _mode(self, name: str) -> str:
         """"jobset" or "jobs" from the run's ConfigMap; the options' choice when it is gone."""
-        return self._recorded_mode(name) or ("jobset" if self.options.use_jobset else "jobs")
-
-    def _recorded_mode(self, name: str) -> str | None:
-        client, _ = _kube()
-        cm = self._call(f"read ConfigMap {config_map_name(name)}", lambda: client.CoreV1Api(self._client())
-                        .read_namespaced_config_map(config_map_name(name), self.options.namespace), missing=None)
-        return ((cm.metadata.annotations or {}) if cm is not None else {}).get(ANNOTATION_MODE)
-
-    def _owned(self, kind: str, name: str) -> list[dict[str, Any]]:
-        """The run's objects of ``kind`` as dicts. The label selector is also checked here:
-        an API server (or an emulator) that ignores it must not make us touch other runs."""
-        client, _ = _kube()
-        api = self._client()
-        selector = f"{LABEL_JOB}={name}"
-        if kind == "Job":
-            items = self._call("list Jobs", lambda: client.BatchV1Api(api).list_namespaced_job(
-                self.options.namespace, label_selector=selector)).items
-        else:
-            items = self._call("list Pods", lambda: client.CoreV1Api(api).list_namespaced_pod(
-                self.options.namespace, label_selector=selector)).items
-        dicts = [api.sanitize_for_serialization(i) for i in items]
-        return [d for d in dicts if _labels(d).get(LABEL_JOB) == name]
+        return self.api.recorded_mode(name) or ("jobset" if self.options.use_jobset else "jobs")
 
     def _primary_exit_code(self, name: str) -> int | None:
-        """The first non-zero exit code among the primary role's containers."""
         try:
-            pods = self._owned("Pod", name)
+            return primary_exit_code(self.api.owned("Pod", name))
         except SchedulerError:
             return None
-        primary = [p for p in pods if _labels(p).get(LABEL_PRIMARY) == "true"] or pods
-        for pod in sorted(primary, key=_pod_order):
-            for cs in (pod.get("status") or {}).get("containerStatuses") or []:
-                term = (cs.get("state") or {}).get("terminated") or {}
-                if term.get("exitCode"):
-                    return int(term["exitCode"])
-        return None
 
     def _delete_jobs(self, name: str, only_running: bool) -> int:
         """Delete the run's Jobs (only the unfinished ones when ``only_running``); returns
         how many Jobs the run has."""
-        jobs = self._owned("Job", name)
+        jobs = self.api.owned("Job", name)
         for job in jobs:
-            if not (only_running and _job_state(job).finished):
-                self._delete_quietly("Job", job["metadata"]["name"])
+            if not (only_running and job_state(job).finished):
+                self.api.delete_quietly("Job", job["metadata"]["name"])
         return len(jobs)
-
-    def _delete_quietly(self, kind: str, obj_name: str) -> bool:
-        """Delete with foreground propagation (the Jobs' pods go too); False if absent."""
-        client, _ = _kube()
-        api, ns = self._client(), self.options.namespace
-        prop = "Foreground"
-        calls = {
-            "JobSet": lambda: client.CustomObjectsApi(api).delete_namespaced_custom_object(
-                JOBSET_GROUP, JOBSET_VERSION, ns, "jobsets", obj_name, propagation_policy=prop),
-            "Job": lambda: client.BatchV1Api(api).delete_namespaced_job(obj_name, ns, propagation_policy=prop),
-            "Service": lambda: client.CoreV1Api(api).delete_namespaced_service(obj_name, ns),
-            "ConfigMap": lambda: client.CoreV1Api(api).delete_namespaced_config_map(obj_name, ns),
-        }
-        return self._call(f"delete {kind} {obj_name}", calls[kind], missing=False) is not False
-
-    def _call(self, what: str, fn: Callable[[], Any], missing: Any = ...) -> Any:
-        """Run one API call; 404 → ``missing`` when given; other failures → one-line errors."""
-        client, _ = _kube()
-        try:
-            return fn()
-        except client.ApiException as exc:
-            if exc.status == 404 and missing is not ...:
-                return missing
-            raise self._api_error(what, exc) from None
-        except (UserError, SchedulerError):
-            raise
-        except Exception as exc:  # urllib3 connection errors and the like
-            if type(exc).__module__.startswith(("urllib3", "requests", "socket")) or isinstance(exc, OSError):
-                host = getattr(getattr(self._api, "configuration", None), "host", "?")
-                raise KubernetesUnreachable(
-                    f"the Kubernetes API server at {host} did not answer ({type(exc).__name__}); check the "
-                    "kubeconfig and that the cluster is up"
-                ) from None
-            raise
-
-    def _api_error(self, what: str, exc: Any) -> Exception:
-        reason = _status_message(exc)
-        if exc.status == 404 and "JobSet" in what and what.startswith("create"):
-            return UserError(
-                "the cluster has no JobSet API (jobset.x-k8s.io): install JobSet "
-                "(https://jobset.sigs.k8s.io) or set scheduler.options.use_jobset=false"
-            )
-        if exc.status == 409:
-            return UserError(f"{what}: it already exists in namespace {self.options.namespace}; "
-                             "`forge cancel NAME` or choose another run name")
-        if exc.status in (401, 403):
-            return UserError(f"{what}: not allowed ({reason}); check the kubeconfig's user and RBAC")
-        if exc.status in (400, 422):
-            return UserError(f"{what}: the API server refused it: {reason}")
-        return SchedulerError(f"{what}: HTTP {exc.status}: {reason}")
-
-
-def _status_message(exc: Any) -> str:
-    import json
-
-    try:
-        body = json.loads(exc.body or "{}")
-        return " ".join(str(body.get("message") or exc.reason).split())
-    except (ValueError, AttributeError):
-        return str(exc.reason)
-
-
-def _labels(obj: dict[str, Any]) -> dict[str, str]:
-    return (obj.get("metadata") or {}).get("labels") or {}
-
-
-def _pod_order(pod: dict[str, Any]) -> tuple:
-    labels = _labels(pod)
-    ann = (pod.get("metadata") or {}).get("annotations") or {}
-    replica = labels.get(LABEL_REPLICA) or ann.get("jobset.sigs.k8s.io/job-index") or "0"
-    index = ann.get("batch.kubernetes.io/job-completion-index") or "0"
-    return (labels.get(LABEL_ROLE, ""), int(replica) if replica.isdigit() else 0,
-            int(index) if index.isdigit() else 0, pod["metadata"]["name"])
-
-
-def _job_state(job: dict[str, Any]) -> JobState:
-    st = job.get("status") or {}
-    conds = {c.get("type") for c in st.get("conditions") or [] if c.get("status") == "True"}
-    if conds & {"Complete", "SuccessCriteriaMet"}:
-        return JobState.COMPLETED
-    if conds & {"Failed", "FailureTarget"}:
-        return JobState.FAILED
-    if int(st.get("active") or 0) or int(st.get("ready") or 0):
-        return JobState.RUNNING
-    return JobState.PENDING
