@@ -178,7 +178,16 @@ class LoopConfig(_Strict):
         4, ge=1, le=MAX_GROUP_SIZE, description=f"Completions sampled per prompt (GRPO group), at most {MAX_GROUP_SIZE}."
     )
     max_staleness: int = Field(
-        0, ge=0, description="Oldest policy version lag a sample may have when trained on; 0 = on-policy."
+        0,
+        ge=0,
+        description="Oldest policy version lag a sample may have when trained on, counted from its oldest "
+        "token; 0 = on-policy.",
+    )
+    stale_samples: Literal["drop", "mask"] = Field(
+        "drop",
+        description="A sample whose oldest tokens are staler than max_staleness: drop it ('drop'), or train "
+        "only on its tokens of allowed versions, the older ones kept as context outside the loss ('mask'; a "
+        "sample with none left is dropped).",
     )
     eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="Evaluate every N steps (0: only at start and end).")
     eval_size: int | None = Field(

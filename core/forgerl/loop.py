@@ -1,7 +1,8 @@
 """The RL loop, driven by trainer rank 0.
 
 Per step ``k``: take rollout batch ``k`` (made by :mod:`forgerl.rollout` in a thread,
-overlapping training), drop samples staler than ``loop.max_staleness``, compute
+overlapping training), drop samples staler than ``loop.max_staleness`` (counted from
+their oldest token; ``loop.stale_samples: mask`` trains on their allowed tokens instead), compute
 group-relative advantages, train on all ranks, export the new weights (version ``k+1``)
 and push them through the transport into the generator, evaluate and checkpoint when due,
 write one row of metrics.
@@ -26,7 +27,7 @@ from typing import Any
 
 from forgerl import checkpoint as ckpt
 from forgerl import events, runs
-from forgerl.batching import prepare_batch
+from forgerl.batching import prepare_batch, tokens_by_age
 from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.config import RunConfig
 from forgerl.env_rollouts import EnvironmentRollouts
@@ -36,6 +37,7 @@ from forgerl.metrics import MetricsWriter
 from forgerl.plugins import Registry
 from forgerl.rollout import RolloutBatch, RolloutBuffer, RolloutProducer, Tokenizing, sampling_seed
 from forgerl.spmd import TrainerDriver
+from forgerl.staleness import age_counts, filter_stale, oldest_version
 from forgerl.types import GenerationRequest, RewardInput, RewardResult, SamplingParams
 
 log = logging.getLogger("forgerl.loop")
@@ -250,14 +252,19 @@ class Loop:
         t_step = time.perf_counter()
         rollouts = buffer.get(k)
         wait_s = time.perf_counter() - t_step
-        # Fixed weights (receives_weights False) are never stale: nothing newer exists to sample.
-        fresh = [
-            e
-            for e in rollouts.episodes
-            if not self.receives_weights or self.policy_version - e.completion.policy_version <= S
-        ]
-        dropped = len(rollouts.episodes) - len(fresh)
-        prepared = prepare_batch(fresh, cfg.algorithm, max_tokens=self.max_completion_tokens(), pad_id=self.pad_id)
+        # A sample's staleness counts from its oldest token. Fixed weights (receives_weights
+        # False) are never stale: nothing newer exists to sample.
+        min_version = self.policy_version - S if self.receives_weights else None
+        stale = filter_stale(rollouts.episodes, min_version=min_version, mode=cfg.loop.stale_samples)
+        prepared = prepare_batch(
+            stale.kept,
+            cfg.algorithm,
+            max_tokens=self.max_completion_tokens(),
+            pad_id=self.pad_id,
+            trainer_version=self.policy_version,
+            min_version=min_version,
+        )
+        ages = tokens_by_age(prepared.batch) if prepared.batch is not None else {}
         t = time.perf_counter()
         train_metrics: dict[str, float] = {}
         if prepared.batch is not None:
@@ -285,11 +292,12 @@ class Loop:
         }
         for name in sorted({n for e in eps for n in e.reward_components}):
             row[f"reward/{name}"] = _mean(e.reward_components.get(name, 0.0) for e in eps)
-        staleness = [self.policy_version - 1 - e.completion.policy_version for e in eps]
+        staleness = [self.policy_version - 1 - oldest_version(e.completion) for e in eps]
         row.update(
             {
                 "staleness/mean": _mean(staleness),
-                "samples/dropped_stale": dropped,
+                "staleness/tokens_masked": stale.tokens_masked,
+                "samples/dropped_stale": stale.dropped,
                 "samples/trained": len(prepared.episodes),
                 "groups/filtered_zero_variance": prepared.filtered_groups,
                 "completion/mean_tokens": _mean(len(e.completion.token_ids) for e in eps),
@@ -303,6 +311,8 @@ class Loop:
                 "throughput/gen_tokens_per_s": rollouts.gen_tokens / max(rollouts.gen_seconds, 1e-9),
             }
         )
+        for age, tokens in age_counts(ages, S).items():
+            row[f"staleness/tokens_age_{age}"] = tokens
         train_tokens = float(prepared.batch.attention_mask.sum()) if prepared.batch is not None else 0.0
         row["throughput/train_tokens_per_s"] = train_tokens / max(train_s, 1e-9)
         row.update(rollouts.extra)  # env/* with an environment; nothing otherwise

@@ -5,8 +5,10 @@ Batch ``k`` (the batch trained on at step ``k``) is generated with policy versio
 holds back the weight update to version ``v + 1`` until every batch that should use
 version ``v`` is done. So generation of the next ``max_staleness`` batches overlaps
 training, and a run is reproducible (and resumable) step for step whatever the timing.
-Samples whose completion still reports an older version (a failed weight update, an
-asynchronous engine) are dropped by the loop and counted.
+Samples with tokens of an older version than that (a failed weight update, an
+asynchronous engine, a completion that ran across an update under ``keep``) are dropped by
+the loop, or their too-old tokens left out of the loss (``loop.stale_samples``), and
+counted (:mod:`forgerl.staleness`).
 """
 
 from __future__ import annotations

@@ -173,7 +173,13 @@ class TrainBatch:
     ``[B, T]`` (prompt followed by completion, right-padded); ``loss_mask`` is 1 on
     completion tokens that count in the loss; ``behaviour_logprobs`` holds the sampler's
     logprob of token ``t`` at position ``t`` (0 elsewhere); ``advantages`` is ``[B]``.
-    ``policy_versions`` is ``[B]``, the version that sampled each row.
+    ``policy_versions`` is ``[B]``, the version of each row's oldest token.
+
+    ``token_versions`` (``[B, T]``, optional) is the version that sampled token ``t`` at
+    position ``t`` (outside the completion: the row's ``policy_versions``), and
+    ``trainer_version`` the version of the weights this step trains: a token's age is
+    ``trainer_version - token_versions``. The loop fills both; a trainer that gets them
+    reports the logprob gap by age (``logprob_gap/age_{a}``, :func:`forgerl.algorithms.policy_loss`).
     """
 
     input_ids: torch.Tensor
@@ -183,6 +189,15 @@ class TrainBatch:
     advantages: torch.Tensor
     policy_versions: torch.Tensor
     num_groups: int = 0
+    token_versions: torch.Tensor | None = None
+    trainer_version: int | None = None
+
+    def token_ages(self) -> torch.Tensor | None:
+        """``[B, T]``: how many versions older than the trained weights each token's
+        sampling policy was; None without per-token versions."""
+        if self.token_versions is None or self.trainer_version is None:
+            return None
+        return self.trainer_version - self.token_versions
 
     @property
     def size(self) -> int:

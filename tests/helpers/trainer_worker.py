@@ -70,6 +70,21 @@ def on_policy(trainer, batch):
     return dataclasses.replace(batch, behaviour_logprobs=lp)
 
 
+def with_token_versions(batch, trainer_version: int = 2):
+    """The batch trained at ``trainer_version`` with per-token versions: every odd row's first
+    two completion tokens one version older (as if sampled before a weight update), the rest
+    current; the trainer then reports the logprob gap by age (``logprob_gap/age_<a>``)."""
+    import dataclasses
+
+    import torch
+
+    versions = torch.full(batch.input_ids.shape, trainer_version, dtype=torch.long)
+    for row in range(1, batch.size, 2):
+        first = int(batch.loss_mask[row].nonzero()[0])
+        versions[row, first : first + 2] = trainer_version - 1
+    return dataclasses.replace(batch, token_versions=versions, trainer_version=trainer_version)
+
+
 def weights(trainer, version: int = 0) -> dict:
     """The trainer's exported weights, copied (on one rank, which is rank 0 and gets them)."""
     exported = trainer.export_weights(version)
@@ -123,7 +138,7 @@ def run_scenario(kind: str, name: str, model_dir: Path, run_dir: Path, rank: int
     trainer = make_trainer(model_dir, run_dir, s.micro_batch_size, s.algorithm, rank, world_size, kind, **options)
     batch = make_batch(model_dir, s.rows, seed=len(name))
     logprobs = trainer.logprobs(batch)
-    batch = on_policy(trainer, batch)
+    batch = with_token_versions(on_policy(trainer, batch))
     metrics = [trainer.train_step(batch) for _ in range(s.steps)]
     return trainer, logprobs, metrics, trainer.export_weights(s.steps)
 

@@ -141,6 +141,9 @@ def test_two_gloo_ranks_match_fsdp_on_one_rank(kind: str, request: pytest.Fixtur
         assert len(two_metrics) == len(metrics) == scenario.steps, name
         for step, (a, b) in enumerate(zip(metrics, two_metrics)):
             assert a.keys() == b.keys(), f"{name} step {step}: keys differ {sorted(a.keys() ^ b.keys())}"
+            # The batch carries token versions (worker.with_token_versions): the gap by age is
+            # reduced over micro-batches and ranks like every other metric.
+            assert "logprob_gap/age_0" in a, f"{name} step {step}: no logprob gap by version age"
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-6), f"{name} step {step} loss"
             for k in a:
                 # Logprobs here are around -30 (random tokens): fp32 rounding, summed in

@@ -29,9 +29,11 @@ PROMPTS, GROUP = 2, 4
 class FakeTrainer:
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.batches: list[Any] = []
 
     def train_step(self, batch: Any) -> dict[str, float]:
         self.calls.append("train_step")
+        self.batches.append(batch)
         return {}
 
     def export_weights(self, version: int) -> Any:
@@ -126,7 +128,7 @@ class FakeTokenizer:
         return {"input_ids": [2, 3, 4]}
 
 
-def run_loop(run_dir: Path, generator: FakeGenerator, steps: int, staleness: int = 0):
+def run_loop(run_dir: Path, generator: FakeGenerator, steps: int, staleness: int = 0, **loop: Any):
     config = RunConfig.model_validate(
         {
             "generator": {"name": "fake"},
@@ -137,6 +139,7 @@ def run_loop(run_dir: Path, generator: FakeGenerator, steps: int, staleness: int
                 "max_staleness": staleness,
                 "eval_at_start": False,
                 "sampling": {"max_tokens": 8},
+                **loop,
             },
             "transport": {"timeout": 30},
             "logging": {"tensorboard": False, "progress": False},

@@ -10,6 +10,7 @@ turn ``0 * inf`` into NaN). The maths, with the config key of every symbol, is i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import torch
@@ -20,7 +21,8 @@ from .config import AlgorithmConfig
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "constant_norm"]
 
 #: The keys :func:`policy_loss` reports (``kl/ref`` only with ``ref_logprobs``,
-#: ``logprob_gap/*`` only with ``behaviour_logprobs``, ``entropy`` only with ``entropy``).
+#: ``logprob_gap/*`` only with ``behaviour_logprobs``, ``entropy`` only with ``entropy``;
+#: with ``token_ages`` also ``logprob_gap/age_{a}``, see :func:`gap_age_key`).
 METRIC_KEYS: tuple[str, ...] = (
     "loss/policy",
     "loss/kl",
@@ -166,6 +168,26 @@ def _gap_tensors(trainer_lp: Tensor, sampler_lp: Tensor, mask: Tensor) -> tuple[
     return masked_mean(gap, mask), _masked_max(gap, mask)
 
 
+def gap_age_key(age: int) -> str:
+    """The metric of the mean logprob gap over tokens sampled ``age`` versions before the
+    trained weights."""
+    return f"logprob_gap/age_{age}"
+
+
+def logprob_gap_by_age(
+    trainer_lp: Tensor, sampler_lp: Tensor, mask: Tensor, token_ages: Tensor, ages: Sequence[int]
+) -> dict[str, Tensor]:
+    """Mean ``|trainer logprob - sampler logprob|`` over the masked tokens of each age in
+    ``ages`` (0 for an age without tokens), keyed by :func:`gap_age_key`.
+
+    Each token is compared with its *own* sampling logprob, whatever version sampled it: a
+    gap that grows with age is the policy moving; one at age 0 is train/inference mismatch.
+    """
+    mask = mask != 0
+    gap = _masked((trainer_lp.detach() - sampler_lp.detach()).abs(), mask)
+    return {gap_age_key(a): masked_mean(gap, mask & (token_ages == a)) for a in ages}
+
+
 def logprob_gap(trainer_lp: Tensor, sampler_lp: Tensor, mask: Tensor) -> tuple[float, float]:
     """(mean, max) of ``|trainer logprob - sampler logprob|`` over masked tokens.
 
@@ -201,6 +223,8 @@ def policy_loss(
     ref_logprobs: Tensor | None = None,
     entropy: Tensor | None = None,
     global_count: float | None = None,
+    token_ages: Tensor | None = None,
+    ages: Sequence[int] | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """The loss to minimise for one (micro-)batch, and its metrics.
 
@@ -212,9 +236,18 @@ def policy_loss(
     ``kl_coef > 0``). ``entropy``: per-token entropy, only logged. ``global_count``: see
     :func:`aggregate_loss`. Old, behaviour, reference logprobs and advantages are
     treated as constants.
+
+    Every token is its own: the behaviour ratio and the truncated-IS weight of token ``t``
+    use ``behaviour_logprobs[t]``, the logprob of whichever policy version sampled it, so a
+    sample whose tokens come from several versions is weighted token by token.
+    ``token_ages`` (``[B, T]``, versions between the trained weights and each token's
+    sampler) adds the gap per age, ``logprob_gap/age_{a}`` for each of ``ages`` (default:
+    the ages present under the mask; a trainer that sums metrics over micro-batches passes
+    the same ``ages`` to every call).
     """
     _check_shapes(logprobs, mask, advantages, old_logprobs=old_logprobs,
-                  behaviour_logprobs=behaviour_logprobs, ref_logprobs=ref_logprobs, entropy=entropy)
+                  behaviour_logprobs=behaviour_logprobs, ref_logprobs=ref_logprobs, entropy=entropy,
+                  token_ages=token_ages)
     m = mask != 0
     # 'auto' is resolved by the trainer, which knows its precision (AlgorithmConfig.ratio);
     # a config that reaches here unresolved means a trainer computing like the sampler.
@@ -284,6 +317,10 @@ def policy_loss(
             values["kl/ref"] = kl_ref
         if behaviour_logprobs is not None:
             values["logprob_gap/mean"], values["logprob_gap/max"] = _gap_tensors(logprobs, behaviour_logprobs, m)
+            if token_ages is not None:
+                if ages is None:
+                    ages = torch.unique(token_ages[m]).tolist()
+                values.update(logprob_gap_by_age(logprobs, behaviour_logprobs, m, token_ages, ages))
         if entropy is not None:
             values["entropy"] = masked_mean(_masked(entropy.detach(), m), m)
         # One device->host copy for all metrics instead of one sync per .item().

@@ -223,6 +223,9 @@ class ShardedTrainer(Trainer, abc.ABC):
             "behaviour_logprobs": batch.behaviour_logprobs[idx, 1:length],
             "advantages": advantages,
         }
+        ages = batch.token_ages()
+        if ages is not None:
+            out["token_ages"] = ages[idx, 1:length]
         return {k: v.to(self.device, non_blocking=True) for k, v in out.items()}
 
     def _micro_batches(self, batch: TrainBatch) -> list[MicroBatch]:
@@ -241,12 +244,15 @@ class ShardedTrainer(Trainer, abc.ABC):
         import torch
         from torch.profiler import record_function
 
-        from forgerl.algorithms.loss import policy_loss
+        from forgerl.algorithms.loss import gap_age_key, policy_loss
 
         self._check_batch(batch)
         alg = self.algorithm
         shifted_mask = batch.loss_mask[:, 1:]
         count = global_count(shifted_mask, alg.loss_agg)
+        # The ages whose logprob gap is reported: those of the whole batch, which every rank
+        # holds, so every micro-batch of every rank reports the same keys.
+        ages = _ages(batch)
         acc = MetricAccumulator()
         for mb in self._micro_batches(batch):
             t = self._micro_tensors(batch, mb)
@@ -275,10 +281,17 @@ class ShardedTrainer(Trainer, abc.ABC):
                     ref_logprobs=ref,
                     entropy=entropy,
                     global_count=count,
+                    token_ages=t.get("token_ages"),
+                    ages=ages,
                 )
             with record_function("forge.backward"):
                 loss.backward()
-            acc.add(metrics, tokens=int(positions.sum()))
+            # A gap by age is a mean over that age's tokens: it weighs by their number.
+            by_age = {} if not ages else dict(zip(
+                [gap_age_key(a) for a in ages],
+                torch.stack([(positions & (t["token_ages"] == a)).sum() for a in ages]).tolist(),
+            ))
+            acc.add(metrics, tokens=int(positions.sum()), weights=by_age)
 
         _, optimizer = self._live()
         with record_function("forge.clip_gradients"):
@@ -441,6 +454,17 @@ def sum_gradients(model: Any) -> None:
             module.set_force_sum_reduction_for_comms(True)
 
 
+def _ages(batch: TrainBatch) -> list[int]:
+    """The token ages (:meth:`TrainBatch.token_ages`) under the batch's loss mask, sorted;
+    empty without per-token versions."""
+    import torch
+
+    ages = batch.token_ages()
+    if ages is None:
+        return []
+    return [int(a) for a in torch.unique(ages[batch.loss_mask != 0]).tolist()]
+
+
 def _row_lengths(batch: TrainBatch) -> list[int]:
     """Positions each row uses (up to its last attended or loss token), for grouping rows
     of like length into micro-batches."""
@@ -459,6 +483,8 @@ def check_batch(batch: TrainBatch) -> None:
         got = tuple(getattr(batch, name).shape)
         if got != shape:
             raise ValueError(f"{name} has shape {got}, expected input_ids' {shape}")
+    if batch.token_versions is not None and tuple(batch.token_versions.shape) != shape:
+        raise ValueError(f"token_versions has shape {tuple(batch.token_versions.shape)}, expected input_ids' {shape}")
     adv = tuple(batch.advantages.shape)
     if adv not in (shape[:1], shape):
         raise ValueError(f"advantages must be [B] or [B, T] for input_ids {shape}, got {adv}")
