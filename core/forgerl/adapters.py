@@ -26,7 +26,7 @@ from forgerl.options import OptionsModel
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 #: The name every generator serves the policy's adapter under, whatever its version.
-ADAPTER_NAME = "forge-policy"
+ADAPTER_NAME = "forge-adapter"
 
 
 class LoraOptions(OptionsModel):

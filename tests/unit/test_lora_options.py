@@ -35,3 +35,60 @@ def test_scale_and_peft_config() -> None:
 def test_bad_options_are_refused(bad: dict) -> None:
     with pytest.raises(ValidationError):
         LoraOptions(**bad)
+
+
+# ----------------------------------------------------------- where the adapter leads
+
+
+def _config(*sets: str, generator: str = "vllm"):
+    from forgerl.config import build_config
+    from forgerl.plugins import build_registry
+    from forgerl.resolve import resolve
+
+    registry = build_registry()
+    return resolve(build_config(flags={"generator": generator}, sets=sets), registry), registry
+
+
+def test_the_run_context_carries_the_trainers_adapter(tmp_path) -> None:
+    from forgerl.interfaces import RunContext
+
+    config, _ = _config("trainer.options.lora.rank=16")
+    adapter = RunContext.for_run(config, tmp_path).adapter
+    assert adapter is not None and adapter.rank == 16
+    assert RunContext.for_run(_config()[0], tmp_path).adapter is None, "full fine-tuning: no adapter"
+
+
+def test_a_lora_trainer_needs_a_generator_that_serves_adapters() -> None:
+    from forgerl.errors import ConfigError
+    from forgerl.preflight import check_adapter_served
+
+    config, registry = _config("trainer.options.lora.rank=8")
+    check_adapter_served(config, registry)  # vllm does
+    config, registry = _config("trainer.options.lora.rank=8", generator="hf")
+    with pytest.raises(ConfigError, match="hf generator cannot serve"):
+        check_adapter_served(config, registry)
+
+
+@pytest.mark.parametrize("rank, served", [(1, "1"), (8, "8"), (9, "16"), (300, "320"), (512, "512")])
+def test_vllm_starts_with_lora_on_for_the_adapters_rank(tmp_path, rank: int, served: str) -> None:
+    from forgerl_plugins.generators.vllm import server
+    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
+
+    options = VLLMGenerator.Options()
+    text = " ".join(server.server_command(options, tmp_path, "float32", 1, LoraOptions(rank=rank)))
+    assert f"--enable-lora --max-loras 1 --max-cpu-loras 1 --max-lora-rank {served}" in text
+    assert "--enable-lora" not in server.server_command(options, tmp_path, "float32", 1)
+    assert server.server_env(options, "key", LoraOptions())["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in server.server_env(options, "key")
+
+
+def test_vllm_refuses_the_keep_update_policy_with_an_adapter(tmp_path) -> None:
+    from forgerl.errors import ConfigError
+    from forgerl.interfaces import RunContext
+    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
+    from forgerl_plugins.transports.shm.transport import ShmTransport
+
+    config, _ = _config("trainer.options.lora.rank=8")
+    transport = ShmTransport(ShmTransport.Options(directory=str(tmp_path / "weights")), context=None)
+    with pytest.raises(ConfigError, match="keep does not work with a LoRA adapter"):
+        VLLMGenerator(VLLMGenerator.Options(update_policy="keep"), context=RunContext.for_run(config, tmp_path), transport=transport)
