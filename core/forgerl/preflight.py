@@ -63,6 +63,7 @@ def check_run(
             f"loop.sampling.max_tokens ({max_tokens}) must be below the context length of model "
             f"{config.model.name!r} ({context} tokens): the prompt needs room too"
         )
+    check_adapter_served(config, registry)
     if local_files:
         if not fresh:
             check_checkpoints(run_dir, keep=config.checkpoint.keep)
@@ -76,6 +77,22 @@ def check_run(
     check_job = getattr(scheduler, "check_job", None)
     if check_job is not None:
         check_job(job)
+
+
+def check_adapter_served(config: RunConfig, registry: Registry) -> None:
+    """A trainer that trains a LoRA adapter sends only the adapter: the generator must
+    serve it on the base model (``serves_adapters``)."""
+    from forgerl.interfaces import trained_adapter
+
+    if trained_adapter(config) is None:
+        return
+    name = config.generator.name
+    generator = registry.require("generator", name).load_factory()
+    if not getattr(generator, "serves_adapters", False):
+        raise ConfigError(
+            f"trainer.options.lora trains a LoRA adapter, which the {name} generator cannot serve: "
+            "use --generator vllm, or remove trainer.options.lora"
+        )
 
 
 def model_context_length(config: RunConfig, registry: Registry, *, local_files: bool = True) -> int | None:

@@ -37,6 +37,7 @@ class Scenario:
     algorithm: dict[str, Any]
     trainers: tuple[str, ...] = TRAINERS  # which trainers run it on 2 ranks
     torchtitan: dict[str, Any] = field(default_factory=dict)  # options fsdp has no use for
+    fsdp: dict[str, Any] = field(default_factory=dict)  # options of fsdp alone (on 1 and 2 ranks)
 
 
 SCENARIOS: dict[str, Scenario] = {
@@ -49,6 +50,10 @@ SCENARIOS: dict[str, Scenario] = {
     # feed-forward split; decoder layers recomputed in the backward pass.
     "tp2": Scenario("wide", 3, 2, 1, {"loss_agg": "token_mean"}, trainers=("torchtitan",),
                     torchtitan={"tp": 2, "activation_checkpointing": "full"}),
+    # A LoRA adapter sharded with its decoder layers (frozen base weights and trainable A
+    # and B in one FSDP2 unit), with the KL term against the base model (adapter off).
+    "lora": Scenario("biased", 5, 2, 2, {"loss_agg": "token_mean", "kl_coef": 0.1}, trainers=("fsdp",),
+                     fsdp={"lora": {"rank": 4, "alpha": 8}}),
 }
 
 
@@ -134,7 +139,7 @@ def run_scenario(kind: str, name: str, model_dir: Path, run_dir: Path, rank: int
     caller closes the trainer. fsdp ignores the torchtitan options (its one rank holds
     every row and the whole model)."""
     s = SCENARIOS[name]
-    options = s.torchtitan if kind == "torchtitan" else {}
+    options = s.torchtitan if kind == "torchtitan" else s.fsdp
     trainer = make_trainer(model_dir, run_dir, s.micro_batch_size, s.algorithm, rank, world_size, kind, **options)
     batch = make_batch(model_dir, s.rows, seed=len(name))
     logprobs = trainer.logprobs(batch)

@@ -77,6 +77,16 @@ def test_backend_options_are_validated_by_the_backend():
     assert_one_line_error(proc, "transport.options.bogus", "unknown key")
 
 
+def test_lora_is_set_by_dotted_keys_and_validated_by_the_trainer():
+    proc = forge("config", "show", "--set", "trainer.options.lora.rank=16", "--set", "trainer.options.lora.alpha=32")
+    assert proc.returncode == 0, proc.stderr
+    assert "rank: 16" in proc.stdout and "alpha: 32" in proc.stdout and "- q_proj" in proc.stdout, proc.stdout
+    assert_one_line_error(forge("config", "show", "--set", "trainer.options.lora.rank=0"), "trainer.options.lora.rank")
+    assert_one_line_error(forge("config", "show", "--set", "trainer.options.lora.dropout=1"), "lora.dropout")
+    proc = forge("config", "show", "--set", "trainer.options.lora.ranks=8")
+    assert_one_line_error(proc, "trainer.options.lora.ranks", "unknown key")
+
+
 def test_unreadable_file_and_bad_yaml(tmp_path):
     assert_one_line_error(forge("config", "validate", str(tmp_path / "missing.yaml")), "cannot read config file")
     bad = tmp_path / "bad.yaml"

@@ -12,6 +12,10 @@ speaks to one vLLM replica (every HTTP call, with the replica's key: :mod:`.clie
   (``reset_running_requests``): vLLM recomputes it with the new weights when they go on,
   so every token after the update is sampled by the new weights given its whole prefix,
   as the trainer scores it.
+* **a LoRA adapter** (``context.adapter``): each version holds only the adapter, which
+  the workers load in place as the server's one adapter (:mod:`.adapter`); the first
+  time on each server the adapter is named to its API server, and from then on requests
+  name it as their model. Version 0 is the base model: requests name the base model.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Any
 
+from forgerl.adapters import ADAPTER_NAME
 from forgerl.errors import TransportError
 from forgerl.interfaces import RunContext, Transport
 from forgerl.types import Completion, GenerationRequest
@@ -47,6 +52,13 @@ class VLLMEngine:
         self.send_seed = options.send_seed  # on the CPU build, see server.whole_prefill_args
         self.transport_timeout = context.transport_timeout
         self.transport = transport
+        self.adapter = context.adapter
+        # The adapter's adapter_config.json (the workers need its rank and alpha, not the
+        # matched module names: the tensors' names say which modules).
+        self.adapter_config = (
+            context.adapter.peft_config(context.adapter.target_modules) if context.adapter is not None else None
+        )
+        self._named: set[tuple[int, str | None]] = set()  # (replica, instance): servers told the adapter's name
 
     def connect(self, connections: int) -> None:
         self.client = ReplicaClient(connections, self.request_timeout)
@@ -59,6 +71,8 @@ class VLLMEngine:
 
     async def send(self, r: Replica, request: GenerationRequest, version: int) -> list[Completion]:
         body = request_body(request, r, send_seed=self.send_seed)
+        if self.adapter is not None and version > 0:
+            body["model"] = ADAPTER_NAME  # the base model with the adapter of ``version``
         key = body["request_id"] = f"{request.request_id}-{os.urandom(4).hex()}"
         flight = r.flights[key] = Flight(key, version)
         try:
@@ -96,6 +110,8 @@ class VLLMEngine:
             "timeout": timeout,
             "worker_prefix": f"vllm-{r.index}-{(r.instance or '')[:8]}",
         }
+        if self.adapter_config is not None:
+            request["adapter"] = self.adapter_config
         if version == 0:
             request["source"] = "base"
         else:
@@ -121,6 +137,22 @@ class VLLMEngine:
                 or "no worker answered"
             )
             raise TransportError(f"replica {r.index} did not load weights version {version}: {what}")
+        if self.adapter is not None and version > 0 and (r.index, r.instance) not in self._named:
+            await self._name_adapter(r)
+
+    async def _name_adapter(self, r: Replica) -> None:
+        """Tell ``r``'s API server the adapter's name, once per server (:mod:`.adapter`)."""
+        from . import adapter
+
+        resp = await self.client.http.post(
+            r.url + "/v1/load_lora_adapter", json=adapter.register_body(), headers=r.headers, timeout=60.0
+        )
+        if resp.status_code != 200 and "already been loaded" not in resp.text:
+            r.version = None
+            raise TransportError(
+                f"replica {r.index}: naming the LoRA adapter failed: HTTP {resp.status_code}: {error_message(resp)}"
+            )
+        self._named.add((r.index, r.instance))
 
     def close(self) -> None:
         pass  # nothing beside its client

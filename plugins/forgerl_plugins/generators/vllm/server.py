@@ -33,6 +33,7 @@ from forgerl_plugins.serving.vllm_server import engine_arg_flags, is_cpu_build
 from . import cpu_cores
 
 if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.adapters import LoraOptions
     from forgerl.interfaces import RunContext
     from forgerl.types import RoleSpec
     from forgerl_plugins.generators.vllm.generator import VLLMGenerator
@@ -79,8 +80,11 @@ def roles(options: VLLMGenerator.Options, *, context: RunContext) -> list[RoleSp
 # ------------------------------------------------------------------- the vLLM command
 
 
-def server_command(options: VLLMGenerator.Options, model_dir: Path, model_dtype: str, port: int) -> list[str]:
-    """vLLM's OpenAI server for ``model_dir`` on ``options.host:port`` with our options."""
+def server_command(
+    options: VLLMGenerator.Options, model_dir: Path, model_dtype: str, port: int, adapter: LoraOptions | None = None
+) -> list[str]:
+    """vLLM's OpenAI server for ``model_dir`` on ``options.host:port`` with our options
+    (and LoRA on, for the trainer's ``adapter``)."""
     dtype = model_dtype if options.dtype == "auto" else options.dtype
     args = vllm_server.api_server_command(
         str(model_dir), SERVED_MODEL_NAME, options.host, port, dtype, options.tensor_parallel_size
@@ -90,6 +94,8 @@ def server_command(options: VLLMGenerator.Options, model_dir: Path, model_dtype:
         args += ["--max-model-len", str(options.max_model_len)]
     if options.enforce_eager:
         args.append("--enforce-eager")
+    if adapter is not None:
+        args += adapter_flags(adapter)
     # vLLM's CPU default reserves most of the machine's memory; one GiB holds ~100k tokens
     # of a 135M model.
     args += vllm_server.kv_cache_flags(options.kv_cache_gb, DEFAULT_CPU_KV_CACHE_GB)
@@ -97,6 +103,17 @@ def server_command(options: VLLMGenerator.Options, model_dir: Path, model_dtype:
         args += engine_arg_flags(whole_prefill_args(options, model_dir))
     args += engine_arg_flags(options.engine_args)  # last: the user's own say wins
     return args
+
+
+def adapter_flags(adapter: LoraOptions) -> list[str]:
+    """LoRA on, for the one adapter of the run: vLLM sizes its adapter slots by
+    ``--max-lora-rank``, which takes only some values (the smallest that holds the rank)."""
+    fits = [r for r in MAX_LORA_RANKS if r >= adapter.rank]
+    return ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank", str(fits[0])]
+
+
+#: The ``--max-lora-rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def whole_prefill_args(options: VLLMGenerator.Options, model_dir: Path) -> dict[str, Any]:
@@ -117,11 +134,15 @@ def whole_prefill_args(options: VLLMGenerator.Options, model_dir: Path) -> dict[
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": longest}  # None: vLLM's default
 
 
-def server_env(options: VLLMGenerator.Options, api_key: str) -> dict[str, str]:
+def server_env(options: VLLMGenerator.Options, api_key: str, adapter: LoraOptions | None = None) -> dict[str, str]:
     env = vllm_server.server_env(options.env, api_key)
     # /collective_rpc, /pause, /resume and /reset_prefix_cache exist only in dev mode (the
     # guard, vllm_auth, makes them need the run's key like every other path).
     env["VLLM_SERVER_DEV_MODE"] = "1"
+    if adapter is not None:
+        # /v1/load_lora_adapter, through which the generator names the adapter once per
+        # server (also behind the run's key).
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     return env
 
 
@@ -135,7 +156,7 @@ def serve(options: VLLMGenerator.Options, *, context: RunContext, role: str, rep
     # A file left by the previous instance of this replica points at a dead server.
     endpoint_file(run_dir, replica).unlink(missing_ok=True)
     api_key = secrets.token_urlsafe(24)
-    env = server_env(options, api_key)
+    env = server_env(options, api_key, context.adapter)
     if is_cpu_build():
         env.update(cpu_cores.binding_env(context.max_staleness, options.env, os.environ))
     starting = events.phase(
@@ -150,7 +171,7 @@ def serve(options: VLLMGenerator.Options, *, context: RunContext, role: str, rep
         startup_timeout=options.startup_timeout,
         health_interval=options.health_interval,
         liveness_timeout=options.liveness_timeout,
-        command=lambda port: server_command(options, model_dir, context.dtype, port),
+        command=lambda port: server_command(options, model_dir, context.dtype, port, context.adapter),
         env=env,
         api_key=api_key,
         first_request=first_request,

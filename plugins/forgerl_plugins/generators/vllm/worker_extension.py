@@ -11,6 +11,10 @@ not ``model.load_weights``: on CPU, vLLM repacks linear weights after loading an
 the reload path repeats that. A tied ``lm_head`` is the exception: its packed copy is
 made from the embedding matrix and is not refreshed by the reload, so it is packed again
 here (without it, a CPU server keeps sampling from the old output layer).
+
+With a LoRA trainer (``"adapter"`` in the request) a version holds only the adapter's
+tensors: they are loaded in place as the worker's one LoRA adapter (:mod:`.adapter`),
+and the base weights stay as they are.
 """
 
 from __future__ import annotations
@@ -62,8 +66,9 @@ class ForgeWorkerExtension:
     def forge_load_weights(self, request: str) -> dict[str, Any]:
         """Load a weight version. ``request`` is JSON: ``{"version", "timeout",
         "worker_prefix", "source": "transport" | "base", "transport": {"name", "options",
-        "spec"}}``. ``source: base`` reloads the model folder the server started from
-        (version 0, which no transport ever carried).
+        "spec"}, "adapter": its adapter_config.json, only with a LoRA trainer}``.
+        ``source: base`` reloads the model folder the server started from (version 0,
+        which no transport ever carried; with an adapter: drops it).
 
         Never raises: returns ``{"ok": False, "error", "weights_touched"}`` on failure, so
         the caller knows whether the old weights are intact (the failure came before the
@@ -75,7 +80,10 @@ class ForgeWorkerExtension:
         counted = _Counted(())
         waited = 0.0
         try:
-            if req.get("source") == "base":
+            adapter = req.get("adapter")
+            if adapter is not None:
+                counted, waited = self._forge_load_adapter(req, adapter, version, start)
+            elif req.get("source") == "base":
                 counted.tensors = -1  # unknown, but the weights are being replaced
                 self.reload_weights(weights_iterator=None, is_checkpoint_format=True)
             else:
@@ -87,7 +95,8 @@ class ForgeWorkerExtension:
                 self.reload_weights(weights_iterator=counted, is_checkpoint_format=True)
                 if counted.tensors == 0:
                     raise RuntimeError(f"weights version {version} held no tensors")
-            self._forge_refresh_tied_head()
+            if adapter is None:  # an adapter leaves the base weights, the head among them, as they were
+                self._forge_refresh_tied_head()
         except Exception as exc:  # noqa: BLE001 - reported to the generator, which decides
             return {
                 "ok": False,
@@ -110,6 +119,33 @@ class ForgeWorkerExtension:
             "load_seconds": seconds - waited - counted.read_seconds,
             "rank": int(getattr(self, "rank", 0)),
         }
+
+    def _forge_load_adapter(
+        self, req: dict[str, Any], config: dict[str, Any], version: int, start: float
+    ) -> tuple[_Counted, float]:
+        """Version ``version`` of the LoRA adapter (version 0: none); what was read, and
+        how long the wait for it took."""
+        from . import adapter
+
+        manager = self.model_runner.lora_manager
+        if req.get("source") == "base":
+            adapter.remove(manager)
+            return _Counted(()), 0.0
+        receiver = self._forge_receiver(req)
+        counted = _Counted(receiver.receive(version, timeout=float(req["timeout"])))
+        waited = time.perf_counter() - start
+        tensors = dict(counted)
+        if not tensors:
+            raise RuntimeError(f"adapter version {version} held no tensors")
+        adapter.install(manager, tensors, config)
+        return counted, waited
+
+    def forge_adapters(self) -> list[int]:
+        """The LoRA adapter ids this worker holds (the generator checks, after naming the
+        adapter to the API server, that its id is the one loaded in place)."""
+        from . import adapter
+
+        return adapter.loaded(self.model_runner.lora_manager)
 
     def forge_policy_version(self) -> int:
         """The weight version this worker last loaded (0: the model folder's). Asked when

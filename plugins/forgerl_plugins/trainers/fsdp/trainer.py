@@ -9,12 +9,21 @@ one rank trains a plain module (FSDP2 on a world of one only copies parameters a
 gradients around), the LM head runs only at the positions the loss reads (shared/head.py),
 rows of like length share a micro-batch, the "old" policy's logprobs are the update
 forward's own (detached), and a single rank steps a fused AdamW.
+
+With ``lora`` set, the model trains a LoRA adapter (:mod:`..shared.lora`, PEFT) on
+the base weights, which stay frozen: only the adapter gets gradients, optimizer state,
+checkpoints and weight exports, and the KL reference is the same model with the
+adapter off.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
+from pydantic import Field
+
+from forgerl.adapters import LoraOptions
 from forgerl.types import WeightSet
 from forgerl_plugins.trainers.shared.base import ShardedTrainer, sum_gradients
 from forgerl_plugins.trainers.shared.head import head_selection_works
@@ -30,15 +39,26 @@ class FSDPTrainer(ShardedTrainer):
     requires = ("torch", "transformers")
 
     class Options(ShardedTrainerOptions):
-        """The shared trainer options; FSDP2 itself needs none (one unit per decoder layer)."""
+        """The shared trainer options and LoRA; FSDP2 itself needs none (one unit per decoder layer)."""
+
+        lora: LoraOptions | None = Field(
+            None,
+            description="Train a LoRA adapter instead of every weight (None: full fine-tuning); "
+            "e.g. --set trainer.options.lora.rank=16. Needs PEFT: pip install 'forgerl[lora]'.",
+        )
+
+    options: FSDPTrainer.Options
 
     def _build(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.mesh = init_device_mesh(self.device.type, (self.world_size,))
+        self.lora_targets: list[str] = []
         self.model = self._load_model(trainable=True)
-        # The reference model costs a full copy of the weights: only with a KL term.
-        self.reference_model = self._load_model(trainable=False) if self.algorithm.kl_coef > 0 else None
+        # The reference model costs a full copy of the weights: only with a KL term, and
+        # never with LoRA (the base model is the policy with its adapter off).
+        needs_copy = self.algorithm.kl_coef > 0 and self.options.lora is None
+        self.reference_model = self._load_model(trainable=False) if needs_copy else None
         self.optimizer = self._adamw()
         # After the optimizer: a forward through an FSDP2 model before its optimizer
         # exists made 2 ranks update the final norm differently from 1 (seen with the
@@ -61,6 +81,12 @@ class FSDPTrainer(ShardedTrainer):
         model.config.use_cache = False
         if not trainable:
             model.requires_grad_(False)
+        # The decoder block classes, read before PEFT wraps the model.
+        block_names = set(getattr(model, "_no_split_modules", None) or ())
+        if trainable and self.options.lora is not None:
+            from forgerl_plugins.trainers.shared.lora import apply_lora
+
+            model, self.lora_targets = apply_lora(model, self.options.lora)
         if self.world_size == 1:
             # Nothing to shard: FSDP2 on one rank still copies every parameter in before
             # each forward and backward and every gradient out after it, and makes the
@@ -70,7 +96,6 @@ class FSDPTrainer(ShardedTrainer):
         # One FSDP unit per decoder layer (parameters gathered layer by layer), then the
         # root for embeddings, final norm and head (tied embeddings stay in one unit).
         # Bottom-up (reversed pre-order), as fully_shard requires for nested units.
-        block_names = set(getattr(model, "_no_split_modules", None) or ())
         for module in reversed(list(model.modules())):
             if type(module).__name__ in block_names:
                 fully_shard(module, mesh=self.mesh)
@@ -81,7 +106,28 @@ class FSDPTrainer(ShardedTrainer):
     def _logits(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
+    def _reference(self) -> tuple[Any, contextlib.AbstractContextManager[Any]] | None:
+        if self.options.lora is not None and self.algorithm.kl_coef > 0:
+            from forgerl_plugins.trainers.shared.lora import adapter_off
+
+            return self.model, adapter_off(self.model)
+        return super()._reference()
+
+    def _update_mode(self) -> contextlib.AbstractContextManager[Any]:
+        if self.options.lora is None:
+            return contextlib.nullcontext()
+        from forgerl_plugins.trainers.shared.lora import adapter_dropout
+
+        return adapter_dropout(self.model, self.options.lora.dropout)
+
     def export_weights(self, version: int) -> WeightSet | None:
-        # A collective: every rank takes part, rank 0 receives the full CPU tensors.
-        tensors = self._full_state()
-        return WeightSet(version=version, tensors=tensors) if tensors is not None else None
+        # A collective: every rank takes part, rank 0 receives the full CPU tensors
+        # (with LoRA: the adapter's A and B alone, under PEFT's file names).
+        tensors = self._full_state(trainable_only=self.options.lora is not None)
+        if tensors is None:
+            return None
+        if self.options.lora is not None:
+            from forgerl_plugins.trainers.shared.lora import exported_names
+
+            tensors = exported_names(tensors)
+        return WeightSet(version=version, tensors=tensors)

@@ -127,6 +127,18 @@ class ShardedTrainer(Trainer, abc.ABC):
         """The model's logits for right-padded rows: ``[b, L, V]``, or ``[1, N, V]`` while
         :meth:`_head` restricts the output projection to N positions."""
 
+    def _reference(self) -> tuple[Any, contextlib.AbstractContextManager[Any]] | None:
+        """The model the KL term compares against and the context to run it in (None:
+        no KL term). Default: ``self.reference_model`` as it is; a LoRA trainer gives its
+        own model with the adapter switched off."""
+        if self.reference_model is None:
+            return None
+        return self.reference_model, contextlib.nullcontext()
+
+    def _update_mode(self) -> contextlib.AbstractContextManager[Any]:
+        """The context of the update forward (a LoRA trainer turns its adapter's dropout on)."""
+        return contextlib.nullcontext()
+
     def _head(self, model: Any) -> Any:
         """The output projection module that :mod:`.head` hooks (when ``_select_head``)."""
         return model.get_output_embeddings()
@@ -136,9 +148,11 @@ class ShardedTrainer(Trainer, abc.ABC):
         from torch.distributed.tensor import DTensor
 
         options = self.options
-        sharded = any(isinstance(p, DTensor) for p in self.model.parameters())
+        # Only what trains: with a LoRA adapter, its A and B (no state for frozen weights).
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        sharded = any(isinstance(p, DTensor) for p in params)
         return torch.optim.AdamW(
-            self.model.parameters(),
+            params,
             lr=options.lr,
             betas=(options.betas[0], options.betas[1]),
             weight_decay=options.weight_decay,
@@ -258,12 +272,12 @@ class ShardedTrainer(Trainer, abc.ABC):
             t = self._micro_tensors(batch, mb)
             positions = t["loss_mask"] != 0
             ref = None
-            if self.reference_model is not None:
-                with torch.no_grad(), record_function("forge.reference_forward"):
-                    ref, _ = self._forward_logprobs(
-                        self.reference_model, t["input_ids"], t["attention_mask"], positions=positions
-                    )
-            with record_function("forge.forward"):
+            reference = self._reference()
+            if reference is not None:
+                ref_model, ref_mode = reference
+                with torch.no_grad(), ref_mode, record_function("forge.reference_forward"):
+                    ref, _ = self._forward_logprobs(ref_model, t["input_ids"], t["attention_mask"], positions=positions)
+            with self._update_mode(), record_function("forge.forward"):
                 logprobs, entropy = self._forward_logprobs(
                     self.model, t["input_ids"], t["attention_mask"], self.options.log_entropy, positions
                 )
@@ -353,7 +367,8 @@ class ShardedTrainer(Trainer, abc.ABC):
 
         from .checkpointing import failure
 
-        model_state, optim_state = get_state_dict(*self._live())
+        model_state, optim_state = get_state_dict(*self._live(), options=self._checkpoint_options())
+        model_state = self._only_trainable(model_state)
         try:
             dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
         except BaseException as exc:  # DCP's CheckpointException derives from BaseException
@@ -377,7 +392,9 @@ class ShardedTrainer(Trainer, abc.ABC):
             raise CheckpointUnusable(f"{path} is not a trainer checkpoint (no .metadata written by save())")
         metadata = read_metadata_safely(Path(path))
         model, optimizer = self._live()
-        model_state, optim_state = get_state_dict(model, optimizer)
+        options = self._checkpoint_options()
+        model_state, optim_state = get_state_dict(model, optimizer, options=options)
+        model_state = self._only_trainable(model_state)
         state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
         try:
             dcp.load(state, storage_reader=SafeReader(Path(path), metadata), planner=SafePlanner())
@@ -388,20 +405,47 @@ class ShardedTrainer(Trainer, abc.ABC):
             if err is None:
                 raise
             raise err from err.__cause__
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
+        )
+
+    def _only_trainable(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` without frozen tensors. DCP's ``ignore_frozen_params`` keeps a frozen
+        weight that a second name shares (a tied output layer is no parameter of its own)."""
+        model, _ = self._live()
+        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+        if not frozen:
+            return state
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        return {k: v for k, v in state.items() if k in trainable}
+
+    def _checkpoint_options(self) -> Any:
+        """What a checkpoint holds: the trainable parameters and their optimizer state.
+        Frozen weights (a LoRA adapter's base model) are the model folder's, loaded again
+        at every start; DCP's load fails on any trainable tensor the checkpoint lacks, so
+        loading leaves out only the frozen ones (strict would ask for those too)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        model, _ = self._live()
+        frozen = any(not p.requires_grad for p in model.parameters())
+        return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
 
     def _live(self) -> tuple[Any, torch.optim.Optimizer]:
         """The model and its optimizer, set from construction until :meth:`close`."""
         assert self.model is not None and self.optimizer is not None, f"the {self.name} trainer is closed"
         return self.model, self.optimizer
 
-    def _full_state(self) -> dict[str, torch.Tensor] | None:
+    def _full_state(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The trainable model's full state dict on rank 0 (CPU tensors that nothing
-        changes later), None elsewhere. A collective: every rank calls it."""
+        changes later), None elsewhere; only its trainable parameters with
+        ``trainable_only`` (a LoRA adapter). A collective: every rank calls it."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         model, _ = self._live()
-        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+        state = get_model_state_dict(model, options=options)
+        if trainable_only:
+            state = self._only_trainable(state)
         if self.rank != 0:
             return None
         # A full state dict holds plain tensors (no sharded ones).

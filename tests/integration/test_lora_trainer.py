@@ -1,0 +1,133 @@
+"""The ``fsdp`` trainer with a LoRA adapter (``trainer.options.lora``) on the tiny model:
+only the adapter trains, the KL reference is the base model, checkpoints hold the adapter
+and resume exactly, and the exported adapter is one PEFT (and so vLLM) loads. Two gloo
+ranks against one: the ``lora`` scenario of test_trainers.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from forgerl.testing.trainer_support import next_token_logprobs, reference_model  # noqa: E402
+from tests.helpers import trainer_worker as worker  # noqa: E402
+
+pytestmark = pytest.mark.integration
+
+LORA = {"rank": 4, "alpha": 8}
+TOL = 1e-5
+
+
+def _lora_trainer(model_dir: Path, run_dir: Path, kl_coef: float = 0.0, **lora):
+    return worker.make_trainer(model_dir, run_dir, 2, algorithm={"kl_coef": kl_coef}, lora={**LORA, **lora})
+
+
+def _stepped(trainer, model_dir: Path, steps: int = 2):
+    batch = worker.on_policy(trainer, worker.make_batch(model_dir, rows=3, seed=4))
+    for _ in range(steps):
+        trainer.train_step(batch)
+    return batch
+
+
+def test_only_the_adapter_trains_and_has_optimizer_state(tiny_model_dir: Path, tmp_path: Path) -> None:
+    trainer = _lora_trainer(tiny_model_dir, tmp_path)
+    try:
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
+        _stepped(trainer, tiny_model_dir)
+        after = dict(trainer.model.named_parameters())
+        changed = {n for n in before if not torch.equal(before[n], after[n])}
+        state_of = {n for n, p in trainer.model.named_parameters() if trainer.optimizer.state.get(p)}
+    finally:
+        trainer.close()
+    # 2 layers x 7 projections x (A, B) of the tiny Qwen2.
+    assert len(trainable) == 28 and all(".lora_A." in n or ".lora_B." in n for n in trainable), sorted(trainable)
+    assert changed == trainable, f"changed but frozen: {sorted(changed - trainable)}; unchanged: {sorted(trainable - changed)}"
+    assert state_of == trainable, f"optimizer state beyond the adapter: {sorted(state_of - trainable)}"
+
+
+def test_kl_reference_is_the_base_model_without_a_copy(tiny_model_dir: Path, tmp_path: Path) -> None:
+    trainer = _lora_trainer(tiny_model_dir, tmp_path, kl_coef=0.1)
+    try:
+        assert trainer.reference_model is None, "LoRA must not load a second copy of the model"
+        batch = _stepped(trainer, tiny_model_dir)
+        metrics = trainer.train_step(batch)
+        ref_model, ref_mode = trainer._reference()
+        ids, mask = batch.input_ids, batch.attention_mask
+        with torch.no_grad(), ref_mode:
+            ref, _ = trainer._forward_logprobs(ref_model, ids, mask)
+        policy = trainer.logprobs(batch)
+    finally:
+        trainer.close()
+    base = next_token_logprobs(reference_model(tiny_model_dir), batch, worker.TEMPERATURE)
+    padded = torch.nn.functional.pad(ref, (1, 0))
+    assert worker.attended_diff(padded, base, batch) <= TOL, "the reference is not the base model's logprobs"
+    # The check can fail: the trained policy is no longer the base model.
+    assert worker.attended_diff(policy, base, batch) > 1e-4, "the adapter changed nothing (test cannot tell)"
+    assert metrics["kl/ref"] > 0, metrics
+
+
+def test_checkpoint_holds_the_adapter_and_resumes_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    trainer = _lora_trainer(tiny_model_dir, tmp_path, kl_coef=0.1)
+    try:
+        batch1 = worker.on_policy(trainer, worker.make_batch(tiny_model_dir, rows=3, seed=4))
+        batch2 = worker.on_policy(trainer, worker.make_batch(tiny_model_dir, rows=3, seed=5))
+        trainer.train_step(batch1)
+        trainer.save(tmp_path / "ckpt")
+        expected_metrics = trainer.train_step(batch2)
+        expected = worker.weights(trainer)
+    finally:
+        trainer.close()
+    saved = FileSystemReader(str(tmp_path / "ckpt")).read_metadata().state_dict_metadata
+    models = [k for k in saved if k.startswith("model.")]
+    assert models and all(".lora_A." in k or ".lora_B." in k for k in models), f"not only the adapter: {models}"
+
+    resumed = _lora_trainer(tiny_model_dir, tmp_path, kl_coef=0.1)
+    try:
+        resumed.load(tmp_path / "ckpt")
+        assert resumed.train_step(batch2) == expected_metrics
+        diff, name = worker.max_diff(worker.weights(resumed), expected)
+    finally:
+        resumed.close()
+    assert diff == 0.0, f"the resumed adapter differs at {name} by {diff}"
+
+
+def test_exported_adapter_loads_in_peft_with_the_trainers_logprobs(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from safetensors.torch import save_file
+
+    from forgerl.adapters import LoraOptions
+
+    trainer = _lora_trainer(tiny_model_dir, tmp_path)
+    try:
+        batch = _stepped(trainer, tiny_model_dir)
+        logprobs = trainer.logprobs(batch)
+        exported = worker.weights(trainer)
+        targets = trainer.lora_targets
+    finally:
+        trainer.close()
+    assert all(n.startswith("base_model.model.") and n.endswith((".lora_A.weight", ".lora_B.weight")) for n in exported)
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    save_file({k: v.contiguous() for k, v in exported.items()}, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps(LoraOptions(**LORA).peft_config(targets)))
+    loaded = PeftModel.from_pretrained(reference_model(tiny_model_dir), str(folder))
+    loaded.eval()
+    diff = worker.attended_diff(next_token_logprobs(loaded, batch, worker.TEMPERATURE), logprobs, batch)
+    assert diff <= TOL, f"the exported adapter gives logprobs {diff} from the trainer's"
+
+
+def test_target_modules_that_match_nothing_are_a_config_error(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from forgerl.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"match no linear layer.*q_proj"):
+        _lora_trainer(tiny_model_dir, tmp_path, target_modules=["attention_dense"])
+    with pytest.raises(ConfigError, match="not linear layers"):
+        _lora_trainer(tiny_model_dir, tmp_path, target_modules=["embed_tokens", "lm_head"])
