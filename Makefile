@@ -7,7 +7,7 @@ STAMP := $(VENV)/.forgerl-setup
 
 setup: $(STAMP)
 
-$(STAMP): scripts/setup.sh pyproject.toml constraints.txt
+$(STAMP): scripts/setup.sh pyproject.toml constraints.txt scripts/verifiers-constraints.txt
 	bash scripts/setup.sh
 	@touch $@
 
@@ -31,4 +31,4 @@ test-fast: setup
 	$(VENV)/bin/python -m pytest -q -m "not integration" tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) .venv-verifiers build *.egg-info

@@ -94,4 +94,27 @@ if [ "$RDMA" = "1" ]; then
     fi
 fi
 
+# verifiers (PyPI) for the `verifiers` environment and task, in an environment of its own,
+# .venv-verifiers (no forgerl there: the environment runs its runner script by path), pinned
+# whole in scripts/verifiers-constraints.txt. It needs Python 3.11+: with an older $PYTHON it
+# is left out with a note (FORGE_REQUIRE_VERIFIERS=1, as in CI, makes that an error).
+# FORGE_SKIP_VERIFIERS=1 leaves it out quietly.
+if [ "${FORGE_SKIP_VERIFIERS:-0}" != "1" ]; then
+    VF_VENV=.venv-verifiers
+    if "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        if [ ! -x "$VF_VENV/bin/python" ]; then
+            "$PYTHON" -m venv "$VF_VENV"
+        fi
+        "$VF_VENV/bin/python" -m pip install --quiet --disable-pip-version-check \
+            -c scripts/verifiers-constraints.txt verifiers
+    elif [ "${FORGE_REQUIRE_VERIFIERS:-0}" = "1" ]; then
+        echo "forgerl: FORGE_REQUIRE_VERIFIERS=1 but $PYTHON is older than 3.11, which verifiers" \
+            "needs: run scripts/setup.sh with PYTHON=python3.11 (or newer)" >&2
+        exit 2
+    else
+        echo "forgerl: note: .venv-verifiers (the verifiers environment) is left out: $PYTHON is" \
+            "older than 3.11 (run scripts/setup.sh again with PYTHON=python3.11 or newer)" >&2
+    fi
+fi
+
 echo "forgerl: environment ready in $VENV (gpu=$GPU)"

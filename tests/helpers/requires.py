@@ -1,7 +1,8 @@
 """The one rule for tests that need an optional backend's package: skip with the install
 line, unless the environment says the package must be there (CI sets FORGE_REQUIRE_RDMA=1,
-FORGE_REQUIRE_TORCHTITAN=1 and FORGE_REQUIRE_TRACKERS=1, so a broken Mooncake, TorchTitan or
-tracker install fails the run instead of quietly skipping its tests)."""
+FORGE_REQUIRE_TORCHTITAN=1, FORGE_REQUIRE_TRACKERS=1 and FORGE_REQUIRE_VERIFIERS=1, so a broken
+Mooncake, TorchTitan, tracker or verifiers install fails the run instead of quietly skipping
+its tests)."""
 
 from __future__ import annotations
 
@@ -60,4 +61,18 @@ def require_tracker(module: str, install: str) -> None:
     reason = f"{module} is not installed ({install}; scripts/setup.sh installs it)"
     if os.environ.get("FORGE_REQUIRE_TRACKERS") == "1":
         pytest.fail(f"FORGE_REQUIRE_TRACKERS=1 but {reason}")
+    pytest.skip(reason)
+
+
+def require_verifiers() -> str:
+    """The Python of .venv-verifiers (verifiers' own environment, which scripts/setup.sh
+    builds); skip without it, or fail under FORGE_REQUIRE_VERIFIERS=1."""
+    from forgerl_plugins.environments.verifiers_worker import DEFAULT_PYTHON
+
+    if DEFAULT_PYTHON.is_file():
+        return str(DEFAULT_PYTHON)
+    reason = (f"the verifiers environment needs verifiers in {DEFAULT_PYTHON.parents[1]} "
+              "(scripts/setup.sh builds it from scripts/verifiers-constraints.txt)")
+    if os.environ.get("FORGE_REQUIRE_VERIFIERS") == "1":
+        pytest.fail(f"FORGE_REQUIRE_VERIFIERS=1 but {reason}")
     pytest.skip(reason)

@@ -1,7 +1,8 @@
 """Built-in environments: ``calculator`` (arithmetic with a ``calculate`` tool),
 ``python`` (arithmetic with a sandboxed ``run_python`` tool), ``guess`` (a
-number-guessing game with higher/lower feedback) and ``agent`` (an agent program that
-calls the run's OpenAI-compatible endpoint)."""
+number-guessing game with higher/lower feedback), ``agent`` (an agent program that
+calls the run's OpenAI-compatible endpoint) and ``verifiers`` (an environment written for
+the verifiers library, through that endpoint)."""
 
 from __future__ import annotations
 
@@ -15,4 +16,5 @@ def forge_environments():
         "forgerl_plugins.environments.guess:GuessEnvironment",
         "forgerl_plugins.environments.python:PythonEnvironment",
         "forgerl_plugins.environments.agent:AgentProgram",
+        "forgerl_plugins.environments.verifiers_env:VerifiersEnvironment",
     ]

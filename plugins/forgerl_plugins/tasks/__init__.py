@@ -1,5 +1,6 @@
-"""Built-in tasks: ``arithmetic`` (generated problems), ``file`` (JSONL/Parquet) and
-``code_basics`` (a handful of very easy Python functions, for the ``code`` reward)."""
+"""Built-in tasks: ``arithmetic`` (generated problems), ``file`` (JSONL/Parquet),
+``code_basics`` (a handful of very easy Python functions, for the ``code`` reward) and
+``verifiers`` (the dataset of an environment written for the verifiers library)."""
 
 from __future__ import annotations
 
@@ -12,5 +13,6 @@ def forge_tasks():
         "forgerl_plugins.tasks.arithmetic:ArithmeticTask",
         "forgerl_plugins.tasks.file:FileTask",
         "forgerl_plugins.tasks.code_basics:CodeBasicsTask",
+        "forgerl_plugins.tasks.verifiers_task:VerifiersTask",
     ]
 
