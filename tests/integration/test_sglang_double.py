@@ -131,9 +131,9 @@ def _in_flight_update(site, policy: str, version: int):
         return results[0], gen.policy_version, calls, gated
 
 
-@pytest.mark.parametrize("policy", ["wait", "abort"])
+@pytest.mark.parametrize("policy", ["wait", "abort", "keep"])
 def test_requests_in_flight_during_an_update(cluster, policy):
-    version = 1 if policy == "wait" else 2  # abort: after one update already made
+    version = {"wait": 1, "abort": 2, "keep": 3}[policy]  # after the updates made before
     completions, served, calls, gated = _in_flight_update(cluster, policy, version)
     assert served == version
     flat = [c for cs in completions for c in cs]
@@ -143,6 +143,13 @@ def test_requests_in_flight_during_an_update(cluster, policy):
     if gated:
         # All were in flight at the abort and resubmitted whole: each is the new version's.
         assert {c.policy_version for c in flat} == {version}
+    elif policy == "keep":
+        # Never resubmitted: each is labelled from its dispatch version, per token where it
+        # ran across the update (tokens of the old weights first).
+        for c in flat:
+            versions = c.versions or [c.policy_version] * len(c.token_ids)
+            assert c.policy_version in (version - 1, version) and versions == sorted(versions)
+            assert set(versions) <= {c.policy_version, version} and len(versions) == len(c.token_ids)
     else:
         # Each completion reports the weights it was made by: old if it finished before the
         # update (drained, or done before the abort), else new.
@@ -153,7 +160,7 @@ def test_requests_in_flight_during_an_update(cluster, policy):
         paths = [c["path"] for c in replica_calls]
         last = len(paths) - 1 - paths[::-1].index("/pause_generation")
         pause = replica_calls[last]
-        assert pause["mode"] == ("abort" if policy == "abort" else "in_place")
+        assert pause["mode"] == {"wait": "in_place", "abort": "abort", "keep": "retract"}[policy]
         # Then the load of this version, the cache flushed, and generation resumed.
         assert paths[last + 1 :][:3] == ["/update_weights_from_disk", "/flush_cache", "/continue_generation"]
         assert replica_calls[last + 1]["weight_version"] == str(version)
