@@ -6,7 +6,8 @@ Run: .venv/bin/python benchmarks/update_stall.py [--model smollm2-135m-instruct]
 One server is started by the plugin's role (as ``forge run`` does, through the helpers of
 benchmarks/vllm_weight_update.py); the benchmark plays trainer rank 0: it keeps
 ``--streams`` requests in flight all the time (the arithmetic task's prompts, T = 1), and
-every few seconds it sends a new version of the weights (fp32, Hugging Face names,
+after a first update that is not measured (the worker builds its transport receiver
+then), every few seconds it sends a new version of the weights (fp32, Hugging Face names,
 through the shm transport) while ``VLLMGenerator.update_weights`` loads it, exactly as the
 loop's ``sync_weights`` does. The update policies ``wait``, ``abort`` and ``keep`` take
 turns, update by update, so the machine's load falls on each alike.
@@ -81,14 +82,16 @@ class Timed:
 
 class Traffic:
     """``streams`` requests in flight without pause: each stream sends the next as soon as
-    its last one returns. Counts, per update policy in force, how often each request was
-    sent (a resubmission is a second send) and the completions that crossed an update."""
+    its last one returns. Counts the requests sent again (a resubmission: counted under the
+    update policy in force then) and the completions labelled with more than one version
+    (only ``keep`` makes them)."""
 
     def __init__(self, gen: Any, prompts: list[list[int]], streams: int, max_tokens: int) -> None:
         self.gen, self.prompts, self.streams, self.max_tokens = gen, prompts, streams, max_tokens
         self.policy = "wait"
-        self.sends: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
-        self.crossed: collections.Counter[str] = collections.Counter()
+        self.sent: set[str] = set()
+        self.resubmitted: collections.Counter[str] = collections.Counter()
+        self.crossed = 0
         self.done = 0
         self.errors: list[BaseException] = []
         self.stop = threading.Event()
@@ -96,7 +99,9 @@ class Traffic:
         send = engine.send
 
         async def counted(r: Any, request: Any, version: int) -> Any:
-            self.sends[self.policy][request.request_id] += 1
+            if request.request_id in self.sent:
+                self.resubmitted[self.policy] += 1
+            self.sent.add(request.request_id)
             return await send(r, request, version)
 
         engine.send = counted
@@ -109,12 +114,11 @@ class Traffic:
             k = 0
             while not self.stop.is_set():
                 prompt = self.prompts[(i + k * self.streams) % len(self.prompts)]
-                policy = self.policy
                 request = GenerationRequest(
                     f"s{i}-{k}", prompt, 1, SamplingParams(max_tokens=self.max_tokens, temperature=1.0)
                 )
                 (comp,) = (await self.gen.generate([request]))[0]
-                self.crossed[policy] += comp.versions is not None
+                self.crossed += comp.versions is not None
                 self.done += 1
                 k += 1
 
@@ -224,14 +228,18 @@ def main() -> None:
         timed = Timed(gen.engine)
         traffic = Traffic(gen, prompts, args.streams, args.max_tokens)
         traffic.thread.start()
-        version = 0
         try:
+            # Not measured: the worker builds its transport receiver on its first update.
+            wait_in_flight(gen, args.streams, args.settle)
+            one_update(gen, sender, model, 1, "staged", timed)
+            version = 1
             for _ in range(args.rounds):
                 for order in orders:
                     for policy in POLICIES:
                         version += 1
-                        gen.updater.policy = traffic.policy = policy
+                        # After the last update's resubmissions went out (counted under its policy).
                         wait_in_flight(gen, args.streams, args.settle)
+                        gen.updater.policy = traffic.policy = policy
                         result = one_update(gen, sender, model, version, order, timed)
                         updates.append({"policy": policy, **result})
                         if traffic.errors:
@@ -256,7 +264,7 @@ def main() -> None:
             summary[f"{policy}/{order}"]["max_stall_s"] = max(
                 u["stall_s"] for u in updates if u["policy"] == policy and u["order"] == order
             )
-    resubmitted = {p: sum(n - 1 for n in traffic.sends[p].values()) for p in POLICIES}
+    resubmitted = {p: traffic.resubmitted[p] for p in POLICIES}
     result = {
         "model": args.model,
         "streams": args.streams,
@@ -266,7 +274,7 @@ def main() -> None:
         "updates": updates,
         "median": summary,
         "resubmitted": resubmitted,
-        "crossed": dict(traffic.crossed),
+        "crossed": traffic.crossed,
         "completions": traffic.done,
         "logprob_gap_after_updates": gap,
     }
@@ -286,7 +294,7 @@ def main() -> None:
             f"  {m['worker_wait_s']:6.2f}  {m['worker_read_s']:6.2f}  {m['worker_load_s']:6.2f}  {m['rest_s']:6.2f}"
             f"  {m['export_s']:6.3f}  {m['send_s']:5.2f}"
         )
-    print(f"resubmitted requests: {resubmitted}; completions across an update: {dict(traffic.crossed)} "
+    print(f"resubmitted requests: {resubmitted}; completions labelled with two versions: {traffic.crossed} "
           f"of {traffic.done}; logprob gap after the updates: {gap:.1e}")  # fmt: skip
 
 
