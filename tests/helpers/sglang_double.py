@@ -10,9 +10,21 @@ generator's launcher, client, weight updates and failover can be driven on CPU:
   fails here; where the ``sglang`` package imports, every body is also validated against
   SGLang's own request classes;
 * it serves /generate, /health, /health_generate, /model_info, /update_weights_from_disk,
-  /init_weights_update_group, /update_weights_from_distributed, /update_weight_version,
-  /pause_generation, /continue_generation, /abort_request and /flush_cache; every route
-  but /health needs the API key (as SGLang with --api-key);
+  /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed,
+  /end_weight_update, /update_weight_version, /pause_generation, /continue_generation,
+  /abort_request and /flush_cache; every route but /health needs the API key (as SGLang
+  with --api-key);
+* pause, weight versions and the cache behave as SGLang 0.5.23's scheduler does with them
+  (``sglang/srt/managers/scheduler.py``, ``utils/weight_versions.py``): a paused engine
+  samples nothing and holds new requests before they start; ``in_place`` leaves each
+  request its KV (computed by the weights it was computed with), ``retract`` drops it, so
+  the request is prefilled again (prompt and tokens so far) when it goes on, with the
+  weights of then; ``abort`` aborts every request and returns once none runs. A weight
+  version change notes, for each request holding tokens, how many it had sampled, and
+  every answer reports the spans (``meta_info.weight_versions``: which version sampled
+  which tokens). ``/flush_cache`` (and a load asked to flush) fails while a request
+  holds KV: it succeeds when none runs, or while paused by ``retract``. Distributed loads
+  need an open weight-update session (``/begin_weight_update``);
 * it computes tokens and logprobs with the model in transformers (fp32, CPU): logprobs are
   ``log_softmax(logits / T)`` of the sampled token, as SGLang's default sampler returns;
 * weight updates really load: safetensors of a folder, or tensors received by broadcast
@@ -21,10 +33,12 @@ generator's launcher, client, weight updates and failover can be driven on CPU:
 What it cannot prove: that SGLang itself behaves like this (its scheduling, its pause and
 abort semantics, its NCCL groups, its numerics). The double's own routes, for tests:
 ``GET /double/calls`` lists the admin calls received, in order; ``POST /double/gate``
-(``{"closed": true|false}``) closes or opens a gate that generations wait at before their
-first token, and ``GET /double/held`` counts the generations waiting there. An abort
-(``/pause_generation`` mode abort, ``/abort_request``) opens the gate, so a test can hold
-requests in flight until the update it sends, whatever the machine's speed.
+(``{"closed": true|false, "after": N}``) closes or opens a gate that generations wait at
+once they have sampled N tokens (default 0: before their first), and ``GET /double/held``
+counts the generations waiting there (and those running and finished). An abort (``/pause_generation`` mode abort,
+``/abort_request``) opens the gate, so a test can hold requests in flight until the
+update it sends, whatever the machine's speed; a held generation is still a running
+request to pauses, weight versions and flushes.
 ``POST /double/wedge`` wedges its engine for good, as a stuck CUDA or NCCL call does: the
 engine lock is taken and never given back, so no generation (``/health_generate`` included)
 and no weight load runs again, while the HTTP server and ``/health`` go on answering.
@@ -116,6 +130,14 @@ class UpdateWeightsFromDistributedReqInput(Base):
     torch_empty_cache: bool = False
 
 
+class BeginWeightUpdateReqInput(Base):
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndWeightUpdateReqInput(Base):
+    pass
+
+
 class UpdateWeightVersionReqInput(Base):
     new_version: str
     abort_all_requests: bool = True
@@ -145,8 +167,39 @@ def sglang_check(name: str, body: dict[str, Any]) -> None:
     TypeAdapter(getattr(io_struct, name)).validate_python(body)
 
 
+class Live:
+    """One request the engine holds (SGLang's ``Req``): the tokens it has sampled, the
+    weight-version changes it ran across (the old version and its tokens then), and
+    whether a retract dropped its KV."""
+
+    def __init__(self, rid: str | None) -> None:
+        self.rid = rid
+        self.out: list[tuple[float, int, None]] = []
+        self.events: list[tuple[str, int]] = []
+        self.retracted = False
+
+
+def version_spans(events: list[tuple[str, int]], current: str, n: int) -> list[dict[str, Any]]:
+    """SGLang's ``compute_weight_version_spans``: which version sampled which of ``n`` tokens."""
+    spans: list[dict[str, Any]] = []
+    for version, end in [*events, (current, n)]:
+        end = min(end, n)
+        if spans and end <= spans[-1]["end"]:
+            continue
+        if spans and version == spans[-1]["version"]:
+            spans[-1]["end"] = end
+            continue
+        spans.append({"version": version, "start": spans[-1]["end"] if spans else 0, "end": end})
+    return spans
+
+
 class Engine:
     """The model, its weights' version, and pause/abort state."""
+
+    FLUSH_REFUSED = (
+        "Weights were updated, but the cache was not flushed because requests are still running or "
+        "queued. Retract or finish them, then call /flush_cache."
+    )
 
     def __init__(self, model_path: str, version: str) -> None:
         import torch
@@ -166,13 +219,17 @@ class Engine:
         self.model_path = model_path
         self.version = version
         self.lock = threading.Lock()  # one forward pass (or weight load) at a time
-        self.running = threading.Event()  # cleared while paused
-        self.running.set()
+        self.changed = threading.Condition(self.lock)  # pause, resume, abort, a request ended
+        self.paused: str | None = None  # the pause mode while paused
+        self.live: dict[int, Live] = {}  # the requests it holds, by id()
         self.aborted: set[str] = set()
         self.abort_all_epoch = 0
+        self.session = False  # a weight-update session is open (/begin_weight_update)
         self.gate = threading.Event()  # the tests' gate (module docstring); open
         self.gate.set()
+        self.gate_after = 0
         self.held = 0  # generations waiting at the closed gate
+        self.finished = 0  # generations that ended (the liveness probe's not counted)
         self.requests = ThreadPoolExecutor(max_workers=64, thread_name_prefix="double-generate")
         self.groups: dict[str, Any] = {}
         self.calls: list[dict[str, Any]] = []
@@ -183,58 +240,56 @@ class Engine:
         s = req.sampling_params
         gen = torch.Generator()
         gen.manual_seed(s.sampling_seed if s.sampling_seed is not None else int.from_bytes(__import__("os").urandom(4)))
-        ids = torch.tensor([req.input_ids])
         past = None
-        out: list[tuple[float, int, None]] = []
         finish: dict[str, Any] = {"type": "length", "length": s.max_new_tokens}
-        epoch = self.abort_all_epoch
-        version = None
-        # The tests' gate holds their generations, not the launcher's liveness probe: a
-        # probe held there would count as one of the test's samples and, held past the
-        # liveness timeout, get the server killed as wedged.
-        if not self.gate.is_set() and req.rid != HEALTH_PROBE_RID:
-            with self.lock:
-                self.held += 1
-            self.gate.wait()
-            with self.lock:
-                self.held -= 1
-        while len(out) < s.max_new_tokens:
-            self.running.wait()
-            if self.abort_all_epoch != epoch or (req.rid and req.rid in self.aborted):
-                finish = {"type": "abort", "message": "aborted", "status_code": 400}
-                break
-            with self.lock:
-                if version is None:
-                    version = self.version
-                elif version != self.version:  # SGLang pauses before it loads; a double only checks
-                    finish = {"type": "abort", "message": "weights changed mid-request"}
+        with self.changed:  # a paused server holds new requests before they reach its scheduler
+            self.changed.wait_for(lambda: self.paused is None)
+            epoch = self.abort_all_epoch
+            live = Live(req.rid)
+            self.live[id(live)] = live
+        out = live.out
+        ids: Any = None
+        try:
+            while len(out) < s.max_new_tokens:
+                # The tests' gate holds their generations, not the launcher's liveness probe: a
+                # probe held there would count as one of the test's samples and, held past the
+                # liveness timeout, get the server killed as wedged.
+                if len(out) == self.gate_after and not self.gate.is_set() and req.rid != HEALTH_PROBE_RID:
+                    with self.lock:
+                        self.held += 1
+                    self.gate.wait()
+                    with self.lock:
+                        self.held -= 1
+
+                def stopped() -> bool:
+                    return self.abort_all_epoch != epoch or bool(req.rid and req.rid in self.aborted)
+
+                with self.changed:
+                    self.changed.wait_for(lambda: self.paused is None or stopped())
+                    if stopped():
+                        finish = {"type": "abort", "message": "aborted", "status_code": 400}
+                        break
+                    if live.retracted:  # its KV was dropped: prefilled again, by the weights of now
+                        past, live.retracted = None, False
+                    if past is None:
+                        ids = torch.tensor([req.input_ids + [t for _, t, _ in out]])
+                    with torch.no_grad():
+                        result = self.model(ids, past_key_values=past, use_cache=True)
+                    past = result.past_key_values
+                    logits = result.logits[0, -1].float()
+                    tok, logprob = self.sample(logits, s, gen)
+                    out.append((logprob, tok, None))
+                ids = torch.tensor([[tok]])
+                if tok in self.eos:
+                    finish = {"type": "stop", "matched": tok}
                     break
-                with torch.no_grad():
-                    result = self.model(ids, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            logits = result.logits[0, -1].float()
-            if s.temperature <= 0:
-                tok = int(torch.argmax(logits))
-                logprob = float(torch.log_softmax(logits, -1)[tok])
-            else:
-                logprobs = torch.log_softmax(logits / s.temperature, -1)
-                probs = logprobs.exp()
-                if s.top_k > 0:
-                    cut = torch.topk(probs, min(s.top_k, probs.numel())).values[-1]
-                    probs = torch.where(probs >= cut, probs, torch.zeros_like(probs))
-                if s.top_p < 1:
-                    sorted_p, order = torch.sort(probs, descending=True)
-                    keep = torch.cumsum(sorted_p, 0) - sorted_p < s.top_p
-                    mask = torch.zeros_like(probs, dtype=torch.bool)
-                    mask[order[keep]] = True
-                    probs = torch.where(mask, probs, torch.zeros_like(probs))
-                tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
-                logprob = float(logprobs[tok])
-            out.append((logprob, tok, None))
-            ids = torch.tensor([[tok]])
-            if tok in self.eos:
-                finish = {"type": "stop", "matched": tok}
-                break
+            with self.lock:
+                spans = version_spans(live.events, self.version, len(out))
+        finally:
+            with self.changed:
+                del self.live[id(live)]
+                self.finished += req.rid != HEALTH_PROBE_RID
+                self.changed.notify_all()
         tokens = [t for _, t, _ in out]
         return {
             "text": self.tokenizer.decode(tokens, skip_special_tokens=s.skip_special_tokens),
@@ -244,10 +299,77 @@ class Engine:
                 "finish_reason": finish,
                 "prompt_tokens": len(req.input_ids),
                 "completion_tokens": len(tokens),
-                "weight_version": version if version is not None else self.version,
+                "weight_version": spans[-1]["version"],
+                "weight_versions": spans,
                 "output_token_logprobs": [list(t) for t in out] if req.return_logprob else None,
             },
         }
+
+    @staticmethod
+    def sample(logits: Any, s: SamplingParams, gen: Any) -> tuple[int, float]:
+        import torch
+
+        if s.temperature <= 0:
+            tok = int(torch.argmax(logits))
+            return tok, float(torch.log_softmax(logits, -1)[tok])
+        logprobs = torch.log_softmax(logits / s.temperature, -1)
+        probs = logprobs.exp()
+        if s.top_k > 0:
+            cut = torch.topk(probs, min(s.top_k, probs.numel())).values[-1]
+            probs = torch.where(probs >= cut, probs, torch.zeros_like(probs))
+        if s.top_p < 1:
+            sorted_p, order = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < s.top_p
+            mask = torch.zeros_like(probs, dtype=torch.bool)
+            mask[order[keep]] = True
+            probs = torch.where(mask, probs, torch.zeros_like(probs))
+        tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+        return tok, float(logprobs[tok])
+
+    def set_version(self, version: str) -> None:
+        """SGLang's ``record_weight_version_change``; the caller holds the lock."""
+        if version == self.version:
+            return
+        for live in self.live.values():
+            if live.out:
+                live.events.append((self.version, len(live.out)))
+        self.version = version
+
+    def can_flush(self) -> bool:
+        """SGLang's ``flush_cache``: nothing may hold KV (retracted requests hold none). The
+        launcher's one-token liveness probe is excused: caught by a pause, SGLang would
+        refuse too, but the launcher stops probing while the generator's update notice is
+        fresh, and tests must not hinge on when its last probe ran."""
+        running = [live for live in self.live.values() if live.rid != HEALTH_PROBE_RID]
+        return not running or self.paused == "retract"
+
+    def pause(self, mode: str) -> None:
+        with self.changed:
+            self.paused = mode
+            if mode == "abort":
+                self.abort_all_epoch += 1
+            if mode == "retract":
+                for live in self.live.values():
+                    live.retracted = True
+            self.changed.notify_all()
+        if mode == "abort":
+            self.gate.set()  # what waited at the gate sees the abort
+            with self.changed:  # as SGLang's: returns once no request runs
+                self.changed.wait_for(lambda: not self.live, timeout=60)
+
+    def resume(self) -> None:
+        with self.changed:
+            self.paused = None
+            self.changed.notify_all()
+
+    def abort(self, rid: str | None, abort_all: bool) -> None:
+        with self.changed:
+            if abort_all:
+                self.abort_all_epoch += 1
+            elif rid:
+                self.aborted.add(rid)
+            self.changed.notify_all()
+        self.gate.set()
 
     def load(self, named: Any, version: str | None) -> int:
         # state_dict, not named_parameters: a tied lm_head.weight is listed there too.
@@ -260,7 +382,7 @@ class Engine:
                 params[name].data.copy_(tensor.to(params[name].dtype))
                 count += 1
             if version is not None:
-                self.version = version
+                self.set_version(version)
         return count
 
     def join(self, req: InitWeightsUpdateGroupReqInput) -> None:
@@ -342,8 +464,9 @@ def build_app(engine: Engine, api_key: str | None) -> Any:
         return engine.calls
 
     @app.post("/double/gate")
-    async def gate(body: dict[str, bool]) -> dict[str, bool]:
+    async def gate(body: dict[str, int]) -> dict[str, bool]:
         if body.get("closed"):
+            engine.gate_after = int(body.get("after", 0))
             engine.gate.clear()
         else:
             engine.gate.set()
@@ -351,7 +474,8 @@ def build_app(engine: Engine, api_key: str | None) -> Any:
 
     @app.get("/double/held")
     async def held() -> dict[str, int]:
-        return {"held": engine.held}
+        running = sum(live.rid != HEALTH_PROBE_RID for live in list(engine.live.values()))
+        return {"held": engine.held, "running": running, "finished": engine.finished}
 
     @app.post("/generate")
     async def generate(req: GenerateReqInput) -> Any:
@@ -381,6 +505,8 @@ def build_app(engine: Engine, api_key: str | None) -> Any:
             n = await asyncio.to_thread(load)
         except Exception as exc:  # noqa: BLE001 - reported like SGLang: success false
             return answer(False, f"{type(exc).__name__}: {exc}")
+        if req.flush_cache and not engine.can_flush():  # loaded and renamed, but not flushed
+            return answer(False, engine.FLUSH_REFUSED)
         return answer(True, f"loaded {n} tensors")
 
     @app.post("/init_weights_update_group")
@@ -393,54 +519,77 @@ def build_app(engine: Engine, api_key: str | None) -> Any:
             return answer(False, f"{type(exc).__name__}: {exc}")
         return answer(True, "joined")
 
+    @app.post("/begin_weight_update")
+    async def begin_update(req: BeginWeightUpdateReqInput) -> JSONResponse:
+        record("/begin_weight_update", req)
+        sglang_check("BeginWeightUpdateReqInput", req.model_dump(exclude_none=True))
+        if engine.session:
+            return answer(False, "a weight-update session is already open; call end_weight_update() first")
+        engine.session = True
+        return answer(True, "Success")
+
+    @app.post("/end_weight_update")
+    async def end_update(req: EndWeightUpdateReqInput) -> JSONResponse:
+        record("/end_weight_update", req)
+        sglang_check("EndWeightUpdateReqInput", req.model_dump(exclude_none=True))
+        if not engine.session:
+            return answer(False, "no weight-update session is open; call begin_weight_update() first")
+        engine.session = False
+        return answer(True, "Success")
+
     @app.post("/update_weights_from_distributed")
     async def from_distributed(req: UpdateWeightsFromDistributedReqInput) -> JSONResponse:
         record("/update_weights_from_distributed", req)
         sglang_check("UpdateWeightsFromDistributedReqInput", req.model_dump(exclude_none=True))
+        if not engine.session:
+            return answer(
+                False,
+                "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()",
+            )
         try:
             n = await asyncio.to_thread(engine.receive, req)
         except Exception as exc:  # noqa: BLE001
             return answer(False, f"{type(exc).__name__}: {exc}")
+        if req.flush_cache and not engine.can_flush():
+            return answer(False, engine.FLUSH_REFUSED)
         return answer(True, f"received {n} tensors")
 
     @app.post("/update_weight_version")
     async def weight_version(req: UpdateWeightVersionReqInput) -> JSONResponse:
         record("/update_weight_version", req)
         sglang_check("UpdateWeightVersionReqInput", req.model_dump(exclude_none=True))
-        engine.version = req.new_version
+        if req.abort_all_requests:
+            engine.abort(None, abort_all=True)
+        with engine.lock:
+            engine.set_version(req.new_version)
         return JSONResponse({"success": True, "new_version": req.new_version})
 
     @app.post("/pause_generation")
     async def pause(req: PauseGenerationReqInput) -> dict[str, str]:
         record("/pause_generation", req)
         sglang_check("PauseGenerationReqInput", req.model_dump(exclude_none=True))
-        if req.mode == "abort":
-            engine.abort_all_epoch += 1
-            engine.gate.set()  # what waited at the gate sees the abort
-        engine.running.clear()
+        await asyncio.to_thread(engine.pause, req.mode)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def resume(req: ContinueGenerationReqInput) -> dict[str, str]:
         record("/continue_generation", req)
         sglang_check("ContinueGenerationReqInput", req.model_dump(exclude_none=True))
-        engine.running.set()
+        await asyncio.to_thread(engine.resume)
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     @app.post("/abort_request")
     async def abort(req: AbortReq) -> Response:
         record("/abort_request", req)
         sglang_check("AbortReq", req.model_dump(exclude_none=True))
-        if req.abort_all:
-            engine.abort_all_epoch += 1
-        elif req.rid:
-            engine.aborted.add(req.rid)
-        engine.gate.set()
+        await asyncio.to_thread(engine.abort, req.rid, req.abort_all)
         return Response(status_code=200)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush() -> Response:
         engine.calls.append({"path": "/flush_cache"})
+        if not engine.can_flush():  # SGLang answers 400 with the reason
+            return Response(content="Cache not flushed: requests are running.\n", status_code=400)
         return Response(content="Cache flushed.\n", status_code=200)
 
     return app

@@ -13,6 +13,8 @@ the same way. tests/gpu/test_sglang_cuda.py runs against real SGLang servers.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from forgerl.testing import GeneratorContract
@@ -129,9 +131,9 @@ def _in_flight_update(site, policy: str, version: int):
         return results[0], gen.policy_version, calls, gated
 
 
-@pytest.mark.parametrize("policy", ["wait", "abort"])
+@pytest.mark.parametrize("policy", ["wait", "abort", "keep"])
 def test_requests_in_flight_during_an_update(cluster, policy):
-    version = 1 if policy == "wait" else 2  # abort: after one update already made
+    version = {"wait": 1, "abort": 2, "keep": 3}[policy]  # after the updates made before
     completions, served, calls, gated = _in_flight_update(cluster, policy, version)
     assert served == version
     flat = [c for cs in completions for c in cs]
@@ -141,6 +143,13 @@ def test_requests_in_flight_during_an_update(cluster, policy):
     if gated:
         # All were in flight at the abort and resubmitted whole: each is the new version's.
         assert {c.policy_version for c in flat} == {version}
+    elif policy == "keep":
+        # Never resubmitted: each is labelled from its dispatch version, per token where it
+        # ran across the update (tokens of the old weights first).
+        for c in flat:
+            versions = c.versions or [c.policy_version] * len(c.token_ids)
+            assert c.policy_version in (version - 1, version) and versions == sorted(versions)
+            assert set(versions) <= {c.policy_version, version} and len(versions) == len(c.token_ids)
     else:
         # Each completion reports the weights it was made by: old if it finished before the
         # update (drained, or done before the abort), else new.
@@ -151,7 +160,7 @@ def test_requests_in_flight_during_an_update(cluster, policy):
         paths = [c["path"] for c in replica_calls]
         last = len(paths) - 1 - paths[::-1].index("/pause_generation")
         pause = replica_calls[last]
-        assert pause["mode"] == ("abort" if policy == "abort" else "in_place")
+        assert pause["mode"] == {"wait": "in_place", "abort": "abort", "keep": "retract"}[policy]
         # Then the load of this version, the cache flushed, and generation resumed.
         assert paths[last + 1 :][:3] == ["/update_weights_from_disk", "/flush_cache", "/continue_generation"]
         assert replica_calls[last + 1]["weight_version"] == str(version)
@@ -192,6 +201,180 @@ def test_a_killed_replica_fails_over_restarts_and_rejoins_at_the_current_weights
             assert loads and loads[-1]["weight_version"] == "30"
         again = asyncio.run(gen.generate(requests))
         assert all(cs[0].policy_version == 30 for cs in again)
+
+def _open_gates(gen) -> None:
+    """Open both replicas' gates (one whose server is gone has none to open)."""
+    import contextlib
+
+    import httpx
+
+    for i in range(2):
+        with contextlib.suppress(httpx.HTTPError):
+            _double(gen, i, "POST", "/double/gate", closed=False)
+
+
+def _held_mid_completion(gen, samples: int, after: int) -> None:
+    """Close both replicas' gates at token ``after`` and wait until each of the ``samples``
+    dispatched is held there (or finished sooner: a stop token), whatever the machine's speed."""
+    from tests.helpers.timing import wait_until
+
+    base = [_double(gen, i, "GET", "/double/held")["finished"] for i in range(2)]
+
+    def all_held() -> bool:
+        states = [_double(gen, i, "GET", "/double/held") for i in range(2)]
+        held = sum(s["held"] for s in states)
+        done = sum(s["finished"] - b for s, b in zip(states, base))
+        return held + done == samples and held > 0
+
+    wait_until(all_held, scaled(120), f"all {samples} samples held at token {after}")
+
+
+def _check_per_version(cluster, prompt, comp, weights: dict[int, dict]) -> None:
+    """Each token's served logprob is the one its labelled version gives it (fp32, given
+    the whole prefix): the boundary is where the weights changed, to the token, and the
+    tokens after it were sampled by the new weights over a prefix they computed again."""
+    from forgerl.testing.generator_support import teacher_forced
+
+    versions = comp.versions or [comp.policy_version] * len(comp.token_ids)
+    for version in sorted(set(versions)):
+        want = teacher_forced(cluster.reference(weights[version]), prompt, comp.token_ids, 1.0)
+        gap = max(abs(a - b) for a, b, v in zip(comp.logprobs, want, versions) if v == version)
+        assert gap < 1e-4, f"tokens labelled {version}: gap {gap:.1e} to that version's logprobs"
+
+
+def test_keep_continues_requests_across_an_update_with_per_token_versions(cluster):
+    """Update policy keep against the double: samples held at token 5 while version 41
+    loads (pause by retract, load, flush, resume) go on, never resubmitted; SGLang's spans
+    label each token, and every label matches the weights that gave its logprob."""
+    import threading
+
+    from forgerl.testing.generator_support import push
+    from forgerl.types import GenerationRequest, SamplingParams
+
+    weights = {v: cluster.new_weights(v) for v in (40, 41)}
+    cluster.options["update_policy"] = "keep"
+    try:
+        with cluster.open() as opened:
+            gen = opened.generator
+            push(opened, 40, weights[40], scaled(60))
+            requests = [
+                GenerationRequest(f"keep-{i}", cluster.random_prompt(100 + i, 16), 2, SamplingParams(max_tokens=24, seed=i))
+                for i in range(2)
+            ]
+            for i in range(2):
+                _double(gen, i, "POST", "/double/gate", closed=True, after=5)
+            results: list = []
+            running = threading.Thread(target=lambda: results.append(asyncio.run(gen.generate(requests))))
+            try:
+                running.start()
+                _held_mid_completion(gen, samples=4, after=5)
+                push(opened, 41, weights[41], scaled(60))  # the held samples stay in flight
+            finally:
+                _open_gates(gen)
+            running.join(scaled(120))
+            assert results, "generation did not finish"
+            dispatched = sum(info["dispatched"] for info in gen.replica_info())
+            calls = [_calls(gen, i) for i in range(2)]
+    finally:
+        cluster.options["update_policy"] = "wait"
+    assert dispatched == len(requests)  # continued, not resubmitted
+    crossed = 0
+    for request, completions in zip(requests, results[0]):
+        assert len(completions) == request.n
+        for comp in completions:
+            assert comp.finish_reason in ("stop", "length") and comp.policy_version == 40
+            if len(comp.token_ids) > 5:  # held at token 5 across the load
+                assert comp.versions == [40] * 5 + [41] * (len(comp.token_ids) - 5)
+                crossed += 1
+            _check_per_version(cluster, request.prompt_token_ids, comp, weights)
+    assert crossed, "no sample ran across the update"
+    for replica_calls in calls:
+        paths = [c["path"] for c in replica_calls]
+        last = len(paths) - 1 - paths[::-1].index("/pause_generation")
+        assert replica_calls[last]["mode"] == "retract"
+        assert paths[last + 1 :][:3] == ["/update_weights_from_disk", "/flush_cache", "/continue_generation"]
+
+
+def test_keep_loses_and_duplicates_nothing_when_a_replica_dies_mid_update(cluster):
+    """Samples held mid-completion on both replicas; replica 1's server is killed once it
+    is paused for the update. Its samples fail over to replica 0 and are sampled again
+    there whole (by the new weights); replica 0's go on across the update. Every request
+    comes back once, with its n samples, each labelled and checked per token; the killed
+    replica comes back at the current weights."""
+    import json
+    import os
+    import signal
+    import threading
+
+    from forgerl.testing.generator_support import _state, push
+    from forgerl.types import GenerationRequest, SamplingParams
+    from forgerl_plugins.generators.sglang.server import endpoint_file
+    from tests.helpers.timing import wait_until
+
+    weights = {v: cluster.new_weights(v) for v in (50, 51)}
+    cluster.options["update_policy"] = "keep"
+    try:
+        with cluster.open() as opened:
+            gen = opened.generator
+            push(opened, 50, weights[50], scaled(60))
+            victim = json.loads(endpoint_file(cluster.run_dir, 1).read_text())
+            requests = [
+                GenerationRequest(f"die-{i}", cluster.random_prompt(200 + i, 12), 1, SamplingParams(max_tokens=16, seed=i))
+                for i in range(4)
+            ]
+            for i in range(2):
+                _double(gen, i, "POST", "/double/gate", closed=True, after=3)
+            admin = gen.engine.client.admin
+
+            async def pause_then_die(r, path, params=None, json=None):
+                resp = await admin(r, path, params=params, json=json)
+                if path == "/pause_generation" and r.index == 1 and r.instance == victim["instance"]:
+                    os.kill(int(victim["pid"]), signal.SIGKILL)
+                    await asyncio.to_thread(
+                        wait_until, lambda: _state(int(victim["pid"])) in (None, "Z"), scaled(30), "the server's death"
+                    )
+                return resp
+
+            results: list = []
+            running = threading.Thread(target=lambda: results.append(asyncio.run(gen.generate(requests))))
+            gen.engine.client.admin = pause_then_die
+            try:
+                running.start()
+                _held_mid_completion(gen, samples=4, after=3)
+                before = [info["dispatched"] for info in gen.replica_info()]
+                push(opened, 51, weights[51], scaled(60))
+            finally:
+                del gen.engine.client.admin
+                _open_gates(gen)
+            running.join(scaled(120))
+            assert results, "generation did not finish"
+            after = [info["dispatched"] for info in gen.replica_info()]
+            assert gen.policy_version == 51 and gen.updater.last_update["replicas"] == [0]
+            wait_until(
+                lambda: (info := gen.replica_info()[1])["instance"] != victim["instance"] and info["serving"],
+                scaled(240),
+                "the killed replica back in service",
+            )
+            assert gen.replica_info()[1]["version"] == 51
+    finally:
+        cluster.options["update_policy"] = "wait"
+    # Two on each replica at first; replica 1's two were sent again, to replica 0, once.
+    assert before == [2, 2] and after == [4, 2], (before, after)
+    assert len(results[0]) == len(requests)
+    moved = 0
+    for request, completions in zip(requests, results[0]):
+        (comp,) = completions
+        assert comp.finish_reason in ("stop", "length") and len(comp.token_ids) <= 16
+        if comp.policy_version == 51:  # failed over: sampled again whole, after the update
+            assert comp.versions is None
+            moved += 1
+        else:
+            assert comp.policy_version == 50
+            if len(comp.token_ids) > 3:
+                assert comp.versions == [50] * 3 + [51] * (len(comp.token_ids) - 3)
+        _check_per_version(cluster, request.prompt_token_ids, comp, weights)
+    assert moved == 2
+
 
 def _forge_run_on_the_double(out, *more: str) -> list[str]:
     """`forge run` with the sglang generator's code (registered as sglang_double through

@@ -122,7 +122,9 @@ def test_every_payload_fits_the_doubles_sglang_shaped_models():
         payloads.update_distributed_body(bucket, "g")
     )
     sglang_double.UpdateWeightVersionReqInput.model_validate(payloads.weight_version_body(3))
-    for policy in ("wait", "abort"):
+    sglang_double.BeginWeightUpdateReqInput.model_validate(payloads.begin_update_body())
+    sglang_double.EndWeightUpdateReqInput.model_validate(payloads.end_update_body())
+    for policy in ("wait", "abort", "keep"):
         sglang_double.PauseGenerationReqInput.model_validate(payloads.pause_body(policy))
     with pytest.raises(ValidationError):
         sglang_double.UpdateWeightFromDiskReqInput.model_validate({"model_path": "/x", "version": "3"})
@@ -144,7 +146,10 @@ def test_every_payload_is_one_sglangs_own_request_classes_accept():
         payloads.update_distributed_body([TensorSpec("a", "float32", (1,))], "g"),
     )
     check("UpdateWeightVersionReqInput", payloads.weight_version_body(3))
-    check("PauseGenerationReqInput", payloads.pause_body("wait"))
+    for policy in ("wait", "abort", "keep"):
+        check("PauseGenerationReqInput", payloads.pause_body(policy))
+    check("BeginWeightUpdateReqInput", payloads.begin_update_body())
+    check("EndWeightUpdateReqInput", payloads.end_update_body())
     check("ContinueGenerationReqInput", {})
     check("AbortReq", {"abort_all": True})
 
@@ -185,6 +190,71 @@ def test_answers_another_replica_should_give_are_replica_failures():
         payloads.parse_generate(_request(), httpx.Response(503, json={"error": "down"}), 3)
     with pytest.raises(GeneratorError, match="rejected"):
         payloads.parse_generate(_request(), httpx.Response(400, json={"error": "bad"}), 3)
+
+
+def test_each_update_policy_pauses_in_sglangs_mode_for_it():
+    # keep: retract, not in_place: an in-place pause keeps the old weights' KV under the
+    # frozen requests, and SGLang refuses to flush while they hold it (docs/generators.md).
+    assert {p: payloads.pause_body(p)["mode"] for p in ("wait", "abort", "keep")} == {
+        "wait": "in_place", "abort": "abort", "keep": "retract",
+    }  # fmt: skip
+
+
+def _spans(*spans: tuple[str, int, int]) -> list[dict]:
+    return [{"version": v, "start": a, "end": b} for v, a, b in spans]
+
+
+def _long_answer(n: int, **meta) -> httpx.Response:
+    body = {
+        "text": "",
+        "output_ids": list(range(10, 10 + n)),
+        "meta_info": {
+            "finish_reason": {"type": "length", "length": n},
+            "output_token_logprobs": [[-0.5, 10 + i, None] for i in range(n)],
+            **meta,
+        },
+    }
+    return httpx.Response(200, json=body)
+
+
+def test_a_sample_across_updates_is_labelled_from_sglangs_spans():
+    spans = _spans(("3", 0, 4), ("4", 4, 6), ("6", 6, 9))
+    c = payloads.parse_generate(_request(), _long_answer(9, weight_versions=spans, weight_version="6"), 3, crossed=[4, 6])
+    assert c.versions == [3, 3, 3, 3, 4, 4, 6, 6, 6]
+    assert c.policy_version == 3  # dispatched under 3: staleness counts from the oldest token
+    # Queued when the replica paused: every token the new weights'.
+    late = payloads.parse_generate(_request(), _long_answer(3, weight_versions=_spans(("4", 0, 3))), 3, crossed=[4])
+    assert late.versions == [4, 4, 4] and late.policy_version == 3
+    # Finished before the update, or never crossed one: one version, no versions list.
+    done = payloads.parse_generate(_request(), _long_answer(3, weight_versions=_spans(("3", 0, 3))), 3, crossed=[4])
+    plain = payloads.parse_generate(_request(), _long_answer(2, weight_versions=_spans(("3", 0, 2))), 3)
+    assert done.versions is None and plain.versions is None and done.policy_version == plain.policy_version == 3
+    empty = payloads.parse_generate(_request(), _long_answer(0, weight_versions=_spans(("3", 0, 0))), 3)
+    assert empty.token_ids == [] and empty.versions is None
+
+
+def test_spans_naming_weights_nobody_loaded_or_not_covering_the_tokens_are_refused():
+    # A version neither dispatched nor loaded while it ran: someone else changed the weights.
+    with pytest.raises(ReplicaFailed, match="weights '5'"):
+        payloads.parse_generate(_request(), _long_answer(4, weight_versions=_spans(("3", 0, 2), ("5", 2, 4))), 3, crossed=[4])
+    with pytest.raises(ReplicaFailed, match="weights 'v2'"):
+        payloads.parse_generate(_request(), _long_answer(2, weight_versions=_spans(("v2", 0, 2))), 3)
+    for bad in (
+        _spans(("3", 0, 2), ("4", 3, 4)),  # a gap
+        _spans(("3", 0, 3)),  # fewer tokens than the answer has
+        _spans(("4", 0, 2), ("3", 2, 4)),  # back to an older version
+        [{"version": "3", "start": 0}],
+    ):
+        with pytest.raises(GeneratorError, match="weight_versions"):
+            payloads.parse_generate(_request(), _long_answer(4, weight_versions=bad), 3, crossed=[4])
+
+
+def test_without_spans_a_sample_that_crossed_an_update_cannot_be_labelled():
+    # An SGLang before per-token spans: its one label is checked as before...
+    assert payloads.parse_generate(_request(), _answer(), 3).versions is None
+    # ...but which token a crossing fell on is unknown: refused, not guessed.
+    with pytest.raises(GeneratorError, match="needs SGLang 0.5.23"):
+        payloads.parse_generate(_request(), _answer(), 3, crossed=[4])
 
 
 def test_the_weight_sync_follows_the_transport():

@@ -1,7 +1,8 @@
 """Update policy ``keep``: per-token versions of completions that ran across an update
 (:mod:`forgerl_plugins.generators.common.crossings`) and what the updater does around
 the load (:mod:`forgerl_plugins.generators.common.updates`), against a recording engine.
-The real engines are covered by tests/integration/test_vllm.py."""
+The real engines are covered by tests/integration/test_vllm.py (vLLM) and
+tests/integration/test_sglang_double.py (the SGLang double)."""
 
 from __future__ import annotations
 
@@ -125,6 +126,63 @@ def test_a_failed_load_under_keep_records_no_crossing(tmp_path: Path, fail: str)
     else:  # weights nobody can name: what was frozen is aborted (and the pool resubmits it)
         assert r.aborts == 1 and engine.calls[-2:] == [("pause", "abort"), ("resume", "keep")]
     assert engine.calls[-1] == ("resume", "keep") and not r.updating
+
+
+class DyingEngine(RecordingEngine):
+    """Replica 1's server dies once it is paused, before ``dies_at`` ("counts": vLLM's
+    sampled_so_far; "load"): it answers nothing from then on."""
+
+    def __init__(self, counts: dict[str, dict[int, int]], dies_at: str) -> None:
+        super().__init__(counts)
+        self.dies_at = dies_at
+
+    def _dead(self, r: Replica, step: str) -> None:
+        import httpx
+
+        if r.index == 1 and step == self.dies_at:
+            raise httpx.ConnectError("connection refused")
+
+    async def sampled_so_far(self, r: Replica, keys: list[str]) -> dict[str, dict[int, int]]:
+        self._dead(r, "counts")
+        return await super().sampled_so_far(r, keys)
+
+    async def load(self, r: Replica, version: int) -> None:
+        self._dead(r, "load")
+        await super().load(r, version)
+        r.version = version
+
+
+@pytest.mark.parametrize("dies_at", ["counts", "load"])
+def test_a_replica_that_dies_mid_update_under_keep_is_taken_out_and_the_others_go_on(tmp_path: Path, dies_at: str):
+    """Its requests fail over (the pool resubmits what failed on a replica taken out, see
+    tests/integration/test_sglang_double.py for the requests themselves); the update
+    stands on the replica that loaded it, whose frozen requests go on labelled."""
+    replicas, flights = [], []
+    for i in range(2):
+        r = Replica(i, tmp_path / f"log{i}", tmp_path / f"fake-{i}.json", "fake")
+        r.up, r.version, r.instance = True, 3, f"i{i}"
+        flight = Flight(f"q{i}", 3)
+        r.flights = {flight.key: flight}
+        replicas.append(r)
+        flights.append(flight)
+    engine = DyingEngine({"q0": {0: 5}, "q1": {0: 6}}, dies_at)
+
+    async def notify() -> None:
+        pass
+
+    async def go() -> WeightUpdater:
+        updater = WeightUpdater(engine, replicas, policy="keep", retry_after=1.0, notify=notify)  # type: ignore[arg-type]
+        updater.version = 3
+        await updater.update(4)  # raises nothing: replica 0 loaded it, replica 1 is unreachable
+        return updater
+
+    updater = asyncio.run(go())
+    alive, dead = replicas
+    assert updater.version == 4 and updater.last_update["replicas"] == [0]
+    assert alive.version == 4 and alive.up and flights[0].crossings == [Crossing({0: 5}, 4)]
+    assert not dead.up and dead.version is None and flights[1].crossings == []  # reloaded before it serves
+    assert ("resume", "keep") in engine.calls and engine.calls.count(("resume", "keep")) == 1  # the live one only
+    assert not alive.updating and not dead.updating and alive.aborts == dead.aborts == 0
 
 
 def test_vllm_internal_request_ids_map_back_to_ours():

@@ -9,6 +9,12 @@ boundary. The engine adapter asks its paused server for those counts
 (:meth:`.engine.Engine.sampled_so_far`); the updater records them on every request in
 flight there (a :class:`Crossing` on its :class:`Flight`) once the load succeeded; the
 adapter labels the completions with them (:func:`label`).
+
+An engine that reports the boundary itself, in each answer, needs no counts at the pause:
+SGLang records how many tokens each request had sampled when its weight version changed
+and returns per-token version spans (``meta_info.weight_versions``). Its adapter then
+labels from those (:func:`set_versions`), and the crossings only say which versions a
+request may name.
 """
 
 from __future__ import annotations
@@ -40,11 +46,9 @@ class Flight:
 
 def label(completions: list[Completion], flight: Flight, *, choices: list[int] | None = None) -> None:
     """Give each completion of ``flight`` its per-token ``versions`` where an update fell
-    inside it; ``choices[i]``: the engine's choice index completion ``i`` came from
-    (default ``i``; a greedy request's copies all come from choice 0). Its
-    ``policy_version`` stays the dispatch version: the oldest token's, from which staleness
-    counts. A completion sampled wholly by one version keeps ``versions`` None, exactly as
-    without ``keep``."""
+    inside it, from the counts the engine reported at the pause (:class:`Crossing`);
+    ``choices[i]``: the engine's choice index completion ``i`` came from (default ``i``; a
+    greedy request's copies all come from choice 0)."""
     if not flight.crossings:
         return
     for i, c in enumerate(completions):
@@ -54,6 +58,14 @@ def label(completions: list[Completion], flight: Flight, *, choices: list[int] |
         for crossing in flight.crossings:  # in the order the updates happened
             start = min(max(crossing.counts.get(choice, 0), 0), n)
             versions[start:] = [crossing.version] * (n - start)
-        c.policy_version = flight.version
-        if versions and versions[-1] != flight.version:
-            c.versions = versions
+        set_versions(c, flight.version, versions)
+
+
+def set_versions(c: Completion, dispatched: int, versions: list[int]) -> None:
+    """Label ``c``, dispatched under weights ``dispatched``, with the version that sampled
+    each of its tokens. Its ``policy_version`` stays the dispatch version: the oldest
+    token's, from which staleness counts. A completion sampled wholly by the dispatch
+    version keeps ``versions`` None, exactly as without ``keep``."""
+    c.policy_version = dispatched
+    if any(v != dispatched for v in versions):
+        c.versions = list(versions)

@@ -37,13 +37,14 @@ class Engine(Protocol):
 
     async def pause(self, r: Replica, policy: str) -> None:
         """Pause ``r`` in the engine's mode for update ``policy`` (``wait``: in place,
-        our requests drained; ``abort``: what runs is aborted; ``keep``: in place, what
-        runs frozen, to go on with the new weights after the resume)."""
+        our requests drained; ``abort``: what runs is aborted; ``keep``: what runs stops
+        where it is, sampling nothing, to go on with the new weights after the resume)."""
 
     async def sampled_so_far(self, r: Replica, keys: list[str]) -> dict[str, dict[int, int]]:
         """While ``r`` is paused in place: how many tokens each of our requests ``keys``
         (:attr:`.replica.Replica.flights`) has sampled, per choice index; a request (or
-        choice) not started yet may be left out (:mod:`.crossings`)."""
+        choice) not started yet may be left out (:mod:`.crossings`). An engine whose
+        answers say which weights sampled each token (SGLang) returns ``{}``."""
 
     async def load(self, r: Replica, version: int) -> None:
         """Load ``version`` into paused ``r`` (0: the model folder's). Raises TransportError

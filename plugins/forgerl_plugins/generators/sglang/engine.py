@@ -2,31 +2,39 @@
 speaks to one SGLang replica (every HTTP call with the replica's key: :mod:`.client`).
 
 Generation: one native ``/generate`` per sample (:mod:`.payloads`). Weight loads: paused
-(``/pause_generation``, in place or aborting by the update policy), the version loaded,
-the cache flushed (``/flush_cache``), resumed (``/continue_generation``). SGLang receives
-the bytes itself, so the run's transport gives an engine receiver per replica instance
+(``/pause_generation`` in the update policy's mode: ``in_place`` after our requests
+drained, ``abort``, or ``retract`` for ``keep``), the version loaded, the cache flushed
+(``/flush_cache``), resumed (``/continue_generation``). SGLang receives the bytes itself,
+so the run's transport gives an engine receiver per replica instance
 (:class:`~forgerl.interfaces.EngineReceiver`):
 
 * ``files`` (shm): the version staged alone in a folder → ``/update_weights_from_disk``;
 * ``broadcast`` (nccl): the replica's workers join a group of their own with the trainer
   (``/init_weights_update_group``, once per server instance), then each bucket's names,
   dtypes and shapes go to ``/update_weights_from_distributed`` while the transport
-  broadcasts its tensors.
+  broadcasts its tensors, inside a weight-update session (``/begin_weight_update`` ...
+  ``/end_weight_update``, which SGLang 0.5.23 requires of distributed loads).
 
-Every load names the version (``weight_version``), which SGLang reports in each answer's
-``meta_info``: a completion is checked against the version it was dispatched under.
-Version 0 (a replica left behind by a failed load) is reloaded from the model folder.
+Every load names the version (``weight_version``). SGLang's scheduler then notes, for each
+request it holds, how many tokens it had sampled, and each answer's ``meta_info`` says
+which version sampled which tokens (``weight_versions``): a completion is checked against
+the version it was dispatched under and those loaded while it ran (update policy ``keep``:
+retracted at the pause, prefilled again with the new weights after the resume, labelled
+per token from SGLang's spans). Version 0 (a replica left behind by a failed load) is
+reloaded from the model folder.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from typing import TYPE_CHECKING
 
 from forgerl.errors import TransportError
 from forgerl.interfaces import EngineReceiver, RunContext, Transport
 from forgerl.types import Completion, GenerationRequest
+from forgerl_plugins.generators.common.crossings import Flight
 from forgerl_plugins.generators.common.replica import Replica
 
 from . import payloads
@@ -75,7 +83,12 @@ class SGLangEngine:
         async def one(i: int) -> Completion:
             rid = f"{request.request_id}-{i}-{os.urandom(4).hex()}"
             body = generate_body(request, i, rid, send_seed=self.send_seed)
-            return parse_generate(request, await self.client.generate(r, body), version)
+            flight = r.flights[rid] = Flight(rid, version)  # the updates it runs across (keep)
+            try:
+                resp = await self.client.generate(r, body)
+            finally:
+                r.flights.pop(rid, None)
+            return parse_generate(request, resp, version, crossed=[c.version for c in flight.crossings])
 
         if request.sampling.temperature <= 0:
             return [await one(0)] * request.n  # greedy: every sample is the same
@@ -85,10 +98,14 @@ class SGLangEngine:
         await self.client.admin(r, "/pause_generation", json=payloads.pause_body(policy))
 
     async def sampled_so_far(self, r: Replica, keys: list[str]) -> dict[str, dict[int, int]]:
-        # SGLang reports no per-request progress: its generator offers no ``keep`` yet.
-        raise NotImplementedError("the sglang generator has no update policy keep")
+        # SGLang counts itself: at the version change its scheduler notes each request's
+        # tokens so far, and the answer carries the spans (payloads.token_versions).
+        return {}
 
     async def resume(self, r: Replica, policy: str) -> None:
+        # Under keep the replica is paused by retract: what it held is back in its waiting
+        # queue with no KV, and SGLang flushes while paused so; each request is prefilled
+        # again with the new weights, and no prefix computed by the old ones stays cached.
         await self.client.admin(r, "/flush_cache")
         await self.client.admin(r, "/continue_generation", json={})
 
@@ -163,6 +180,7 @@ class SGLangEngine:
             self._joined.add(id(receiver))
         it = iter(await asyncio.to_thread(receiver.receive, version, timeout))
         try:
+            await self.client.load(r, "/begin_weight_update", payloads.begin_update_body(), timeout)
             bucket = await asyncio.to_thread(next, it, None)
             while bucket is not None:
                 # The transport broadcasts the bucket meanwhile; asking for the next one
@@ -175,7 +193,11 @@ class SGLangEngine:
             if close is not None:
                 await asyncio.to_thread(close)
             self._drop_receiver(r)
+            # A session left open refuses the next load's begin: close it where the server answers.
+            with contextlib.suppress(Exception):
+                await self.client.load(r, "/end_weight_update", payloads.end_update_body(), timeout)
             raise
+        await self.client.load(r, "/end_weight_update", payloads.end_update_body(), timeout)
         # Named only once every bucket is in: a replica that failed half-way still reports
         # the old name (and is reloaded before it serves again).
         await self.client.load(r, "/update_weight_version", payloads.weight_version_body(version), timeout)

@@ -88,9 +88,11 @@ class SGLangGenerator(ReplicaPool):
         )
         update_policy: str = Field(
             "wait",
-            pattern="^(wait|abort)$",
-            description="In-flight requests at a weight update: wait (drain, then pause in place) or abort "
-            "(pause mode abort; they are resubmitted whole).",
+            pattern="^(wait|abort|keep)$",
+            description="In-flight requests at a weight update: wait (drain, then pause in place), abort "
+            "(pause mode abort; they are resubmitted whole), or keep (pause mode retract: they go on with the "
+            "new weights, prefilled again, never resubmitted; their completions carry per-token versions from "
+            "SGLang's weight_versions, and a sample's staleness counts from its oldest token).",
         )
         weight_sync: str = Field(
             "auto",

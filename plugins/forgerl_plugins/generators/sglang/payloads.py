@@ -7,16 +7,25 @@ parameters, ``return_logprob: true`` with ``logprob_start_len: -1`` (logprobs of
 completion's tokens only) and a request id of its own (``rid``, what ``/abort_request``
 names). Per sample, not one request with ``n``: each sample then has its own seed, and
 a failed sample is retried alone.
+
+Every answer of SGLang 0.5.23 names the weights that sampled each token:
+``meta_info.weight_versions``, spans ``{version, start, end}`` over the output tokens,
+recorded by SGLang's scheduler when its weight version changed (the number of tokens each
+request had sampled then: exact, not a timing estimate). Under update policy ``keep`` a
+request runs across updates and its spans name several versions
+(:func:`token_versions`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import GeneratorError
 from forgerl.interfaces import TensorSpec
 from forgerl.types import Completion, FinishReason, GenerationRequest
 from forgerl_plugins.generators.common.client import error_message
+from forgerl_plugins.generators.common.crossings import set_versions
 from forgerl_plugins.generators.common.pool import ReplicaFailed
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -53,10 +62,13 @@ def generate_body(request: GenerationRequest, sample: int, rid: str, *, send_see
     }
 
 
-def parse_generate(request: GenerationRequest, resp: httpx.Response, version: int) -> Completion:
-    """One sample's completion, labelled ``version``. Raises ReplicaFailed where another
-    replica (or a restarted one) should be asked, GeneratorError where the request itself
-    is at fault."""
+def parse_generate(
+    request: GenerationRequest, resp: httpx.Response, version: int, *, crossed: Collection[int] = ()
+) -> Completion:
+    """One sample's completion, dispatched under weights ``version``; ``crossed``: the
+    versions loaded into the replica while it was in flight (update policy ``keep``), which
+    its tokens may also name. Raises ReplicaFailed where another replica (or a restarted
+    one) should be asked, GeneratorError where the request itself is at fault."""
     if resp.status_code >= 500 or resp.status_code in (401, 403):
         raise ReplicaFailed(f"HTTP {resp.status_code}: {error_message(resp)}")
     if resp.status_code != 200:
@@ -76,10 +88,6 @@ def parse_generate(request: GenerationRequest, resp: httpx.Response, version: in
         raise ReplicaFailed(
             f"the server aborted the request: {finish.get('message') if isinstance(finish, dict) else ''}"
         )
-    served = meta.get("weight_version")
-    if served is not None and str(served) != str(version):
-        # The replica's weights changed under the request (an update we did not order).
-        raise ReplicaFailed(f"served by weights {served!r}, expected version {version}")
     triples = meta.get("output_token_logprobs") or []
     tokens = [int(t[1]) for t in triples]
     logprobs = [float(t[0]) for t in triples]
@@ -88,7 +96,49 @@ def parse_generate(request: GenerationRequest, resp: httpx.Response, version: in
         raise GeneratorError(
             f"request {request.request_id!r}: SGLang's output_ids and output_token_logprobs disagree"
         )
-    return Completion(tokens, logprobs, FINISH.get(kind, "stop"), version, out.get("text") or "")
+    completion = Completion(tokens, logprobs, FINISH.get(kind, "stop"), version, out.get("text") or "")
+    versions = token_versions(request, meta, len(tokens), version, crossed)
+    set_versions(completion, version, versions)
+    return completion
+
+
+def token_versions(
+    request: GenerationRequest, meta: dict[str, Any], n: int, version: int, crossed: Collection[int]
+) -> list[int]:
+    """The version that sampled each of ``n`` output tokens, from SGLang's spans. A version
+    neither dispatched nor loaded while the request ran means the replica's weights
+    changed under it by someone else's hand: ReplicaFailed."""
+    allowed = {version, *crossed}
+    spans = meta.get("weight_versions")
+    if spans is None:
+        # An SGLang that does not report spans: its one label is trusted only where no
+        # update happened while the request ran (then there is one version to name).
+        served = meta.get("weight_version")
+        if served is not None and str(served) != str(version):
+            raise ReplicaFailed(f"served by weights {served!r}, expected version {version}")
+        if crossed:
+            raise GeneratorError(
+                f"request {request.request_id!r} ran across a weight update, but SGLang's answer has no "
+                "meta_info.weight_versions to say which weights sampled each token: update_policy keep needs "
+                "SGLang 0.5.23 or later (or use update_policy wait or abort)"
+            )
+        return [version] * n
+    versions: list[int] = []
+    for span in spans if isinstance(spans, list) else [spans]:
+        try:
+            name, start, end = str(span["version"]), int(span["start"]), int(span["end"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise GeneratorError(f"request {request.request_id!r}: SGLang's weight_versions is malformed: {spans!r}") from exc
+        if not name.isdigit() or int(name) not in allowed:
+            raise ReplicaFailed(f"served by weights {name!r}, expected version {version}")
+        if start != len(versions) or end < start or (versions and int(name) < versions[-1]):
+            raise GeneratorError(f"request {request.request_id!r}: SGLang's weight_versions is malformed: {spans!r}")
+        versions += [int(name)] * (end - start)
+    if len(versions) != n:
+        raise GeneratorError(
+            f"request {request.request_id!r}: SGLang's weight_versions cover {len(versions)} tokens, the answer has {n}"
+        )
+    return versions
 
 
 def update_from_disk_body(model_path: str, version: int) -> dict[str, Any]:
@@ -117,7 +167,22 @@ def weight_version_body(version: int) -> dict[str, Any]:
     return {"new_version": str(version), "abort_all_requests": False}
 
 
+#: SGLang's pause mode for each update policy.
+PAUSE_MODES = {"wait": "in_place", "abort": "abort", "keep": "retract"}
+
+
 def pause_body(policy: str) -> dict[str, Any]:
-    """``abort``: SGLang aborts what runs (we resubmit it); ``wait``: we drained our
-    requests first, and it pauses in place."""
-    return {"mode": "abort" if policy == "abort" else "in_place"}
+    """``wait``: we drained our requests first, and it pauses in place; ``abort``: SGLang
+    aborts what runs (we resubmit it); ``keep``: ``retract``, SGLang's running requests go
+    back to its waiting queue with their tokens so far and their KV freed: after the
+    resume each is prefilled again (prompt and tokens so far) with the new weights and
+    goes on (why not ``in_place``: docs/generators.md, "sglang", "Update policy keep")."""
+    return {"mode": PAUSE_MODES[policy]}
+
+
+def begin_update_body() -> dict[str, Any]:
+    return {}  # every runner (SGLang's default selector)
+
+
+def end_update_body() -> dict[str, Any]:
+    return {}

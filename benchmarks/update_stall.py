@@ -1,0 +1,302 @@
+"""Generation stall per weight update, by update policy, in a running vLLM server.
+
+Run: .venv/bin/python benchmarks/update_stall.py [--model smollm2-135m-instruct]
+     [--rounds 3] [--order concurrent|staged|both] [--streams 4] [--max-tokens 96] [--json]
+
+One server is started by the plugin's role (as ``forge run`` does, through the helpers of
+benchmarks/vllm_weight_update.py); the benchmark plays trainer rank 0: it keeps
+``--streams`` requests in flight all the time (the arithmetic task's prompts, T = 1), and
+after a first update that is not measured (the worker builds its transport receiver
+then), every few seconds it sends a new version of the weights (fp32, Hugging Face names,
+through the shm transport) while ``VLLMGenerator.update_weights`` loads it, exactly as the
+loop's ``sync_weights`` does. The update policies ``wait``, ``abort`` and ``keep`` take
+turns, update by update, so the machine's load falls on each alike.
+
+Measured per update, as the generator sees it (its engine adapter's calls, timed):
+
+* ``drain``: from the update's start to the pause (``wait`` only: the replica takes no new
+  request and lets those in flight finish; under ``abort`` and ``keep`` it pauses at once);
+* ``stall``: from the pause to the end of the resume: nothing is sampled then. Split into
+  ``counts`` (``keep``: the workers' token counts of the frozen requests), the load as the
+  vLLM worker reports it (``wait`` for the bytes, ``read`` them, vLLM ``load`` + repack), and
+  the rest (pause, the load RPC, prefix-cache reset, resume);
+* the trainer side: ``export`` (the state dict the sender is handed; a plain one-process
+  model here, so next to nothing: the fsdp trainer's gather is measured by
+  benchmarks/trainer_backends.py) and ``send`` (writing the version to /dev/shm).
+
+``--order``: ``concurrent`` starts the load and the send together (what the loop does
+today: the pause comes first, so the stall includes waiting for the trainer's bytes);
+``staged`` sends the version first and only then calls ``update_weights`` (the shm
+transport keeps it for a late receiver), so the stall is the worker's read and load alone.
+Also counted: requests resubmitted (``abort``) and completions labelled with two versions
+(``keep``). After the last update one completion is checked against transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _vllm_servers import model_folder, plugin_servers, resolved_config
+from vllm_throughput import prompts_for
+from vllm_weight_update import check_logprobs
+
+POLICIES = ("wait", "abort", "keep")
+
+
+class Timed:
+    """The engine adapter's pause, token counts, load and resume, timed (perf_counter)."""
+
+    STEPS = ("pause", "sampled_so_far", "load", "resume")
+
+    def __init__(self, engine: Any) -> None:
+        self.marks: list[tuple[str, float, float]] = []
+        for name in self.STEPS:
+            original = getattr(engine, name)
+
+            async def timed(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return await _original(*args, **kwargs)
+                finally:
+                    self.marks.append((_name, start, time.perf_counter()))
+
+            setattr(engine, name, timed)
+
+    def take(self) -> list[tuple[str, float, float]]:
+        marks, self.marks = self.marks, []
+        return marks
+
+
+class Traffic:
+    """``streams`` requests in flight without pause: each stream sends the next as soon as
+    its last one returns. Counts the requests sent again (a resubmission: counted under the
+    update policy in force then) and the completions labelled with more than one version
+    (only ``keep`` makes them)."""
+
+    def __init__(self, gen: Any, prompts: list[list[int]], streams: int, max_tokens: int) -> None:
+        self.gen, self.prompts, self.streams, self.max_tokens = gen, prompts, streams, max_tokens
+        self.policy = "wait"
+        self.sent: set[str] = set()
+        self.resubmitted: collections.Counter[str] = collections.Counter()
+        self.crossed = 0
+        self.done = 0
+        self.errors: list[BaseException] = []
+        self.stop = threading.Event()
+        engine = gen.engine
+        send = engine.send
+
+        async def counted(r: Any, request: Any, version: int) -> Any:
+            if request.request_id in self.sent:
+                self.resubmitted[self.policy] += 1
+            self.sent.add(request.request_id)
+            return await send(r, request, version)
+
+        engine.send = counted
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+
+    async def _run(self) -> None:
+        from forgerl.types import GenerationRequest, SamplingParams
+
+        async def stream(i: int) -> None:
+            k = 0
+            while not self.stop.is_set():
+                prompt = self.prompts[(i + k * self.streams) % len(self.prompts)]
+                request = GenerationRequest(
+                    f"s{i}-{k}", prompt, 1, SamplingParams(max_tokens=self.max_tokens, temperature=1.0)
+                )
+                (comp,) = (await self.gen.generate([request]))[0]
+                self.crossed += comp.versions is not None
+                self.done += 1
+                k += 1
+
+        try:
+            await asyncio.gather(*(stream(i) for i in range(self.streams)))
+        except BaseException as exc:  # noqa: BLE001 - reported by main
+            self.errors.append(exc)
+
+
+def one_update(gen: Any, sender: Any, model: Any, version: int, order: str, timed: Timed) -> dict[str, Any]:
+    import torch
+
+    from forgerl.types import WeightSet
+
+    with torch.no_grad():  # a real change, so that the final check means something
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    errors: list[BaseException] = []
+    started: dict[str, float] = {}
+
+    def load() -> None:
+        started["update"] = time.perf_counter()
+        try:
+            gen.update_weights(version)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    def send() -> float:
+        start = time.perf_counter()
+        state = model.state_dict()
+        export = time.perf_counter() - start
+        sender.send(WeightSet(version, state))
+        return export
+
+    timed.take()
+    loader = threading.Thread(target=load)
+    if order == "staged":
+        export = send()
+        loader.start()
+    else:
+        loader.start()
+        export = send()
+    loader.join()
+    if errors:
+        raise errors[0]
+    marks = timed.take()
+    pause = next(m for m in marks if m[0] == "pause")
+    resume = [m for m in marks if m[0] == "resume"][-1]
+    counts = sum(end - start for name, start, end in marks if name == "sampled_so_far")
+    workers = [w for loads in gen.updater.last_update["workers"].values() for w in loads]
+    stall = resume[2] - pause[1]
+    worker = max(w["seconds"] for w in workers)
+    return {
+        "version": version,
+        "order": order,
+        "drain_s": pause[1] - started["update"],
+        "stall_s": stall,
+        "counts_s": counts,
+        "worker_s": worker,
+        "worker_wait_s": max(w.get("wait_seconds", 0.0) for w in workers),
+        "worker_read_s": max(w.get("read_seconds", 0.0) for w in workers),
+        "worker_load_s": max(w.get("load_seconds", 0.0) for w in workers),
+        "rest_s": stall - counts - worker,
+        "export_s": export,
+        "send_s": sender.last_send_seconds,
+    }
+
+
+def wait_in_flight(gen: Any, streams: int, settle: float) -> None:
+    """Until every stream has a request on the replica, then ``settle`` s more so that
+    they are decoding (not just admitted) when the update comes."""
+    deadline = time.monotonic() + 120
+    while sum(info["outstanding"] for info in gen.replica_info()) < streams:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the traffic never filled the replica")
+        time.sleep(0.02)
+    time.sleep(settle)
+
+
+def main() -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rounds", type=int, default=3, help="updates per policy and order")
+    parser.add_argument("--order", choices=("concurrent", "staged", "both"), default="both")
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--settle", type=float, default=1.0, help="seconds of decoding before each update")
+    parser.add_argument("--set", action="append", default=[], help="more config, e.g. transport.timeout=300")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+
+    config = resolved_config(args.model, ["generator.options.kv_cache_gb=1", *args.set], "shm")
+    model_dir = model_folder(config)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = prompts_for(config, model_dir, 16)
+    orders = ["concurrent", "staged"] if args.order == "both" else [args.order]
+    updates: list[dict[str, Any]] = []
+    load_before = os.getloadavg()
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        plugin_servers(config, Path(tmp) / "run", model_dir) as (gen, sender),
+    ):
+        timed = Timed(gen.engine)
+        traffic = Traffic(gen, prompts, args.streams, args.max_tokens)
+        traffic.thread.start()
+        try:
+            # Not measured: the worker builds its transport receiver on its first update.
+            wait_in_flight(gen, args.streams, args.settle)
+            one_update(gen, sender, model, 1, "staged", timed)
+            version = 1
+            for _ in range(args.rounds):
+                for order in orders:
+                    for policy in POLICIES:
+                        version += 1
+                        # After the last update's resubmissions went out (counted under its policy).
+                        wait_in_flight(gen, args.streams, args.settle)
+                        gen.updater.policy = traffic.policy = policy
+                        result = one_update(gen, sender, model, version, order, timed)
+                        updates.append({"policy": policy, **result})
+                        if traffic.errors:
+                            raise traffic.errors[0]
+            gen.updater.policy = traffic.policy = "wait"
+        finally:
+            traffic.stop.set()
+            traffic.thread.join(300)
+        gap = check_logprobs(gen, model, tokenizer)
+    load_after = os.getloadavg()
+    keys = ("drain_s", "stall_s", "counts_s", "worker_wait_s", "worker_read_s", "worker_load_s", "rest_s", "export_s", "send_s")
+    summary = {
+        f"{policy}/{order}": {
+            key: statistics.median(u[key] for u in updates if u["policy"] == policy and u["order"] == order)
+            for key in keys
+        }
+        for order in orders
+        for policy in POLICIES
+    }
+    for policy in POLICIES:
+        for order in orders:
+            summary[f"{policy}/{order}"]["max_stall_s"] = max(
+                u["stall_s"] for u in updates if u["policy"] == policy and u["order"] == order
+            )
+    resubmitted = {p: traffic.resubmitted[p] for p in POLICIES}
+    result = {
+        "model": args.model,
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "updates": updates,
+        "median": summary,
+        "resubmitted": resubmitted,
+        "crossed": traffic.crossed,
+        "completions": traffic.done,
+        "logprob_gap_after_updates": gap,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(
+        f"{args.model}, shm, {args.streams} requests in flight (max_tokens {args.max_tokens}); "
+        f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
+    )
+    print(
+        "policy/order         drain   stall (max)     counts  w.wait  w.read  w.load  rest    export  send"
+    )
+    for name, m in summary.items():
+        print(
+            f"{name:20s} {m['drain_s']:6.2f}  {m['stall_s']:5.2f} ({m['max_stall_s']:5.2f})  {m['counts_s']:6.2f}"
+            f"  {m['worker_wait_s']:6.2f}  {m['worker_read_s']:6.2f}  {m['worker_load_s']:6.2f}  {m['rest_s']:6.2f}"
+            f"  {m['export_s']:6.3f}  {m['send_s']:5.2f}"
+        )
+    print(f"resubmitted requests: {resubmitted}; completions labelled with two versions: {traffic.crossed} "
+          f"of {traffic.done}; logprob gap after the updates: {gap:.1e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
