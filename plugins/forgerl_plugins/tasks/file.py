@@ -22,6 +22,7 @@ from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.interfaces import Task
 from forgerl.options import OptionsModel
 from forgerl.types import Problem
+from forgerl_plugins.tasks.epochs import EpochCursor
 
 #: Seeds the choice of held-out rows (eval_fraction); fixed so every run seed holds out the same rows.
 EVAL_SEED = 20250101
@@ -74,28 +75,19 @@ class FileTask(Task):
             self._train, self._eval = _split(problems, options.eval_fraction, options.path)
         if not self._train:
             raise ConfigError(f"task file: {options.path} has no problems to train on")
-        self.epoch = 0
-        self.position = 0
-        self._order = self._epoch_order(0)
+        self.cursor = EpochCursor(len(self._train), self.seed, "file")
 
     # ------------------------------------------------------------------ Task
 
     def next_problems(self, n: int) -> list[Problem]:
-        out = []
-        for _ in range(n):
-            if self.position >= len(self._order):
-                self.epoch += 1
-                self.position = 0
-                self._order = self._epoch_order(self.epoch)
-            out.append(self._train[self._order[self.position]])
-            self.position += 1
-        return out
+        return [self._train[i] for i in self.cursor.take(n)]
 
     def eval_problems(self) -> list[Problem]:
         return list(self._eval)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self._train)}
+        c = self.cursor
+        return {"epoch": c.epoch, "position": c.position, "seed": self.seed, "size": len(self._train)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if "seed" in state and int(state["seed"]) != self.seed:
@@ -108,9 +100,7 @@ class FileTask(Task):
                 f"task file: the saved state is for {state['size']} training problems, "
                 f"{self.options.path} now gives {len(self._train)}; the file changed since the checkpoint"
             )
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
-        self._order = self._epoch_order(self.epoch)
+        self.cursor.restore(state["epoch"], state["position"])
 
     @property
     def train_size(self) -> int:
@@ -120,11 +110,6 @@ class FileTask(Task):
 
     def _rows(self, options: FileTask.Options) -> list[dict[str, Any]]:
         return read_rows(Path(options.path))
-
-    def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self._train)))
-        random.Random(f"file:{self.seed}:{epoch}").shuffle(order)
-        return order
 
     def _problem(self, row: Mapping[str, Any], source: str, index: int) -> Problem:
         return problem_from_row(self.options, row, source, index)

@@ -24,6 +24,7 @@ from forgerl.errors import ConfigError
 from forgerl.interfaces import Task
 from forgerl.types import Problem
 from forgerl_plugins.environments.verifiers_worker import VerifiersSource, check, worker_for
+from forgerl_plugins.tasks.epochs import EpochCursor
 
 #: Seeds the choice of held-out rows; fixed, so every run seed holds out the same rows.
 EVAL_SEED = 20250101
@@ -56,9 +57,7 @@ class VerifiersTask(Task):
             self._train, self._eval = self._hold_out(train)
         if not self._train:
             raise ConfigError(f"task verifiers: {options.environment!r} has no dataset rows to train on")
-        self.epoch = 0
-        self.position = 0
-        self._order = self._epoch_order(0)
+        self.cursor = EpochCursor(len(self._train), self.seed, "verifiers")
 
     def _problems(self, rows: Sequence[Mapping[str, Any]], split: str) -> list[Problem]:
         env = self.options.environment
@@ -87,21 +86,14 @@ class VerifiersTask(Task):
                 [p for i, p in enumerate(problems) if i in held])
 
     def next_problems(self, n: int) -> list[Problem]:
-        out = []
-        for _ in range(n):
-            if self.position >= len(self._order):
-                self.epoch += 1
-                self.position = 0
-                self._order = self._epoch_order(self.epoch)
-            out.append(self._train[self._order[self.position]])
-            self.position += 1
-        return out
+        return [self._train[i] for i in self.cursor.take(n)]
 
     def eval_problems(self) -> list[Problem]:
         return list(self._eval)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "size": len(self._train)}
+        c = self.cursor
+        return {"epoch": c.epoch, "position": c.position, "seed": self.seed, "size": len(self._train)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if "size" in state and int(state["size"]) != len(self._train):
@@ -109,11 +101,4 @@ class VerifiersTask(Task):
                 f"task verifiers: the saved state is for {state['size']} training rows, {self.options.environment!r} "
                 f"now gives {len(self._train)}; its dataset changed since the checkpoint"
             )
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
-        self._order = self._epoch_order(self.epoch)
-
-    def _epoch_order(self, epoch: int) -> list[int]:
-        order = list(range(len(self._train)))
-        random.Random(f"verifiers:{self.seed}:{epoch}").shuffle(order)
-        return order
+        self.cursor.restore(state["epoch"], state["position"])
