@@ -1,4 +1,4 @@
-"""How much of the time the generator had nothing to do: ``rollout/generator_idle_frac``.
+"""How much of the time the generator had nothing to do: ``time/generator_idle_frac``.
 
 The generator is *busy* while at least one of the rollout producer's ``generate`` calls is
 in flight, and *idle* otherwise (waiting for the version gate, for the trainer to take a

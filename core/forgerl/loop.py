@@ -93,7 +93,7 @@ class Loop:
         self.pending_restored: list[RolloutBatch] = []
         #: Problems a checkpoint handed back (drawn, not yet in a batch): drawn first.
         self.requeued: list[Problem] = []
-        #: The generator's idle time (rollout/generator_idle_frac); tests give it a clock.
+        #: The generator's idle time (time/generator_idle_frac); tests give it a clock.
         self.idle = IdleClock()
         #: Multi-turn rollouts through the configured environment; None: single-turn.
         self.environment = EnvironmentRollouts.from_config(
@@ -361,7 +361,7 @@ class Loop:
                 "time/train": train_s,
                 "time/sync": sync_s,
                 "throughput/gen_tokens_per_s": rollouts.gen_tokens / max(rollouts.gen_seconds, 1e-9),
-                "rollout/generator_idle_frac": self.idle.idle_frac(idle_mark),
+                "time/generator_idle_frac": self.idle.idle_frac(idle_mark),
             }
         )
         for age, tokens in age_counts(ages, S).items():

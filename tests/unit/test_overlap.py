@@ -1,7 +1,7 @@
 """``loop.overlap: continuous``: weight updates are not held back, the generators are kept
 full up to ``loop.max_in_flight``, batches are formed in completion order, samples that
 finish too late are dropped or masked, a checkpoint hands back what it could not keep, and
-``rollout/generator_idle_frac`` shows the generator's idle share of each step.
+``time/generator_idle_frac`` shows the generator's idle share of each step.
 
 The loop runs for real around fakes (as in test_loop_fixed_weights). The fake generator
 here takes one group per request (as the continuous producer sends them), can hold a
@@ -259,6 +259,21 @@ def test_a_group_that_finishes_too_late_is_dropped_or_masked_and_counted(tmp_pat
     assert sum(r["samples/trained"] for r in run.rows) == 4 * P * GROUP - (GROUP if mode == "drop" else 0)
 
 
+def test_a_failed_group_ends_the_run_with_its_error(tmp_path):
+    from forgerl.errors import GeneratorError
+
+    class Failing(GatedGenerator):
+        async def _one(self, r):
+            if r.request_id == "b1-g0":
+                raise GeneratorError("replica gone")
+            return await super()._one(r)
+
+    with pytest.raises(GeneratorError, match="replica gone"):
+        Run(tmp_path, Failing(), steps=3).run()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["status"] == "failed"
+
+
 # ------------------------------------------------------------------- the in-flight cap
 
 
@@ -424,7 +439,7 @@ def test_the_versioned_loop_idles_the_generator_while_it_trains(tmp_path):
     run = Run(tmp_path, FakeGenerator(), steps=3, trainer=StepTrainer(train), clock=clock,
               overlap="versioned", max_staleness=0).run()  # fmt: skip
     # Staleness 0: batch k+1 waits for version k+1, so nothing generates during a step.
-    assert [r["rollout/generator_idle_frac"] for r in run.rows] == [1.0, 1.0, 1.0]
+    assert [r["time/generator_idle_frac"] for r in run.rows] == [1.0, 1.0, 1.0]
 
 
 def test_the_continuous_loop_generates_while_it_trains(tmp_path):
@@ -444,7 +459,7 @@ def test_the_continuous_loop_generates_while_it_trains(tmp_path):
             clock.now += 10.0
 
     run = Run(tmp_path, gen, steps=steps, trainer=StepTrainer(train), clock=clock).run()
-    assert [r["rollout/generator_idle_frac"] for r in run.rows] == [0.0, 0.0, 1.0]
+    assert [r["time/generator_idle_frac"] for r in run.rows] == [0.0, 0.0, 1.0]
 
 
 # ------------------------------------------------------------------- options
