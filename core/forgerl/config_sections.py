@@ -202,7 +202,7 @@ class LoopConfig(_Strict):
         None,
         ge=1,
         le=MAX_SAMPLES_PER_STEP,
-        description="overlap continuous: most prompt groups generating or being scored at once (default "
+        description="overlap continuous: most prompt groups generating at once (default "
         "(1 + max_staleness) x prompts_per_step, what the staleness bound admits anyway).",
     )
     eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="Evaluate every N steps (0: only at start and end).")

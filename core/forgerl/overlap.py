@@ -10,7 +10,8 @@ in flight (the vllm generator's ``update_policy: keep``):
   place, loads and resumes; requests in flight go on with the new weights, their tokens
   labelled with the version that sampled them);
 - the producer admits prompt groups one at a time as earlier ones finish, each as its own
-  request, while fewer than ``loop.max_in_flight`` are generating or being scored, and
+  request, while fewer than ``loop.max_in_flight`` are generating (a group being scored
+  no longer loads the generator, and does not count), and
   group ``j`` (0-based, counted over the run) only once the generator serves version
   ``j // P - S`` or newer (``P = loop.prompts_per_step``): what the versioned mode
   generates batch ``j // P`` with. So the producer runs at most ``S`` versions ahead, and
@@ -88,7 +89,7 @@ class ContinuousBuffer:
         self.next_index = next_index  # the next batch to form
         self.next_group = next_index * prompts_per_step  # j of the next group to admit
         self.version = version
-        self.in_flight = 0  # admitted, not yet finished (generating or being scored)
+        self.in_flight = 0  # admitted, generation not done yet
         #: Why the producer waits, while it does: "room" (the in-flight cap), "version"
         #: (the staleness bound); None while it admits or has stopped.
         self.waiting_for: str | None = None
@@ -140,10 +141,15 @@ class ContinuousBuffer:
                 self._unbatched[first + k] = p
             self._task_state, self._requeued = task_state, list(source.requeued)
 
-    def finish(self, group: FinishedGroup) -> None:
-        """A group is done; every ``prompts_per_step`` groups done form the next batch."""
+    def generated(self) -> None:
+        """A group's generation is done (its scoring starts): room for another."""
         with self.cond:
             self.in_flight -= 1
+            self.cond.notify_all()
+
+    def finish(self, group: FinishedGroup) -> None:
+        """A group is scored; every ``prompts_per_step`` groups scored form the next batch."""
+        with self.cond:
             self._finished.append(group)
             if len(self._finished) >= self.prompts_per_step:
                 taken = self._finished[: self.prompts_per_step]
@@ -310,6 +316,7 @@ class ContinuousProducer(threading.Thread):
                 sampling=_with_seed(self.sampling, sampling_seed(self.seed, j // P, j % P)),
             )
             completions = (await self.generator.generate([request]))[0]
+            self.buffer.generated()
             t = time.perf_counter()
             scores = await self.score(
                 [RewardInput(problem=problem, completion_text=c.text, finish_reason=c.finish_reason)
