@@ -189,6 +189,22 @@ class LoopConfig(_Strict):
         "only on its tokens of allowed versions, the older ones kept as context outside the loss ('mask'; a "
         "sample with none left is dropped).",
     )
+    overlap: Literal["versioned", "continuous"] = Field(
+        "versioned",
+        description="How generation overlaps training. versioned: batch k is generated with policy version "
+        "k - max_staleness exactly, and a weight update waits until those batches are done (reproducible step "
+        "for step). continuous: weights are updated as soon as a step is trained, with requests in flight "
+        "(needs max_staleness >= 1 and a generator that updates in flight: vllm's update_policy keep); prompt "
+        "groups are admitted as earlier ones finish, up to max_in_flight, and batches are formed from groups in "
+        "completion order (not reproducible step for step).",
+    )
+    max_in_flight: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_SAMPLES_PER_STEP,
+        description="overlap continuous: most prompt groups generating at once (default "
+        "(1 + max_staleness) x prompts_per_step, what the staleness bound admits anyway).",
+    )
     eval_every: int = Field(0, ge=0, le=MAX_STEPS, description="Evaluate every N steps (0: only at start and end).")
     eval_size: int | None = Field(
         None, ge=1, le=MAX_SAMPLES_PER_STEP, description="Evaluate on the first N held-out problems."
@@ -205,6 +221,20 @@ class LoopConfig(_Strict):
     seed: int = Field(
         0, ge=0, le=MAX_SEED, description=f"Seeds the task, sampling and initialisation (0 to {MAX_SEED})."
     )
+
+    @model_validator(mode="after")
+    def _overlap_is_possible(self) -> LoopConfig:
+        if self.overlap == "continuous" and self.max_staleness < 1:
+            raise ValueError(
+                "overlap continuous generates while weights move, so samples are at least one version old: "
+                "set loop.max_staleness=1 (or more), or loop.overlap=versioned"
+            )
+        if self.overlap == "versioned" and self.max_in_flight is not None:
+            raise ValueError(
+                "max_in_flight bounds overlap continuous only (versioned generates one batch at a time): "
+                "set loop.overlap=continuous, or leave max_in_flight out"
+            )
+        return self
 
     @model_validator(mode="after")
     def _batch_is_placeable(self) -> LoopConfig:
@@ -302,6 +332,15 @@ class RunConfig(_Strict):
             # A bad max_tokens is reported by its own field; derive from the default meanwhile.
             max_tokens = SamplingConfig.model_fields["max_tokens"].default
         return {**data, "algorithm": fill_length_defaults(dict(data.get("algorithm") or {}), max_tokens)}
+
+    @model_validator(mode="after")
+    def _overlap_fits_rollouts(self) -> RunConfig:
+        if self.loop.overlap == "continuous" and self.environment.name is not None:
+            raise ValueError(
+                "loop.overlap continuous admits single-turn prompt groups only, not an environment's "
+                "trajectories: set loop.overlap=versioned, or leave environment.name out"
+            )
+        return self
 
     @model_validator(mode="after")
     def _batch_fits_groups(self) -> RunConfig:

@@ -1,7 +1,8 @@
 """The RL loop, driven by trainer rank 0.
 
-Per step ``k``: take rollout batch ``k`` (made by :mod:`forgerl.rollout` in a thread,
-overlapping training), drop samples staler than ``loop.max_staleness`` (counted from
+Per step ``k``: take rollout batch ``k`` (made in a thread, overlapping training: by
+:mod:`forgerl.rollout` under ``loop.overlap: versioned``, by :mod:`forgerl.overlap` under
+``continuous``), drop samples staler than ``loop.max_staleness`` (counted from
 their oldest token; ``loop.stale_samples: mask`` trains on their allowed tokens instead), compute
 group-relative advantages, train on all ranks, export the new weights (version ``k+1``)
 and push them through the transport into the generator, evaluate and checkpoint when due,
@@ -26,23 +27,30 @@ from types import FrameType
 from typing import Any
 
 from forgerl import checkpoint as ckpt
-from forgerl import events, runs
+from forgerl import events, problem_source, runs
 from forgerl.batching import prepare_batch, tokens_by_age
 from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.config import RunConfig
 from forgerl.env_rollouts import EnvironmentRollouts
 from forgerl.errors import CheckpointError, CheckpointUnusable, ConfigError
+from forgerl.generator_idle import IdleClock, WatchedGenerator
 from forgerl.interfaces import Generator, RunContext, Task
 from forgerl.metrics import MetricsWriter
+from forgerl.overlap import ContinuousBuffer, ContinuousProducer, default_in_flight
 from forgerl.plugins import Registry
+from forgerl.problem_source import ProblemSource
 from forgerl.rollout import RolloutBatch, RolloutBuffer, RolloutProducer, Tokenizing, sampling_seed
 from forgerl.spmd import TrainerDriver
 from forgerl.staleness import age_counts, filter_stale, oldest_version
-from forgerl.types import GenerationRequest, RewardInput, RewardResult, SamplingParams
+from forgerl.types import GenerationRequest, Problem, RewardInput, RewardResult, SamplingParams
 
 log = logging.getLogger("forgerl.loop")
 
 PHASES = ("generate", "reward", "train", "sync", "eval", "checkpoint")
+
+#: The rollout hand-over of either overlap mode, and the thread that fills it.
+Buffer = RolloutBuffer | ContinuousBuffer
+Producer = RolloutProducer | ContinuousProducer
 
 
 class Interrupted(Exception):
@@ -83,6 +91,10 @@ class Loop:
         self.stop_requested = threading.Event()
         self.last_batch_task_state: dict[str, Any] = {}
         self.pending_restored: list[RolloutBatch] = []
+        #: Problems a checkpoint handed back (drawn, not yet in a batch): drawn first.
+        self.requeued: list[Problem] = []
+        #: The generator's idle time (time/generator_idle_frac); tests give it a clock.
+        self.idle = IdleClock()
         #: Multi-turn rollouts through the configured environment; None: single-turn.
         self.environment = EnvironmentRollouts.from_config(
             config, registry, tokenizer, ctx.run_dir, context_length=_context_length(ctx.model_path)
@@ -117,7 +129,11 @@ class Loop:
         state = snap.state
         self.step = state["step"]
         self.policy_version = state["policy_version"]
-        self.task.load_state_dict(state["task_state"])
+        try:
+            task_state, self.requeued = problem_source.split(state["task_state"])
+        except ValueError as exc:
+            raise CheckpointUnusable(f"{path / ckpt.LOOP_STATE}: {exc}") from None
+        self.task.load_state_dict(task_state)
         self.time_totals.update(state["time_totals"])
         self.eval_start = state["eval_start"]
         self.eval_last = state["eval_last"]
@@ -136,7 +152,6 @@ class Loop:
     def run(self) -> dict[str, Any]:
         cfg = self.config
         steps = cfg.loop.steps
-        S = cfg.loop.max_staleness
         ckpt.clean_staging(self.run_dir)
         resume_from = self.restore()
         pending: list[RolloutBatch] = self.pending_restored
@@ -161,31 +176,10 @@ class Loop:
             # checkpoint's weights before it makes a single rollout.
             self.sync_weights(self.policy_version)
 
-        next_index = self.step + len(pending)
-        buffer = RolloutBuffer(S, next_index=next_index, version=self.served_version())
-        for b in pending:
-            buffer.ready[b.index] = b
+        source = ProblemSource(self.task, self.requeued)
         if not resume_from:
-            self.last_batch_task_state = self.task.state_dict()
-        producer = RolloutProducer(
-            buffer=buffer,
-            generator=self.generator,
-            task=self.task,
-            score=self.rewards.score,
-            tokenizing=self.tokenizing,
-            prompts_per_step=cfg.loop.prompts_per_step,
-            group_size=cfg.loop.group_size,
-            sampling=SamplingParams(
-                max_tokens=cfg.loop.sampling.max_tokens,
-                temperature=cfg.loop.sampling.temperature,
-                top_p=cfg.loop.sampling.top_p,
-                top_k=cfg.loop.sampling.top_k,
-            ),
-            seed=cfg.loop.seed,
-            start=next_index,
-            last=steps - 1,
-            environment=self.environment,
-        )
+            self.last_batch_task_state = source.state_dict()
+        buffer, producer = self.rollouts(source, pending)
         status = "completed"
         # The step the newest checkpoint holds: a stop right after a periodic checkpoint
         # needs no second one (a preemption's grace period is short).
@@ -245,10 +239,66 @@ class Loop:
             metrics.close()
         return summary
 
-    def train_one(self, buffer: RolloutBuffer) -> tuple[dict[str, Any], dict[str, Any]]:
+    def rollouts(self, source: ProblemSource, pending: list[RolloutBatch]) -> tuple[Buffer, Producer]:
+        """The buffer and the producer thread (not started) of ``loop.overlap``, continuing
+        after the ``pending`` batches; the producer's generator reports to :attr:`idle`."""
+        cfg = self.config.loop
+        next_index = self.step + len(pending)
+        generator = WatchedGenerator(self.generator, self.idle)
+        sampling = SamplingParams(
+            max_tokens=cfg.sampling.max_tokens,
+            temperature=cfg.sampling.temperature,
+            top_p=cfg.sampling.top_p,
+            top_k=cfg.sampling.top_k,
+        )
+        buffer: Buffer
+        producer: Producer
+        if cfg.overlap == "continuous":
+            buffer = ContinuousBuffer(
+                prompts_per_step=cfg.prompts_per_step,
+                max_staleness=cfg.max_staleness,
+                max_in_flight=cfg.max_in_flight or default_in_flight(cfg.prompts_per_step, cfg.max_staleness),
+                next_index=next_index,
+                version=self.served_version(),
+                task_state=source.task.state_dict(),
+                requeued=list(source.requeued),
+            )
+            producer = ContinuousProducer(
+                buffer=buffer,
+                generator=generator,
+                source=source,
+                score=self.rewards.score,
+                tokenizing=self.tokenizing,
+                group_size=cfg.group_size,
+                sampling=sampling,
+                seed=cfg.seed,
+                last_group=cfg.steps * cfg.prompts_per_step - 1,
+            )
+        else:
+            buffer = RolloutBuffer(cfg.max_staleness, next_index=next_index, version=self.served_version())
+            producer = RolloutProducer(
+                buffer=buffer,
+                generator=generator,
+                source=source,
+                score=self.rewards.score,
+                tokenizing=self.tokenizing,
+                prompts_per_step=cfg.prompts_per_step,
+                group_size=cfg.group_size,
+                sampling=sampling,
+                seed=cfg.seed,
+                start=next_index,
+                last=cfg.steps - 1,
+                environment=self.environment,
+            )
+        for b in pending:
+            buffer.ready[b.index] = b
+        return buffer, producer
+
+    def train_one(self, buffer: Buffer) -> tuple[dict[str, Any], dict[str, Any]]:
         cfg = self.config
         S = cfg.loop.max_staleness
         k = self.step
+        idle_mark = self.idle.mark()
         t_step = time.perf_counter()
         rollouts = buffer.get(k)
         wait_s = time.perf_counter() - t_step
@@ -272,8 +322,10 @@ class Loop:
         train_s = time.perf_counter() - t
         self.step += 1
         t = time.perf_counter()
-        # Every batch meant for the current version must be made before it changes.
-        buffer.wait_done_through(min(self.step - 1 + S, cfg.loop.steps - 1))
+        if isinstance(buffer, RolloutBuffer):
+            # Versioned: every batch meant for the current version must be made before it
+            # changes. (Continuous: the generator updates with its requests in flight.)
+            buffer.wait_done_through(min(self.step - 1 + S, cfg.loop.steps - 1))
         self.sync_weights(self.step)
         buffer.set_version(self.served_version())
         sync_s = time.perf_counter() - t
@@ -309,6 +361,7 @@ class Loop:
                 "time/train": train_s,
                 "time/sync": sync_s,
                 "throughput/gen_tokens_per_s": rollouts.gen_tokens / max(rollouts.gen_seconds, 1e-9),
+                "time/generator_idle_frac": self.idle.idle_frac(idle_mark),
             }
         )
         for age, tokens in age_counts(ages, S).items():
@@ -427,16 +480,21 @@ class Loop:
 
     # -------------------------------------------------------------------- checkpoint
 
-    def save(self, buffer: RolloutBuffer, producer: RolloutProducer) -> None:
+    def save(self, buffer: Buffer, producer: Producer) -> None:
         """Checkpoint at a step boundary: trainer state on all ranks, then the loop state,
         including rollouts already made for later steps (they were sampled from older
         weights than the checkpoint holds, so they cannot be made again after resume).
         A full disk or an unwritable folder raises CheckpointWriteError and leaves the
         previous checkpoint as the latest."""
-        pending = [b for b in buffer.pending() if b.index >= self.step]
-        # The producer may be consuming the task right now: use the state recorded with
-        # the last finished batch, never the live one.
-        task_state = pending[-1].task_state if pending else self.last_batch_task_state
+        if isinstance(buffer, ContinuousBuffer):
+            # Batches finished so far, and the task as drawn with every drawn problem not
+            # in one of them handed back (forgerl.problem_source): taken at one instant.
+            pending, task_state = buffer.saved(self.step)
+        else:
+            pending = [b for b in buffer.pending() if b.index >= self.step]
+            # The producer may be consuming the task right now: use the state recorded
+            # with the last finished batch, never the live one.
+            task_state = pending[-1].task_state if pending else self.last_batch_task_state
         ckpt.save(
             self.run_dir,
             self.step,

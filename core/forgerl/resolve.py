@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from forgerl.config import RunConfig, format_validation_error
 from forgerl.config_limits import check_values
@@ -46,6 +46,7 @@ def resolve(config: RunConfig, registry: Registry, *, check_available: bool = Fa
         if check_available and (reason := backend.unavailable_reason()):
             raise BackendUnavailable(f"{kind} {choice.name!r} is unavailable: {reason}")
     _check_model_name(config, registry)
+    _check_overlap(config)
     check_values(config.model_dump(mode="python"))
     return config
 
@@ -61,3 +62,34 @@ def _check_model_name(config: RunConfig, registry: Registry) -> None:
         return
     if config.model.options:
         raise ConfigError(f"model.options is only for named models; {name!r} is not one")
+
+
+def _check_overlap(config: RunConfig) -> None:
+    """``loop.overlap: continuous`` updates the generator while its requests are in flight:
+    only a generator whose update policy keeps them (vllm's ``keep``) can."""
+    if config.loop.overlap != "continuous":
+        return
+    name, options = config.generator.name, config.generator.options
+    policy = getattr(options, "update_policy", None)
+    if policy == "keep":
+        return
+    said = "loop.overlap continuous updates weights with requests in flight"
+    if policy is not None and _accepts_keep(options):
+        raise ConfigError(
+            f"{said}, which update_policy {policy!r} does not: set generator.options.update_policy=keep, "
+            "or loop.overlap=versioned"
+        )
+    raise ConfigError(
+        f"{said}, which generator {name!r} cannot (it has no update_policy keep): use --generator vllm "
+        "with generator.options.update_policy=keep, or set loop.overlap=versioned"
+    )
+
+
+def _accepts_keep(options: object) -> bool:
+    if not isinstance(options, BaseModel):
+        return False
+    try:
+        type(options).model_validate({**options.model_dump(), "update_policy": "keep"})
+    except ValidationError:
+        return False
+    return True

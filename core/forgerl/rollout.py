@@ -1,5 +1,6 @@
 """Rollout production: prompts → completions → rewards, in a thread beside training.
 
+This is ``loop.overlap: versioned`` (the default; ``continuous`` is :mod:`forgerl.overlap`).
 Batch ``k`` (the batch trained on at step ``k``) is generated with policy version
 ``max(0, k - max_staleness)`` exactly: the producer waits for that version, and the loop
 holds back the weight update to version ``v + 1`` until every batch that should use
@@ -20,11 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from forgerl.interfaces import Generator, Task
+from forgerl.interfaces import Generator
 from forgerl.types import Episode, GenerationRequest, Problem, RewardInput, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.env_rollouts import EnvironmentRollouts
+    from forgerl.problem_source import ProblemSource
 
 
 @dataclass
@@ -135,7 +137,7 @@ class RolloutProducer(threading.Thread):
         *,
         buffer: RolloutBuffer,
         generator: Generator,
-        task: Task,
+        source: ProblemSource,
         score: Callable[[list[RewardInput]], Any],
         tokenizing: Tokenizing,
         prompts_per_step: int,
@@ -149,7 +151,7 @@ class RolloutProducer(threading.Thread):
         super().__init__(daemon=True, name="forge-rollouts")
         self.buffer = buffer
         self.generator = generator
-        self.task = task
+        self.source = source  # the task, after any problems a checkpoint requeued
         self.score = score
         self.tokenizing = tokenizing
         self.prompts_per_step = prompts_per_step
@@ -174,8 +176,8 @@ class RolloutProducer(threading.Thread):
             loop.close()
 
     async def make_batch(self, index: int) -> RolloutBatch:
-        problems = self.task.next_problems(self.prompts_per_step)
-        task_state = self.task.state_dict()
+        problems = self.source.next_problems(self.prompts_per_step)
+        task_state = self.source.state_dict()
         if self.environment is not None:
             return await self._trajectory_batch(index, problems, task_state)
         prompt_ids = [self.tokenizing.prompt_ids(p) for p in problems]

@@ -73,6 +73,9 @@ PANELS: tuple[Panel, ...] = (
           keys=("time/generate", "time/reward"),
           note="generation and scoring in the rollout thread; with loop.max_staleness > 0 they overlap "
                "earlier steps' training, so they are not part of the step time above"),
+    Panel("generator_idle", "Generator idle", "fraction of the step", keys=("time/generator_idle_frac",),
+          note="the share of each step's time in which the generator had no rollout request in flight "
+               "(loop.overlap: versioned idles it while weights move; continuous keeps it busy)"),
 )
 
 #: Derived series: not in metrics.jsonl, computed from keys that are.
