@@ -66,7 +66,7 @@ def _check_model_name(config: RunConfig, registry: Registry) -> None:
 
 def _check_overlap(config: RunConfig) -> None:
     """``loop.overlap: continuous`` updates the generator while its requests are in flight:
-    only a generator whose update policy keeps them (vllm's ``keep``) can."""
+    only a generator whose update policy keeps them (``keep``: vllm, sglang) can."""
     if config.loop.overlap != "continuous":
         return
     name, options = config.generator.name, config.generator.options
@@ -81,7 +81,7 @@ def _check_overlap(config: RunConfig) -> None:
         )
     raise ConfigError(
         f"{said}, which generator {name!r} cannot (it has no update_policy keep): use --generator vllm "
-        "with generator.options.update_policy=keep, or set loop.overlap=versioned"
+        "or sglang with generator.options.update_policy=keep, or set loop.overlap=versioned"
     )
 
 

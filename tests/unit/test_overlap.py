@@ -504,7 +504,7 @@ def test_continuous_is_for_single_turn_rollouts():
         ("vllm", {}, "which update_policy 'wait' does not: set generator.options.update_policy=keep"),
         ("vllm", {"update_policy": "abort"}, "update_policy 'abort' does not"),
         ("hf", {}, "generator 'hf' cannot (it has no update_policy keep): use --generator vllm"),
-        ("sglang", {}, "generator 'sglang' cannot (it has no update_policy keep)"),
+        ("sglang", {}, "which update_policy 'wait' does not: set generator.options.update_policy=keep"),
     ],
 )
 def test_continuous_needs_a_generator_that_updates_in_flight(generator, options, said):
