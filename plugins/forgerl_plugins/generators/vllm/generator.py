@@ -66,8 +66,8 @@ class VLLMGenerator(ReplicaPool):
         stage_updates: bool = Field(
             True,
             description="At a weight update, read the new version from the transport while the replica still "
-            "generates, and pause it only for the load (costs one more copy of the weights in host memory "
-            "during the update; full weights only, a LoRA adapter is read under the pause).",
+            "generates, and pause it only for the load (with the shm transport: one more copy of the weights in "
+            "host memory during the update; full weights only, a LoRA adapter is read under the pause).",
         )
         startup_timeout: float = Field(
             300.0,
