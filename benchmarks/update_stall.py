@@ -1,7 +1,8 @@
 """Generation stall per weight update, by update policy, in a running vLLM server.
 
 Run: .venv/bin/python benchmarks/update_stall.py [--model smollm2-135m-instruct]
-     [--rounds 3] [--order concurrent|staged|both] [--streams 4] [--max-tokens 96] [--json]
+     [--rounds 3] [--order concurrent|staged|both] [--staging on|off|both]
+     [--policies wait,abort,keep] [--streams 4] [--max-tokens 96] [--json]
 
 One server is started by the plugin's role (as ``forge run`` does, through the helpers of
 benchmarks/vllm_weight_update.py); the benchmark plays trainer rank 0: it keeps
@@ -28,7 +29,11 @@ Measured per update, as the generator sees it (its engine adapter's calls, timed
 today: the pause comes first, so the stall includes waiting for the trainer's bytes);
 ``staged`` sends the version first and only then calls ``update_weights`` (the shm
 transport keeps it for a late receiver), so the stall is the worker's read and load alone.
-Also counted: requests resubmitted (``abort``) and completions labelled with two versions
+``--staging`` (the generator's ``stage_updates``): ``on``, the workers read the version
+from the transport before the pause while the replica generates (``stage``: how long that
+took, as the generator saw it; not in the stall), and the pause holds the load alone;
+``off``: they read it under the pause. ``both`` takes turns, update by update, so both
+see the same load. Also counted: requests resubmitted (``abort``) and completions labelled with two versions
 (``keep``). After the last update one completion is checked against transformers.
 """
 
@@ -59,7 +64,7 @@ POLICIES = ("wait", "abort", "keep")
 class Timed:
     """The engine adapter's pause, token counts, load and resume, timed (perf_counter)."""
 
-    STEPS = ("pause", "sampled_so_far", "load", "resume")
+    STEPS = ("stage", "pause", "sampled_so_far", "load", "resume")
 
     def __init__(self, engine: Any) -> None:
         self.marks: list[tuple[str, float, float]] = []
@@ -168,12 +173,15 @@ def one_update(gen: Any, sender: Any, model: Any, version: int, order: str, time
     pause = next(m for m in marks if m[0] == "pause")
     resume = [m for m in marks if m[0] == "resume"][-1]
     counts = sum(end - start for name, start, end in marks if name == "sampled_so_far")
+    stage = sum(end - start for name, start, end in marks if name == "stage")
     workers = [w for loads in gen.updater.last_update["workers"].values() for w in loads]
     stall = resume[2] - pause[1]
     worker = max(w["seconds"] for w in workers)
     return {
         "version": version,
         "order": order,
+        "staging": "on" if gen.engine.stage_updates else "off",
+        "stage_s": stage,
         "drain_s": pause[1] - started["update"],
         "stall_s": stall,
         "counts_s": counts,
@@ -206,6 +214,8 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--rounds", type=int, default=3, help="updates per policy and order")
     parser.add_argument("--order", choices=("concurrent", "staged", "both"), default="both")
+    parser.add_argument("--staging", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, of wait,abort,keep")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--settle", type=float, default=1.0, help="seconds of decoding before each update")
@@ -219,6 +229,10 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = prompts_for(config, model_dir, 16)
     orders = ["concurrent", "staged"] if args.order == "both" else [args.order]
+    stagings = ["off", "on"] if args.staging == "both" else [args.staging]
+    policies = [p for p in args.policies.split(",") if p]
+    if not set(policies) <= set(POLICIES):
+        parser.error(f"--policies: each of {', '.join(POLICIES)}")
     updates: list[dict[str, Any]] = []
     load_before = os.getloadavg()
     with (
@@ -235,36 +249,41 @@ def main() -> None:
             version = 1
             for _ in range(args.rounds):
                 for order in orders:
-                    for policy in POLICIES:
-                        version += 1
-                        # After the last update's resubmissions went out (counted under its policy).
-                        wait_in_flight(gen, args.streams, args.settle)
-                        gen.updater.policy = traffic.policy = policy
-                        result = one_update(gen, sender, model, version, order, timed)
-                        updates.append({"policy": policy, **result})
-                        if traffic.errors:
-                            raise traffic.errors[0]
+                    for policy in policies:
+                        for staging in stagings:
+                            version += 1
+                            # After the last update's resubmissions went out (counted under its policy).
+                            wait_in_flight(gen, args.streams, args.settle)
+                            gen.updater.policy = traffic.policy = policy
+                            gen.engine.stage_updates = staging == "on"
+                            result = one_update(gen, sender, model, version, order, timed)
+                            updates.append({"policy": policy, **result})
+                            if traffic.errors:
+                                raise traffic.errors[0]
             gen.updater.policy = traffic.policy = "wait"
         finally:
             traffic.stop.set()
             traffic.thread.join(300)
         gap = check_logprobs(gen, model, tokenizer)
     load_after = os.getloadavg()
-    keys = ("drain_s", "stall_s", "counts_s", "worker_wait_s", "worker_read_s", "worker_load_s", "rest_s", "export_s", "send_s")
-    summary = {
-        f"{policy}/{order}": {
-            key: statistics.median(u[key] for u in updates if u["policy"] == policy and u["order"] == order)
-            for key in keys
-        }
+    keys = ("stage_s", "drain_s", "stall_s", "counts_s", "worker_wait_s", "worker_read_s", "worker_load_s", "rest_s", "export_s", "send_s")
+    groups = {
+        f"{policy}/{order}/{staging}": [
+            u for u in updates if (u["policy"], u["order"], u["staging"]) == (policy, order, staging)
+        ]
         for order in orders
-        for policy in POLICIES
+        for policy in policies
+        for staging in stagings
     }
-    for policy in POLICIES:
-        for order in orders:
-            summary[f"{policy}/{order}"]["max_stall_s"] = max(
-                u["stall_s"] for u in updates if u["policy"] == policy and u["order"] == order
-            )
-    resubmitted = {p: traffic.resubmitted[p] for p in POLICIES}
+    summary = {
+        name: {
+            **{key: statistics.median(u[key] for u in group) for key in keys},
+            "max_stall_s": max(u["stall_s"] for u in group),
+            "min_stall_s": min(u["stall_s"] for u in group),
+        }
+        for name, group in groups.items()
+    }
+    resubmitted = {p: traffic.resubmitted[p] for p in policies}
     result = {
         "model": args.model,
         "streams": args.streams,
@@ -286,11 +305,13 @@ def main() -> None:
         f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
     )
     print(
-        "policy/order         drain   stall (max)     counts  w.wait  w.read  w.load  rest    export  send"
+        "policy/order/staging     stage   drain   stall (min, max)      counts  w.wait  w.read  w.load  rest"
+        "    export  send"
     )
     for name, m in summary.items():
         print(
-            f"{name:20s} {m['drain_s']:6.2f}  {m['stall_s']:5.2f} ({m['max_stall_s']:5.2f})  {m['counts_s']:6.2f}"
+            f"{name:24s} {m['stage_s']:5.2f}  {m['drain_s']:6.2f}  {m['stall_s']:5.2f} "
+            f"({m['min_stall_s']:5.2f}, {m['max_stall_s']:5.2f})  {m['counts_s']:6.2f}"
             f"  {m['worker_wait_s']:6.2f}  {m['worker_read_s']:6.2f}  {m['worker_load_s']:6.2f}  {m['rest_s']:6.2f}"
             f"  {m['export_s']:6.3f}  {m['send_s']:5.2f}"
         )

@@ -65,6 +65,9 @@ class RecordingEngine:
         self.fail = fail  # "before" (weights intact) or "half-way" (touched)
         self.calls: list[tuple[str, str]] = []
 
+    async def stage(self, r: Replica, version: int) -> None:
+        self.calls.append(("stage", str(version)))
+
     async def pause(self, r: Replica, policy: str) -> None:
         self.calls.append(("pause", policy))
 
@@ -108,7 +111,10 @@ def test_keep_pauses_in_place_counts_loads_then_resumes_and_records_the_crossing
     engine = RecordingEngine({"a": {0: 7, 1: 2}})
     r, error = run_update(tmp_path, engine, [running, waiting])
     assert error is None
-    assert engine.calls == [("pause", "keep"), ("sampled_so_far", "a,b"), ("load", "4"), ("resume", "keep")]
+    # The version is staged while the replica still generates: the pause holds only the load.
+    assert engine.calls == [
+        ("stage", "4"), ("pause", "keep"), ("sampled_so_far", "a,b"), ("load", "4"), ("resume", "keep")
+    ]  # fmt: skip
     assert running.crossings == [Crossing({0: 7, 1: 2}, 4)]
     assert waiting.crossings == [Crossing({}, 4)]  # not started: everything after the resume
     assert r.version == 4 and r.aborts == 0 and not r.updating

@@ -46,6 +46,11 @@ class Engine(Protocol):
         choice) not started yet may be left out (:mod:`.crossings`). An engine whose
         answers say which weights sampled each token (SGLang) returns ``{}``."""
 
+    async def stage(self, r: Replica, version: int) -> None:
+        """Before the pause, while ``r`` still generates: have ``r`` read ``version`` from
+        the transport ahead of :meth:`load`, and return once it has it (an engine that
+        cannot: at once). Never fatal: a stage that fails leaves the load to read itself."""
+
     async def load(self, r: Replica, version: int) -> None:
         """Load ``version`` into paused ``r`` (0: the model folder's). Raises TransportError
         when it could not, setting ``r.version = None`` where it may have loaded part of it."""

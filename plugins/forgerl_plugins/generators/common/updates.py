@@ -6,7 +6,9 @@ One replica's update: the update policy (one method each, :attr:`WeightUpdater.p
 deals with our requests in flight on it (``wait``: they drain; ``abort``: they are aborted
 and resubmitted once the new weights are in, see :attr:`.replica.Replica.aborts`; ``keep``:
 nothing, they are frozen where they are), then the engine pauses it in the policy's mode,
-loads the version and resumes it. Under ``wait`` and ``abort`` no request runs while the
+loads the version and resumes it. Before all that, while the replica still generates, the
+engine may stage the version (read it from the transport: :meth:`.engine.Engine.stage`),
+so that the pause holds only the load. Under ``wait`` and ``abort`` no request runs while the
 weights change, so a completion's tokens all come from one version. Under ``keep`` the
 frozen requests go on with the new weights: before the resume each is told how many tokens
 it had sampled (:mod:`.crossings`), and its completion carries per-token versions. While
@@ -126,6 +128,9 @@ class WeightUpdater:
         paused = False
         notice = UpdateNotice(r.endpoint, r.instance)  # its launcher must not take the pause for a hang
         try:
+            # The read of the version before the pause (the engine's stage), so that the
+            # pause holds only the load; what is in flight meanwhile goes on generating.
+            await self.engine.stage(r, version)
             await self.policies[policy](r)
             await notice.start()
             await self.engine.pause(r, policy)

@@ -97,6 +97,9 @@ class SGLangEngine:
     async def pause(self, r: Replica, policy: str) -> None:
         await self.client.admin(r, "/pause_generation", json=payloads.pause_body(policy))
 
+    async def stage(self, r: Replica, version: int) -> None:
+        pass  # SGLang's update endpoint reads the version itself, under the pause
+
     async def sampled_so_far(self, r: Replica, keys: list[str]) -> dict[str, dict[int, int]]:
         # SGLang counts itself: at the version change its scheduler notes each request's
         # tokens so far, and the answer carries the spans (payloads.token_versions).

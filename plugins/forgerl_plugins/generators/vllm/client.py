@@ -64,6 +64,16 @@ class ReplicaClient(HealthClient):
         results = resp.json().get("results") or [{}]
         return dict(results[0] or {})
 
+    async def stage_weights(self, r: Replica, request: str) -> httpx.Response:
+        """``forge_stage_weights(request)`` on every worker of ``r``: starts their read of
+        a version, or says how it stands; answers at once."""
+        return await self.http.post(
+            r.url + "/collective_rpc",
+            json={"method": "forge_stage_weights", "args": [request]},
+            headers=r.headers,
+            timeout=60.0,
+        )
+
     async def load_weights(self, r: Replica, request: str, timeout: float) -> httpx.Response:
         """``forge_load_weights(request)`` on every worker of ``r``; ``timeout``: the
         transport's, which the workers wait at most."""

@@ -3,6 +3,10 @@ speaks to one vLLM replica (every HTTP call, with the replica's key: :mod:`.clie
 
 * **generation**: one ``/v1/completions`` request per prompt (:mod:`.completions`);
 * **meeting a replica**: its model info (context length) and the weights its workers hold;
+* **staging** (option ``stage_updates``, full weights only): before the pause the workers
+  read the version from the transport while the replica generates (``forge_stage_weights``
+  starts a thread in each worker and is asked again every :data:`STAGE_POLL` s until the
+  read is done), so the pause holds the in-place load alone;
 * **weight loads**: ``/pause`` in the update policy's mode (vLLM's own: ``wait``,
   ``abort``, ``keep``), then ``POST /collective_rpc`` into the worker extension
   (:mod:`.worker_extension`), which pulls the version from the run's transport inside
@@ -20,8 +24,11 @@ speaks to one vLLM replica (every HTTP call, with the replica's key: :mod:`.clie
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 from forgerl.adapters import ADAPTER_NAME
@@ -31,12 +38,18 @@ from forgerl.types import Completion, GenerationRequest
 from forgerl_plugins.generators.common.crossings import Flight, label
 from forgerl_plugins.generators.common.replica import Replica
 
-from .client import ReplicaClient, error_message
+from .client import LOAD_MARGIN, ReplicaClient, error_message
 from .completions import parse_completions, request_body
 from .server import ROLE
 
 if TYPE_CHECKING:  # pragma: no cover
     from .generator import VLLMGenerator
+
+log = logging.getLogger(__name__)
+
+#: Seconds between asking the workers whether their staged read is done (each ask is one
+#: RPC, run between two engine steps).
+STAGE_POLL = 0.02
 
 
 class VLLMEngine:
@@ -51,6 +64,7 @@ class VLLMEngine:
         self.request_timeout = options.request_timeout
         self.send_seed = options.send_seed  # on the CPU build, see server.whole_prefill_args
         self.transport_timeout = context.transport_timeout
+        self.stage_updates = options.stage_updates
         self.transport = transport
         self.adapter = context.adapter
         # The adapter's adapter_config.json (the workers need its rank and alpha, not the
@@ -101,25 +115,31 @@ class VLLMEngine:
         await self.client.admin(r, "/reset_prefix_cache", params=params)
         await self.client.admin(r, "/resume")
 
+    async def stage(self, r: Replica, version: int) -> None:
+        """Have ``r``'s workers read ``version`` from the transport while ``r`` generates;
+        returns when every worker has it, or (logged) when a worker could not stage it:
+        the load then reads it itself and reports what failed."""
+        if not self.stage_updates or version == 0 or self.adapter is not None:
+            return
+        request = json.dumps(self._load_request(r, version))
+        deadline = time.monotonic() + self.transport_timeout + LOAD_MARGIN
+        while True:
+            resp = await self.client.stage_weights(r, request)
+            results = resp.json().get("results") if resp.status_code == 200 else None
+            if not results or not all(isinstance(x, dict) and x.get("ok") for x in results):
+                what = error_message(resp) if resp.status_code != 200 else results
+                log.warning("vllm: replica %d could not stage weights version %d (%s): loading it under the pause",
+                            r.index, version, what)  # fmt: skip
+                return
+            if all(x.get("done") for x in results) or time.monotonic() > deadline:
+                return
+            await asyncio.sleep(STAGE_POLL)
+
     async def load(self, r: Replica, version: int) -> None:
         """Load ``version`` on every worker of ``r`` (the transport's, or the model folder's
-        for version 0)."""
+        for version 0; staged by :meth:`stage`: from the workers' memory)."""
         timeout = self.transport_timeout
-        request: dict[str, Any] = {
-            "version": version,
-            "timeout": timeout,
-            "worker_prefix": f"vllm-{r.index}-{(r.instance or '')[:8]}",
-        }
-        if self.adapter_config is not None:
-            request["adapter"] = self.adapter_config
-        if version == 0:
-            request["source"] = "base"
-        else:
-            # The workers build the same transport from its description and connect
-            # through the spec.
-            request["source"] = "transport"
-            request["transport"] = {"described": self.transport.describe(), "spec": self.transport.receiver_spec()}
-        resp = await self.client.load_weights(r, json.dumps(request), timeout)
+        resp = await self.client.load_weights(r, json.dumps(self._load_request(r, version)), timeout)
         if resp.status_code != 200:
             r.version = None
             raise TransportError(
@@ -139,6 +159,25 @@ class VLLMEngine:
             raise TransportError(f"replica {r.index} did not load weights version {version}: {what}")
         if self.adapter is not None and version > 0 and (r.index, r.instance) not in self._named:
             await self._name_adapter(r)
+
+    def _load_request(self, r: Replica, version: int) -> dict[str, Any]:
+        """What the workers are asked to load (and to stage): the JSON of
+        :meth:`.worker_extension.ForgeWorkerExtension.forge_load_weights`."""
+        request: dict[str, Any] = {
+            "version": version,
+            "timeout": self.transport_timeout,
+            "worker_prefix": f"vllm-{r.index}-{(r.instance or '')[:8]}",
+        }
+        if self.adapter_config is not None:
+            request["adapter"] = self.adapter_config
+        if version == 0:
+            request["source"] = "base"
+        else:
+            # The workers build the same transport from its description and connect
+            # through the spec.
+            request["source"] = "transport"
+            request["transport"] = {"described": self.transport.describe(), "spec": self.transport.receiver_spec()}
+        return request
 
     async def _name_adapter(self, r: Replica) -> None:
         """Tell ``r``'s API server the adapter's name, once per server (:mod:`.adapter`)."""

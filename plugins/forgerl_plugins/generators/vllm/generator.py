@@ -63,6 +63,12 @@ class VLLMGenerator(ReplicaPool):
             "or keep (frozen in place, then continued with the new weights; their completions carry "
             "per-token versions, and a sample's staleness counts from its oldest token).",
         )
+        stage_updates: bool = Field(
+            True,
+            description="At a weight update, read the new version from the transport while the replica still "
+            "generates, and pause it only for the load (with the shm transport: one more copy of the weights in "
+            "host memory during the update; full weights only, a LoRA adapter is read under the pause).",
+        )
         startup_timeout: float = Field(
             300.0,
             gt=0,

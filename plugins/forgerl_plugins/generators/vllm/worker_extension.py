@@ -15,11 +15,19 @@ here (without it, a CPU server keeps sampling from the old output layer).
 With a LoRA trainer (``"adapter"`` in the request) a version holds only the adapter's
 tensors: they are loaded in place as the worker's one LoRA adapter (:mod:`.adapter`),
 and the base weights stay as they are.
+
+**Staging** (:meth:`ForgeWorkerExtension.forge_stage_weights`, full weights only): the
+version is read from the transport by a thread of the worker while the engine still
+generates (an RPC blocks the engine's loop only for as long as it runs, so the RPC just
+starts the thread, and is asked again until the read is done); the load under the pause
+then takes the tensors from memory. The staged tensors are one more copy of the weights
+in host memory, from the stage until the load is done.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -49,12 +57,50 @@ class _Counted:
             yield name, tensor
 
 
+class _Staging:
+    """One version being read from the transport by a thread (:meth:`ForgeWorkerExtension.forge_stage_weights`)."""
+
+    def __init__(self, version: int, receiver: Any, timeout: float) -> None:
+        self.version = version
+        self.tensors: list[tuple[str, Any]] = []
+        self.read_seconds = 0.0
+        self.error: str | None = None
+        self.done = threading.Event()
+        self.thread = threading.Thread(
+            target=self._read, args=(receiver, timeout), name=f"forge-stage-{version}", daemon=True
+        )
+        self.thread.start()
+
+    def _read(self, receiver: Any, timeout: float) -> None:
+        start = time.perf_counter()
+        try:
+            # The transport's own tensors: the shm receiver's are copies of its file, the
+            # others' views of the buffer it keeps until its next receive, which comes
+            # only with the next version, after this one is loaded.
+            self.tensors = list(receiver.receive(self.version, timeout=timeout))
+            if not self.tensors:
+                raise RuntimeError(f"weights version {self.version} held no tensors")
+        except Exception as exc:  # noqa: BLE001 - reported to the generator by the next poll
+            self.tensors = []
+            self.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self.read_seconds = time.perf_counter() - start
+            self.done.set()
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ok": self.error is None, "version": self.version, "done": self.done.is_set()}
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
 class ForgeWorkerExtension:
     """Methods added to each vLLM worker. ``self`` is the worker (``self.rank``,
     ``self.model_runner``, ``self.reload_weights`` come from vLLM)."""
 
     _forge_version: int = 0
     _forge_receivers: dict[str, Any]
+    _forge_staging: _Staging | None = None
 
     if TYPE_CHECKING:  # pragma: no cover - what the vLLM worker this is mixed into provides
         model_runner: Any
@@ -79,6 +125,7 @@ class ForgeWorkerExtension:
         start = time.perf_counter()
         counted = _Counted(())
         waited = 0.0
+        stage_seconds: float | None = None  # the staged read, done before the pause
         try:
             adapter = req.get("adapter")
             if adapter is not None:
@@ -87,10 +134,14 @@ class ForgeWorkerExtension:
                 counted.tensors = -1  # unknown, but the weights are being replaced
                 self.reload_weights(weights_iterator=None, is_checkpoint_format=True)
             else:
-                receiver = self._forge_receiver(req)
-                # The wait for the version (and its timeout) happens in receive(), before
-                # a single tensor reaches the model.
-                counted = _Counted(receiver.receive(version, timeout=float(req["timeout"])))
+                staged = self._forge_take_staged(version)
+                if staged is not None:
+                    counted, stage_seconds = _Counted(staged.tensors), staged.read_seconds
+                else:
+                    receiver = self._forge_receiver(req)
+                    # The wait for the version (and its timeout) happens in receive(),
+                    # before a single tensor reaches the model.
+                    counted = _Counted(receiver.receive(version, timeout=float(req["timeout"])))
                 waited = time.perf_counter() - start
                 self.reload_weights(weights_iterator=counted, is_checkpoint_format=True)
                 if counted.tensors == 0:
@@ -117,8 +168,47 @@ class ForgeWorkerExtension:
             "wait_seconds": waited,
             "read_seconds": counted.read_seconds,
             "load_seconds": seconds - waited - counted.read_seconds,
+            "staged": stage_seconds is not None,
+            "stage_seconds": stage_seconds or 0.0,
             "rank": int(getattr(self, "rank", 0)),
         }
+
+    def forge_stage_weights(self, request: str) -> dict[str, Any]:
+        """Start reading version ``request["version"]`` (the same JSON as
+        :meth:`forge_load_weights`, full weights from the transport) into memory, or say
+        how that read stands: ``{"ok", "version", "done", "error"?}``. Returns at once:
+        the engine goes on generating while the thread reads. A failed read is dropped
+        (the load then reads from the transport itself and reports the error)."""
+        req = json.loads(request)
+        version = int(req["version"])
+        staging: _Staging | None = self.__dict__.get("_forge_staging")
+        if staging is None or staging.version != version:
+            if staging is not None and not staging.done.is_set():
+                # An older version's read (its update failed) still waits on the transport:
+                # never two reads on one receiver. The load waits for it, then reads itself.
+                return {"ok": False, "version": version, "done": True,
+                        "error": f"the read of version {staging.version} is still running"}  # fmt: skip
+            try:
+                receiver = self._forge_receiver(req)
+            except Exception as exc:  # noqa: BLE001 - reported; the load goes on without staging
+                return {"ok": False, "version": version, "done": True, "error": f"{type(exc).__name__}: {exc}"}
+            staging = self._forge_staging = _Staging(version, receiver, float(req["timeout"]))
+        status = staging.status()
+        if not status["ok"]:
+            self._forge_staging = None
+        return status
+
+    def _forge_take_staged(self, version: int) -> _Staging | None:
+        """The staged read of ``version`` (waited for when still running), or None when
+        there is none or it failed; the stage is dropped either way."""
+        staging: _Staging | None = self.__dict__.get("_forge_staging")
+        self._forge_staging = None
+        if staging is None:
+            return None
+        staging.done.wait()
+        if staging.version != version or staging.error is not None:
+            return None
+        return staging
 
     def _forge_load_adapter(
         self, req: dict[str, Any], config: dict[str, Any], version: int, start: float
