@@ -6,6 +6,7 @@ held-out accuracy at the start and at the end, the reward curve and the wall tim
 
     .venv/bin/python benchmarks/learning.py --steps 20 [--output DIR] [--set key=value ...] [--json]
     .venv/bin/python benchmarks/learning.py --environment calculator --steps 40   # multi-turn, tools
+    .venv/bin/python benchmarks/learning.py --environment guess --steps 18 --set environment.options.high=8 ...
 
 Extra --set values go to `forge run` unchanged (e.g. `--set trainer.options.lr=5e-6`).
 """
@@ -60,6 +61,10 @@ def main() -> None:
         # With an environment: assistant turns per trajectory (above 1: tools were called).
         "turns_first5": _mean(rows[:5], "env/turns_mean"),
         "turns_last5": _mean(rows[-5:], "env/turns_mean"),
+        # The reward's components on the training samples (e.g. the guess game's hints and
+        # hints followed), first and last 5 steps.
+        "components_first5": _components(rows[:5]),
+        "components_last5": _components(rows[-5:]),
         "time": summary["time"],
         "run_dir": str(out),
         "generator": config["generator"]["name"],
@@ -75,6 +80,14 @@ def main() -> None:
     if result["turns_first5"] is not None:
         print(f"assistant turns per trajectory, first 5 steps: {result['turns_first5']:.2f}; "
               f"last 5 steps: {result['turns_last5']:.2f}")
+    for name, first in result["components_first5"].items():
+        print(f"reward component {name}, first 5 steps: {first:.3f}; last 5 steps: "
+              f"{result['components_last5'].get(name, float('nan')):.3f}")
+
+
+def _components(rows: list[dict]) -> dict[str, float]:
+    names = sorted({k for r in rows for k in r if k.startswith("reward/") and k not in ("reward/mean", "reward/failed")})
+    return {n.removeprefix("reward/"): _mean(rows, n) for n in names}
 
 
 def _mean(rows: list[dict], key: str) -> float | None:

@@ -218,6 +218,35 @@ def test_calculator_answer_is_scored_against_the_problem():
     assert env2.step("<answer>41</answer>").reward == 0.0
 
 
+def test_guess_counts_the_hints_the_model_followed():
+    """``followed`` counts the answers that went the way the last higher/lower hint said;
+    an answer without a number gets no hint, so the next number follows nothing."""
+    from forgerl_plugins.environments.guess import GuessEnvironment
+
+    env = GuessEnvironment(GuessEnvironment.Options(low=1, high=8, max_guesses=6))
+    env.reset(Problem("game-7", ""))
+    secret = env.secret
+    low = 1 if secret != 1 else 8  # a wrong guess, and the hint it gets
+    says = "Higher." if low < secret else "Lower."
+    assert env.step(str(low)).messages[0]["content"] == says
+    env.step(str(low))  # the same number again: the hint not followed
+    env.step("no idea")  # no number: no hint to follow next
+    wrong_way = 0 if says == "Higher." else 9  # against the hint (and out of range)
+    env.step(str(low))
+    env.step(str(wrong_way))
+    won = env.step(f"It is {secret}.")
+    assert won.done and won.reward == 1.0 and won.components["first_guess"] == 0.0
+    # Hints answered with a number: guesses 2, 5 and 6 (guess 4 came after the number-less
+    # answer). Followed: only the winning guess, the hinted way from the wrong-way guess.
+    assert won.components["hints"] == 3.0
+    assert won.components["followed"] == 1.0
+    first = GuessEnvironment(GuessEnvironment.Options(low=1, high=8, max_guesses=3))
+    first.reset(Problem("game-7", ""))
+    assert first.step(str(secret)).components == {
+        "correct": 1.0, "guesses": 1.0, "first_guess": 1.0, "hints": 0.0, "followed": 0.0
+    }
+
+
 def test_guess_gives_feedback_then_a_reward():
     from forgerl_plugins.environments.guess import GuessEnvironment
 
@@ -233,6 +262,9 @@ def test_guess_gives_feedback_then_a_reward():
         hint = step.messages[0]["content"]
         lo, hi = (guess + 1, hi) if hint == "Higher." else (lo, guess - 1)
     assert step.reward == 1.0 and step.components["guesses"] == turns <= 5
+    # Bisection follows every hint; a win on the first guess would need no feedback.
+    assert step.components["hints"] == step.components["followed"] == turns - 1
+    assert step.components["first_guess"] == float(turns == 1)
     lost = GuessEnvironment(GuessEnvironment.Options(low=1, high=16, max_guesses=1))
     lost.reset(Problem("game-1", ""))
     final = lost.step(str(0))

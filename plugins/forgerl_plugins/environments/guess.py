@@ -1,7 +1,13 @@
 """The ``guess`` environment: a number-guessing game with feedback. The environment thinks
 of an integer (fixed per problem, so a GRPO group plays one game); the model guesses, the
 environment says "higher" or "lower"; reward 1 for the right number within
-``max_guesses`` turns (0 after that). The run's task supplies only the problems' ids."""
+``max_guesses`` turns (0 after that). The run's task supplies only the problems' ids.
+
+Besides ``correct`` and ``guesses``, the components say how the game was played:
+``first_guess`` (1 when the first guess was right: the share of wins that needed the
+feedback is ``1 - first_guess / correct``), ``hints`` (higher/lower hints the model
+answered with another number) and ``followed`` (how many of those answers went the way
+the hint said): ``followed / hints`` is how often the model used the feedback."""
 
 from __future__ import annotations
 
@@ -36,6 +42,9 @@ class GuessEnvironment(Environment):
         self.options = options or self.Options()
         self.secret = self.options.low
         self.guesses = 0
+        self.hint: tuple[int, str] | None = None  # the last higher/lower hint: (its guess, "Higher."/"Lower.")
+        self.hints = 0
+        self.followed = 0
 
     def reset(self, problem: Problem) -> list[Message]:
         lo, hi = self.options.low, self.options.high
@@ -51,12 +60,22 @@ class GuessEnvironment(Environment):
         self.guesses += 1
         numbers = re.findall(r"-?\d+", assistant_text)
         guess = int(numbers[-1]) if numbers and len(numbers[-1]) < 12 else None
-        if guess == self.secret:
-            return Step.finish(1.0, correct=1.0, guesses=float(self.guesses))
-        if self.guesses >= self.options.max_guesses:
-            return Step.finish(0.0, correct=0.0, guesses=float(self.guesses))
+        if guess is not None and self.hint is not None:
+            before, said = self.hint
+            self.hints += 1
+            self.followed += guess > before if said == "Higher." else guess < before
+        if guess == self.secret or self.guesses >= self.options.max_guesses:
+            return self._finish(guess == self.secret)
         if guess is None:
             hint = f"Answer with one integer from {self.options.low} to {self.options.high}."
+            self.hint = None
         else:
             hint = "Higher." if guess < self.secret else "Lower."
+            self.hint = (guess, hint)
         return Step.observe({"role": "user", "content": hint})
+
+    def _finish(self, won: bool) -> Step:
+        return Step.finish(
+            float(won), correct=float(won), guesses=float(self.guesses),
+            first_guess=float(won and self.guesses == 1), hints=float(self.hints), followed=float(self.followed),
+        )
