@@ -176,9 +176,10 @@ def _sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
-def product_seconds(p: Product, dtype: Any, device: Any, runs: int = REPLAY_RUNS) -> float:
-    """The fastest of ``runs`` runs of ``p`` alone in ``dtype``, scaled to the FLOPs the
-    step counts for it (attention: the full square runs, the counted share of it is taken)."""
+def product_seconds(p: Product, dtype: Any, device: Any, runs: int = REPLAY_RUNS) -> tuple[float, float]:
+    """Wall and CPU seconds of ``p`` alone in ``dtype`` (the fastest of ``runs`` runs of
+    each), scaled to the FLOPs the step counts for it (attention: the full square runs,
+    the counted share of it is taken)."""
     import torch
 
     def operand(spec: tuple[Shape, Shape]) -> Any:
@@ -189,24 +190,30 @@ def product_seconds(p: Product, dtype: Any, device: Any, runs: int = REPLAY_RUNS
     op = torch.mm if p.kind == "mm" else torch.bmm
     out = op(a, b)  # warm: the first call of a shape may pick its kernel
     full = 2 * out.numel() * p.a[0][-1]
-    best = float("inf")
+    wall = cpu = float("inf")
     for _ in range(runs):
         _sync(device)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         op(a, b, out=out)
         _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best * p.flops / full
+        wall = min(wall, time.perf_counter() - start)
+        cpu = min(cpu, time.process_time() - start_cpu)
+    return wall * p.flops / full, cpu * p.flops / full
 
 
-def replay(counts: collections.Counter[Product], dtype: Any, device: Any) -> float:
-    """Seconds the step's products take alone in ``dtype`` (each as often as the step ran it)."""
-    return sum(n * product_seconds(p, dtype, device) for p, n in counts.items())
+def replay(counts: collections.Counter[Product], dtype: Any, device: Any) -> tuple[float, float]:
+    """Wall and CPU seconds the step's products take alone in ``dtype`` (each as often as
+    the step ran it)."""
+    wall = cpu = 0.0
+    for p, n in counts.items():
+        w, c = product_seconds(p, dtype, device)
+        wall, cpu = wall + n * w, cpu + n * c
+    return wall, cpu
 
 
 def square_flops_per_s(dtype: Any, device: Any, n: int = 2048) -> float:
     p = Product("mm", "reference", "forward", _dense((n, n)), _dense((n, n)), "", 2 * n**3)
-    return p.flops / product_seconds(p, dtype, device)
+    return p.flops / product_seconds(p, dtype, device)[0]
 
 
 def main() -> None:
@@ -242,27 +249,36 @@ def main() -> None:
                 "fp32": lambda: replay(recorder.counts, torch.float32, device),
             }
             seconds: dict[str, list[float]] = {k: [] for k in phases}
-            step_cpu: list[float] = []
+            cpu_seconds: dict[str, list[float]] = {k: [] for k in phases}
             squares: dict[str, list[float]] = {"bf16": [], "fp32": []}
             names = list(phases)
             for round_ in range(args.rounds):
                 for name in names[round_ % 3 :] + names[: round_ % 3]:
                     start, cpu = time.perf_counter(), time.process_time()
                     result = phases[name]()
-                    wall = time.perf_counter() - start
-                    seconds[name].append(wall if name == "step" else float(result))
                     if name == "step":
-                        step_cpu.append(time.process_time() - cpu)
+                        seconds[name].append(time.perf_counter() - start)
+                        cpu_seconds[name].append(time.process_time() - cpu)
+                    else:
+                        seconds[name].append(result[0])
+                        cpu_seconds[name].append(result[1])
                 squares["bf16"].append(square_flops_per_s(torch.bfloat16, device))
                 squares["fp32"].append(square_flops_per_s(torch.float32, device))
                 if not args.json:
-                    print(f"round {round_ + 1}: " + ", ".join(f"{k} {v[-1]:.2f} s" for k, v in seconds.items()), flush=True)
+                    print(
+                        f"round {round_ + 1}: "
+                        + ", ".join(
+                            f"{k} {v[-1]:.2f} s (CPU {cpu_seconds[k][-1]:.2f} s)" for k, v in seconds.items()
+                        ),
+                        flush=True,
+                    )
             autocast = bool(trainer.autocast_bf16)
         finally:
             trainer.close()
 
     flops = recorder.flops
     med = {k: statistics.median(v) for k, v in seconds.items()}
+    med_cpu = {k: statistics.median(v) for k, v in cpu_seconds.items()}
     achieved = flops / med["step"]
     mask = batch.loss_mask[:, 1:] != 0
     result = {
@@ -275,6 +291,7 @@ def main() -> None:
         },
         "options": options,
         "threads": torch.get_num_threads(),
+        "load_average": os.getloadavg(),
         "step_precision": "bf16 autocast (fp32 master weights)" if autocast else "fp32",
         "product_dtypes": sorted({p.dtype for p in recorder.counts}),
         "flops": flops,
@@ -282,11 +299,14 @@ def main() -> None:
         "products": sum(recorder.counts.values()),
         "uncounted_ops": dict(recorder.unknown),
         "seconds": seconds,
-        "step_cpu_seconds": step_cpu,
+        "cpu_seconds": cpu_seconds,
         "median_s": med,
+        "median_cpu_s": med_cpu,
         "achieved_flops_per_s": achieved,
         "ceiling_flops_per_s": {k: flops / med[k] for k in ("bf16", "fp32")},
-        "mfu": {k: achieved / (flops / med[k]) for k in ("bf16", "fp32")},
+        "mfu": {k: med[k] / med["step"] for k in ("bf16", "fp32")},
+        # The same from CPU time (steadier where other processes share the cores).
+        "mfu_cpu": {k: med_cpu[k] / med_cpu["step"] for k in ("bf16", "fp32")},
         "square_2048_flops_per_s": {k: statistics.median(v) for k, v in squares.items()},
     }
     if args.json:
@@ -303,12 +323,15 @@ def main() -> None:
         print(f"  {key:22s} {value / 1e9:8.1f} GFLOP ({value / flops:5.1%})")
     if result["uncounted_ops"]:
         print(f"  not counted (unknown products): {result['uncounted_ops']}")
-    print(f"train_step: {med['step']:.2f} s wall (CPU {statistics.median(step_cpu):.2f} s) -> {achieved / 1e9:.0f} GFLOP/s")
+    print(
+        f"train_step: {med['step']:.2f} s wall (CPU {med_cpu['step']:.2f} s) -> {achieved / 1e9:.0f} GFLOP/s"
+    )
     for k in ("bf16", "fp32"):
         ceiling = result["ceiling_flops_per_s"][k]
         print(
-            f"the step's products alone in {k}: {med[k]:.2f} s -> {ceiling / 1e9:.0f} GFLOP/s; "
-            f"MFU vs {k} {result['mfu'][k]:.2f}; 2048^2 {k} {result['square_2048_flops_per_s'][k] / 1e9:.0f} GFLOP/s"
+            f"the step's products alone in {k}: {med[k]:.2f} s (CPU {med_cpu[k]:.2f} s) -> {ceiling / 1e9:.0f} "
+            f"GFLOP/s; MFU vs {k} {result['mfu'][k]:.2f} (by CPU time {result['mfu_cpu'][k]:.2f}); "
+            f"2048^2 {k} {result['square_2048_flops_per_s'][k] / 1e9:.0f} GFLOP/s"
         )
 
 
