@@ -77,3 +77,60 @@ def test_a_layout_without_sums_checks_nothing_and_bad_counts_are_refused() -> No
     text = layout.with_sums([t for _, t in ts]).to_json().replace('"sums":[', '"sums":[1,')
     with pytest.raises(ValueError, match="checksums"):
         Layout.from_json(text)
+
+
+def test_an_nccl_receiver_refuses_a_version_whose_sums_do_not_match(monkeypatch, caplog) -> None:
+    """The nccl sender sends each chunk's sum after the chunks; a receiver whose bytes do not
+    match them never acknowledges or yields that version (the sender's sums for version 1
+    are made wrong here), and takes the next good one bit-exact."""
+    import threading
+
+    from forgerl.errors import TransportError
+    from forgerl.testing.transport_receiver import make_weights
+    from forgerl.types import WeightSet
+    from forgerl_plugins.transports.nccl.transport import NcclTransport
+    from tests.helpers.timing import scaled
+
+    real = Layout.chunk_sum
+
+    def wrong_for_version_1(self: Layout, index: int, ts: list) -> int:
+        return (real(self, index, ts) + (index == 0 and self.version == 1)) % 2**64
+
+    monkeypatch.setattr(Layout, "chunk_sum", wrong_for_version_1)
+    transport = NcclTransport(NcclTransport.Options(backend="gloo", bucket_mb=1), context=None)
+    sender = transport.sender()
+    receiver = transport.receiver("w0")
+    try:
+        for version, must_arrive in ((1, False), (2, True)):
+            weights = make_weights(version)
+            got: dict = {}
+            errors: list[BaseException] = []
+
+            def receive(version: int = version, got: dict = got, errors: list = errors) -> None:
+                try:
+                    got.update((n, t.clone()) for n, t in receiver.receive(version, timeout=scaled(4)))
+                except TransportError as exc:
+                    errors.append(exc)
+
+            thread = threading.Thread(target=receive)
+            thread.start()
+            try:
+                sender.send(WeightSet(version, weights), timeout=scaled(4))
+                sent = True
+            except TransportError as exc:
+                sent = False
+                assert "w0" in str(exc), exc
+            thread.join(scaled(30))
+            assert not thread.is_alive()
+            if must_arrive:
+                assert sent and not errors, errors
+                assert set(got) == set(weights)
+                for name, t in weights.items():
+                    assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+            else:
+                assert not sent and not got and errors, (sent, list(got), errors)
+        assert "does not match the sender's checksum" in caplog.text
+    finally:
+        receiver.close()
+        sender.close()
+        transport.close()

@@ -205,6 +205,8 @@ class _TransportPath:
         from forgerl.types import WeightSet
 
         start = time.monotonic()
+        for w in self.workers:  # as the loop starts the generator's update with the send
+            w.tell(f"go {version}")
         self.sender.send(WeightSet(version, self.weights), timeout=self.timeout)
         return _last_done(self.workers, self.timeout) - start
 

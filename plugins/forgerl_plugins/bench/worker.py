@@ -8,7 +8,9 @@ prints JSON lines: ``ready``, then ``done`` with ``time.monotonic()`` when a ver
 fully in memory (the clock is shared by processes on one machine), and ``closed``. Modes:
 
 * ``transport``: the real receiver, built as a generator worker builds it, receiving
-  versions 1..K (a version counts as done once its iterator is exhausted).
+  version V on each ``go V`` line (a version counts as done once its iterator is
+  exhausted). The line comes as the send starts: the training loop, too, starts the
+  generator's update and the send together (``Loop.sync_weights``).
 * ``raw-gloo`` / ``raw-nccl``: a bare process group of every receiver plus the sender;
   each round is one broadcast of the whole payload into a buffer reused across rounds.
 * ``raw-mooncake``: a bare TransferEngine reading the sender's registered buffer into its
@@ -36,7 +38,10 @@ def _transport(a: dict[str, Any]) -> None:
     transport = build_registry().require("transport", a["name"]).build(a["options"], context=None)
     receiver = transport.receiver(a["worker_id"], a["spec"])
     emit("ready")
-    for version in range(1, a["versions"] + 1):
+    for line in sys.stdin:
+        if not line.startswith("go"):
+            break
+        version = int(line.split()[1])
         n = 0
         for _, t in receiver.receive(version, timeout=a["timeout"]):
             n += t.numel() * t.element_size()

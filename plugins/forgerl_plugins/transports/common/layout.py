@@ -10,10 +10,12 @@ chunk (``nccl``) or a read per chunk (``rdma``). A tensor of at least ``own_chun
 gets chunks of its own, so a sender can send it from its own memory without packing it.
 Both sides use the chunk list the sender published, so they always agree on sizes.
 
-A layout may carry a checksum per chunk (:meth:`Layout.with_sums`), made by the sender from
-the tensors themselves and checked by the receiver before it acknowledges: insurance that
-the bytes that landed are this version's and nobody else's (a torn or mixed-up transfer),
-not protection against tampering (docs/security.md).
+Each chunk has a checksum (:meth:`Layout.chunk_sum` from the tensors on the sender's side,
+:meth:`Layout.landed_sum` from the flat buffer on the receiver's; a layout may carry them,
+:meth:`Layout.with_sums`), which the receiver compares before it acknowledges: insurance
+that the bytes that landed are this version's and nobody else's (a torn or mixed-up
+transfer), not protection against tampering (docs/security.md). The ``nccl`` sender sends
+its sums after the chunks, so that neither side holds bytes back from the wire to sum them.
 
 Used by the ``nccl`` and ``rdma`` transports.
 """
@@ -96,20 +98,30 @@ def word_sum(data: torch.Tensor) -> int:
     words, the last partial word zero-padded. Any change to a single word changes it, and
     two different versions' bytes agree by chance about once in 2**64. Unlike a CRC it is
     not order-sensitive within the range (chunks are checked one by one, so bytes cannot
-    move between them unseen), but it runs at memory speed: 36-52 ms per 500 MB here, where
-    zlib.crc32 took 365 ms and blake2b 650 ms; summing 32-bit words into an int64 took
-    440 ms (the widening defeats vectorisation). Wrapping is exact: addition modulo 2**64
-    does not depend on the order the threads add in."""
-    import torch
+    move between them unseen), but it runs at memory speed: zlib.crc32 took 365 ms per
+    500 MB here and blake2b 650 ms. Wrapping is exact: addition modulo 2**64 does not
+    depend on the order in which the words are added.
 
+    CPU bytes are summed by numpy, on the calling thread with the GIL released: 27-40 ms
+    per 500 MB. torch's sum fans out over its OpenMP threads, which on two cores shared
+    with the transfer's own threads waited for each other: a receiver's checks of a
+    500 MB version took 120-520 ms of its time that way (docs/performance.md)."""
     n = data.numel()
     whole = n - n % 8
     total = 0
     if whole:
         head = data[:whole]
-        if head.storage_offset() % 8:
-            head = head.clone()  # int64 views need 8-byte aligned storage offsets
-        total = int(head.view(torch.int64).sum())
+        if head.device.type == "cpu":
+            import numpy as np
+
+            # numpy views need no alignment (an odd storage offset reads unaligned words).
+            total = int(np.add.reduce(head.numpy().view(np.uint64), dtype=np.uint64))
+        else:
+            import torch
+
+            if head.storage_offset() % 8:
+                head = head.clone()  # int64 views need 8-byte aligned storage offsets
+            total = int(head.view(torch.int64).sum())
     if whole < n:
         tail = bytes(data[whole:].cpu().tolist()) + bytes(8 - (n - whole))
         total += int.from_bytes(tail, "little", signed=True)
@@ -174,22 +186,29 @@ class Layout:
     def with_sums(self, tensors: Sequence[torch.Tensor]) -> Layout:
         """This layout with the checksum of every chunk, made from the tensors it describes
         (in entry order)."""
-        sums = []
-        for chunk in self.chunks:
-            total = 0
-            for ix, lo, hi in self._parts(chunk):
-                off = self.entries[ix].offset
-                total += word_sum(tensor_bytes(tensors[ix])[lo - off : hi - off])
-            sums.append(total % 2**64)
-        return replace(self, sums=tuple(sums))
+        return replace(self, sums=tuple(self.chunk_sum(i, tensors) for i in range(len(self.chunks))))
+
+    def chunk_sum(self, index: int, tensors: Sequence[torch.Tensor]) -> int:
+        """The checksum of chunk ``index``, from the tensors it carries (in entry order):
+        the sender's side."""
+        total = 0
+        for ix, lo, hi in self._parts(self.chunks[index]):
+            off = self.entries[ix].offset
+            total += word_sum(tensor_bytes(tensors[ix])[lo - off : hi - off])
+        return total % 2**64
+
+    def landed_sum(self, index: int, buffer: torch.Tensor) -> int:
+        """The checksum of chunk ``index`` as it landed in ``buffer`` (the flat buffer):
+        the receiver's side. The alignment gaps between entries carry nothing and are
+        not summed."""
+        return sum(word_sum(buffer[lo:hi]) for _, lo, hi in self._parts(self.chunks[index])) % 2**64
 
     def chunk_intact(self, index: int, buffer: torch.Tensor) -> bool:
         """Whether the bytes of chunk ``index`` in ``buffer`` match the sender's checksum
         (True when the layout carries none)."""
         if self.sums is None:
             return True
-        chunk = self.chunks[index]
-        return sum(word_sum(buffer[lo:hi]) for _, lo, hi in self._parts(chunk)) % 2**64 == self.sums[index]
+        return self.landed_sum(index, buffer) == self.sums[index]
 
     # -------------------------------------------------------------- reading out
 

@@ -18,6 +18,13 @@ def offer_key(nonce: str, seq: int) -> str:
     return member_key(nonce, f"offer/{seq}")
 
 
+def sums_key(nonce: str, seq: int) -> str:
+    """The checksums of the chunks the sender broadcast in answer to request ``seq`` (a
+    JSON list, one per chunk of the offered layout), written once every chunk's broadcast
+    has started: the receiver compares them with what landed before it acknowledges."""
+    return member_key(nonce, f"sums/{seq}")
+
+
 def accept_key(nonce: str) -> str:
     """Where the sender says it forms a member's channel, and on which backend."""
     return member_key(nonce, "accept")

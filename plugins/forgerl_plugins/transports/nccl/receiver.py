@@ -11,6 +11,7 @@ afresh.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -18,12 +19,26 @@ from typing import TYPE_CHECKING, Any
 
 from forgerl_plugins.transports.common import control
 from forgerl_plugins.transports.common.auth import signed_store
-from forgerl_plugins.transports.common.control import MAX_QUERY, STORE_ERRORS, Backoff, Deadline, short
+from forgerl_plugins.transports.common.control import (
+    MAX_QUERY,
+    STORE_ERRORS,
+    Backoff,
+    Control,
+    Deadline,
+    short,
+)
 from forgerl_plugins.transports.common.endpoints import StoreReceiver
 from forgerl_plugins.transports.common.layout import Layout
 from forgerl_plugins.transports.common.membership import EVENTS, member_key
 from forgerl_plugins.transports.nccl import groups
-from forgerl_plugins.transports.nccl.protocol import NAMESPACE, WITHDRAWN, accept_key, group_prefix, offer_key
+from forgerl_plugins.transports.nccl.protocol import (
+    NAMESPACE,
+    WITHDRAWN,
+    accept_key,
+    group_prefix,
+    offer_key,
+    sums_key,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -131,7 +146,7 @@ class NcclReceiver(StoreReceiver):
             if self._pg is None:  # offered before our group formed: cannot take it
                 raise _ChannelBroken("offered a version before the channel formed")
         layout = Layout.from_json(offer)
-        self._receive_into_buffer(layout, deadline)
+        self._receive_into_buffer(layout, deadline, ctl, sums_key(nonce, seq))
         # The sender may have dropped us while we were stopped (a frozen VM, a debugger):
         # it no longer counts on this transfer, so neither do we. What landed was checked
         # chunk by chunk, but a version the sender gave up on is not one to acknowledge.
@@ -154,7 +169,7 @@ class NcclReceiver(StoreReceiver):
             raise _ChannelBroken(f"could not form the group with the sender: {short(exc)}") from exc
         self._backend = backend
 
-    def _receive_into_buffer(self, layout: Layout, deadline: Deadline) -> None:
+    def _receive_into_buffer(self, layout: Layout, deadline: Deadline, ctl: Control, sums_at: str) -> None:
         import torch
 
         device = groups.device_for(self._backend)
@@ -167,30 +182,53 @@ class NcclReceiver(StoreReceiver):
         op_timeout = max(deadline.remaining(), 2.0)
         done = 0
         self.progress = (layout.version, 0, layout.nbytes)
+        op_deadline = Deadline(op_timeout + 1.0)
+        landed: list[int] = []
         try:
             works = [
                 (c, groups.broadcast(self._pg, self._buffer[c.start : c.end], 0, op_timeout))
                 for c in layout.chunks
             ]
-            op_deadline = Deadline(op_timeout + 1.0)
             for i, (c, w) in enumerate(works):
                 groups.wait(w, op_deadline)
                 if self._buffer.is_cuda:
                     # NCCL's wait() only orders streams; the checksum must see the bytes.
                     torch.cuda.current_stream(self._buffer.device).synchronize()
-                # Checked while the next chunks are on the wire.
-                if not layout.chunk_intact(i, self._buffer):
-                    raise _TornTransfer(
-                        f"chunk {i} ({c.start}-{c.end}) does not match the sender's checksum (bytes of "
-                        "another chunk or version landed there)"
-                    )
+                landed.append(layout.landed_sum(i, self._buffer))  # while the next chunks are on the wire
                 done += c.nbytes
                 self.progress = (layout.version, done, layout.nbytes)
         except Exception as exc:
             raise _ChannelBroken(
                 f"transfer of version {layout.version} broke after {done} of {layout.nbytes} bytes: {short(exc)}"
             ) from exc
+        sums = self._sender_sums(ctl, sums_at, len(layout.chunks), op_deadline)
+        bad = [i for i, (got, want) in enumerate(zip(landed, sums)) if got != want]
+        if bad:
+            c = layout.chunks[bad[0]]
+            torn = _TornTransfer(
+                f"chunk {bad[0]} ({c.start}-{c.end}) does not match the sender's checksum (bytes of "
+                f"another chunk or version landed there; {len(bad)} chunk(s) in all)"
+            )
+            raise _ChannelBroken(f"version {layout.version} refused: {torn}") from torn
         self._held = layout
+
+    def _sender_sums(self, ctl: Control, key: str, count: int, deadline: Deadline) -> list[int]:
+        """The sender's checksums of the chunks it broadcast (it writes them once every
+        chunk's broadcast has started, so they are usually there when the last one lands)."""
+        backoff = Backoff(self.options.poll_interval)
+        while True:
+            raw = ctl.get(key, deadline)
+            if raw is not None:
+                sums = [int(x) for x in json.loads(raw)]
+                if len(sums) != count:
+                    raise _ChannelBroken(f"the sender sent {len(sums)} checksums for {count} chunks")
+                return sums
+            dropped = self._dropped(ctl, deadline)
+            if dropped is not None:
+                raise _ChannelBroken(f"dropped by the sender before its checksums came: {dropped}")
+            if deadline.expired:
+                raise _ChannelBroken(f"the sender's checksums did not come within {deadline.seconds:g} s")
+            backoff.sleep(deadline)
 
     def _abandon(self, reason: str) -> None:
         """Leave this channel: the next receive registers afresh."""

@@ -10,6 +10,7 @@ failed, or the timeout passed. Where each chunk is broadcast from is :mod:`.stag
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -41,6 +42,7 @@ from forgerl_plugins.transports.nccl.protocol import (
     accept_key,
     group_prefix,
     offer_key,
+    sums_key,
 )
 from forgerl_plugins.transports.nccl.staging import Slot, Staging, Version
 
@@ -50,9 +52,11 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger(__name__)
 
 #: Tensors at least this big are sent from their own memory (no packing copy); smaller
-#: ones are packed into bucket-sized chunks. Each gloo broadcast costs a handshake (about
-#: 1 ms on a busy machine), so fewer, bigger chunks win until packing costs more than that.
-OWN_CHUNK_BYTES = 16 * 2**20
+#: ones are packed into bucket-sized chunks. On two CPU cores a gloo broadcast cost each
+#: side 0.1-0.25 ms of CPU beyond its bytes (500 MB as 477 ops of 1 MiB against 15 of
+#: 32 MiB: +70 ms per side), and packing costs the sender about 0.1 ms per MiB: sending a
+#: tensor on its own pays from about 3 MiB on (docs/performance.md, "Weight transports").
+OWN_CHUNK_BYTES = 4 * 2**20
 
 
 @dataclass
@@ -109,9 +113,10 @@ class NcclSender(StoreSender):
         start = time.perf_counter()
         deadline, version, tensors = self._prepare(weights, timeout)
         bucket = self.options.bucket_mb * 2**20
-        # Checksums per chunk (in the signed offer) let a receiver refuse bytes that are not
-        # this version's instead of acknowledging them: ~40 ms per 500 MB on each side here.
-        layout = Layout.build(version, tensors, bucket, OWN_CHUNK_BYTES).with_sums([t for _, t in tensors])
+        # No checksums here: the service thread sums each chunk while its broadcast is on the
+        # wire and sends the sums after the last chunk (_deliver), instead of keeping every
+        # byte from the wire for the time it takes to sum the version first.
+        layout = Layout.build(version, tensors, bucket, OWN_CHUNK_BYTES)
         with self._cond:
             self._ctl.set(META, layout.to_json(), deadline)
             self._ctl.set(LATEST, str(version), deadline)
@@ -280,7 +285,7 @@ class NcclSender(StoreSender):
         pending = self._staging.in_flight
         packed_count: dict[Any, int] = {}
         works: list[tuple[_Member, Any]] = []
-        for chunk in layout.chunks:
+        for index, chunk in enumerate(layout.chunks):
             by_device: dict[Any, list[_Member]] = {}
             for m, _ in active:
                 if m.failed is None:
@@ -303,6 +308,19 @@ class NcclSender(StoreSender):
                         self._fail(m, f"broadcast failed: {short(exc)}")
                         continue
                     (works if slot is None else pending.setdefault(slot, [])).append((m, w))
+            # Summed from the tensors (not the staging buffer: a repack under a pending
+            # broadcast must show) while this chunk is on the wire.
+            current.chunk_sum(index)
+        # Every chunk's broadcast has started: the sums go now, so that a receiver finds
+        # them when its last chunk lands. Signed like the offer; the receiver checks what
+        # landed against them before it acknowledges (docs/reliability.md).
+        sums = json.dumps([current.chunk_sum(i) for i in range(len(layout.chunks))])
+        for m, seq in active:
+            if m.failed is None:
+                try:
+                    ctl.set(sums_key(m.nonce, seq), sums, deadlines[m.nonce])
+                except STORE_ERRORS as exc:
+                    self._fail(m, f"control store error: {short(exc)}")
         for ws in pending.values():
             works.extend(ws)
         self._wait_works(works, deadlines, progress)

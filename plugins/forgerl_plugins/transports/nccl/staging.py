@@ -11,7 +11,7 @@ still be pending (:meth:`Staging.retire`).
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from forgerl_plugins.transports.common.layout import Chunk, Layout, tensor_bytes
@@ -29,10 +29,21 @@ class Version:
 
     layout: Layout
     tensors: list[torch.Tensor]
+    #: Checksum of each chunk, made the first time the chunk is sent (while its
+    #: broadcast is on the wire) and kept for the version's other deliveries.
+    sums: list[int | None] = field(default_factory=list)
 
     @property
     def version(self) -> int:
         return self.layout.version
+
+    def chunk_sum(self, index: int) -> int:
+        if not self.sums:
+            self.sums = [None] * len(self.layout.chunks)
+        known = self.sums[index]
+        if known is None:
+            known = self.sums[index] = self.layout.chunk_sum(index, self.tensors)
+        return known
 
 
 class Staging:

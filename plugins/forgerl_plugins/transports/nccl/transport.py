@@ -17,8 +17,8 @@ Shape (see docs/transports.md for the full protocol):
   big tensor) and broadcast on every channel that asked. A receiver receives into one
   buffer that it reuses across versions and yields views of it after the last chunk and
   its acknowledgement: never a partial version. Before acknowledging it has checked every
-  chunk against the checksums in the signed offer and that the sender did not drop it
-  meanwhile; the sender never repacks a staging buffer a dropped receiver's broadcast may
+  chunk against the checksums the sender signs and sends after the chunks (each side sums
+  while bytes are on the wire) and that the sender did not drop it meanwhile; the sender never repacks a staging buffer a dropped receiver's broadcast may
   still read (docs/reliability.md, "Weight transport stalls").
 * A service thread in the sender forms channels and serves requests, so a receiver that
   joins late (a restarted generator) gets the current version without waiting for the
