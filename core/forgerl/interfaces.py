@@ -258,6 +258,11 @@ class Reward(abc.ABC):  # noqa: B024 - score or ascore, checked when built (see 
 class TransportSender(Closeable, abc.ABC):
     """The trainer-side half of a transport (trainer rank 0)."""
 
+    #: Bytes the last :meth:`send` moved (a tensor under two names counted as the
+    #: transport sends it); the loop reports it per step as ``sync/bytes``. None: this
+    #: sender does not count them (the metric is then left out).
+    last_send_bytes: int | None = None
+
     @abc.abstractmethod
     def send(self, weights: WeightSet, timeout: float | None = None) -> None:
         """Make ``weights`` available to every receiver. Returns when delivered (or

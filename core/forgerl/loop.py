@@ -326,7 +326,7 @@ class Loop:
             # Versioned: every batch meant for the current version must be made before it
             # changes. (Continuous: the generator updates with its requests in flight.)
             buffer.wait_done_through(min(self.step - 1 + S, cfg.loop.steps - 1))
-        self.sync_weights(self.step)
+        sync_bytes = self.sync_weights(self.step)
         buffer.set_version(self.served_version())
         sync_s = time.perf_counter() - t
         for name, secs in (("generate", rollouts.gen_seconds), ("reward", rollouts.reward_seconds),
@@ -364,6 +364,8 @@ class Loop:
                 "time/generator_idle_frac": self.idle.idle_frac(idle_mark),
             }
         )
+        if sync_bytes is not None:
+            row["sync/bytes"] = sync_bytes
         for age, tokens in age_counts(ages, S).items():
             row[f"staleness/tokens_age_{age}"] = tokens
         train_tokens = float(prepared.batch.attention_mask.sum()) if prepared.batch is not None else 0.0
@@ -386,12 +388,13 @@ class Loop:
         the generator takes no weights (its own never moves)."""
         return self.generator.policy_version if self.receives_weights else self.policy_version
 
-    def sync_weights(self, version: int) -> None:
+    def sync_weights(self, version: int) -> int | None:
         """Export the trainer's weights as ``version`` and load them into the generator
-        (only the version moves on when the generator takes no weights)."""
+        (only the version moves on when the generator takes no weights). Returns the bytes
+        the transport moved (None: its sender does not count them)."""
         if not self.receives_weights:
             self.policy_version = version
-            return
+            return 0
         weights = self.driver.export_weights(version)
         timeout = self.config.transport.timeout
         errors: list[BaseException] = []
@@ -413,6 +416,8 @@ class Loop:
         if errors:
             raise errors[0]
         self.policy_version = version
+        moved = getattr(self.sender, "last_send_bytes", None)
+        return int(moved) if moved is not None else None
 
     # -------------------------------------------------------------------- eval
 

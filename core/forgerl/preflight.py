@@ -91,7 +91,7 @@ def check_adapter_served(config: RunConfig, registry: Registry) -> None:
     if not getattr(generator, "serves_adapters", False):
         raise ConfigError(
             f"trainer.options.lora trains a LoRA adapter, which the {name} generator cannot serve: "
-            "use --generator vllm, or remove trainer.options.lora"
+            "use --generator vllm, hf or sglang, or remove trainer.options.lora"
         )
 
 

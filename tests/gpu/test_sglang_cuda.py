@@ -8,9 +8,10 @@ machine, CI included). Run on a GPU machine with SGLang installed (``pip install
 What runs: the Generator kit (served logprobs against transformers in fp32, weight updates
 over shm and over nccl, the new weights' logprobs after each), both update policies with
 requests in flight, a killed replica replaced and re-synced, bf16 serving against the
-trainer's logprobs, and a 3-step ``forge run --generator sglang``. The policy and failover
-tests are the ones that run against the SGLang test double on CPU
-(tests/integration/test_sglang_double.py), here with ``sglang.launch_server``.
+trainer's logprobs, LoRA adapter versions loaded by name and sampled with, and a 3-step
+``forge run --generator sglang``. The policy, failover and LoRA tests are the ones that
+run against the SGLang test double on CPU (tests/integration/test_sglang_double.py,
+test_sglang_lora.py), here with ``sglang.launch_server``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ from ..helpers.timing import scaled
 from ..integration.test_sglang_double import (  # noqa: F401 - collected here with this module's `cluster`
     test_a_killed_replica_fails_over_restarts_and_rejoins_at_the_current_weights,
     test_requests_in_flight_during_an_update,
+)
+from ..integration.test_sglang_lora import SETTINGS as LORA_SETTINGS
+from ..integration.test_sglang_lora import (  # noqa: F401 - collected here with this module's `lora_site`
+    test_each_adapter_version_is_loaded_by_name_and_sampled_with,
 )
 
 
@@ -94,6 +99,18 @@ def cluster(tmp_path_factory):
     options = {**REAL, "replicas": 2, "max_restarts": 2}
     with open_site("sglang", options, (), model, tmp_path_factory.mktemp("run"), ()) as site:
         yield site
+
+
+@pytest.fixture(scope="module")
+def lora_site(tmp_path_factory):
+    """A real SGLang replica started as a LoRA run starts it (the LoRA test of the double's)."""
+    from forgerl.testing.generator_support import open_site, tiny_model
+
+    model = tiny_model(tmp_path_factory.mktemp("model"), {"hidden_size": 128}, ())
+    # SGLang's pure-torch LoRA kernels: the fp32 check needs no half-precision kernel.
+    options = {**REAL, "server_args": {**REAL["server_args"], "lora_backend": "torch_native"}}
+    with open_site("sglang", options, (), model, tmp_path_factory.mktemp("run"), LORA_SETTINGS) as site:
+        yield site, FP32_ATOL
 
 
 def test_bf16_served_logprobs_are_close_to_the_trainers(tmp_path_factory):

@@ -12,7 +12,7 @@ generator's launcher, client, weight updates and failover can be driven on CPU:
 * it serves /generate, /health, /health_generate, /model_info, /update_weights_from_disk,
   /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed,
   /end_weight_update, /update_weight_version, /pause_generation, /continue_generation,
-  /abort_request and /flush_cache; every route but /health needs the API key (as SGLang
+  /abort_request, /flush_cache, /load_lora_adapter and /unload_lora_adapter; every route but /health needs the API key (as SGLang
   with --api-key);
 * pause, weight versions and the cache behave as SGLang 0.5.23's scheduler does with them
   (``sglang/srt/managers/scheduler.py``, ``utils/weight_versions.py``): a paused engine
@@ -25,6 +25,12 @@ generator's launcher, client, weight updates and failover can be driven on CPU:
   which tokens). ``/flush_cache`` (and a load asked to flush) fails while a request
   holds KV: it succeeds when none runs, or while paused by ``retract``. Distributed loads
   need an open weight-update session (``/begin_weight_update``);
+* LoRA as SGLang serves it: off unless ``--enable-lora`` (which, without adapters at
+  start, needs ``--max-lora-rank`` and ``--lora-target-modules``); an adapter is loaded by
+  name from a PEFT folder (``adapter_config.json`` and safetensors), refused when its rank
+  or modules exceed the server's, unloaded by name, and applied to exactly the
+  generations whose ``lora_path`` names it (``W x + alpha / r * B A x`` on the named
+  projections, no merge);
 * it computes tokens and logprobs with the model in transformers (fp32, CPU): logprobs are
   ``log_softmax(logits / T)`` of the sampled token, as SGLang's default sampler returns;
 * weight updates really load: safetensors of a folder, or tensors received by broadcast
@@ -51,6 +57,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hmac
+import json
+import re
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -92,6 +100,19 @@ class GenerateReqInput(Strict):
     return_logprob: bool | None = None
     logprob_start_len: int | None = None
     stream: bool = False
+    lora_path: str | None = None  # the name of a loaded adapter (SGLang's field name)
+
+
+class LoadLoRAAdapterReqInput(Base):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+class UnloadLoRAAdapterReqInput(Base):
+    lora_name: str
+    lora_id: str | None = None
 
 
 class UpdateWeightFromDiskReqInput(Base):
@@ -167,6 +188,32 @@ def sglang_check(name: str, body: dict[str, Any]) -> None:
     TypeAdapter(getattr(io_struct, name)).validate_python(body)
 
 
+#: The projections SGLang serves LoRA on in this model family (--lora-target-modules names).
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: A PEFT adapter tensor's name: ``base_model.model.<module>.lora_A.weight`` (or lora_B).
+_LORA_TENSOR = re.compile(r"base_model\.model\.(.+)\.lora_([AB])\.weight")
+
+
+class LoraSlots:
+    """What ``--enable-lora``, ``--max-lora-rank`` and ``--lora-target-modules`` fix at
+    start (SGLang sizes its adapter memory pool by them)."""
+
+    def __init__(self, max_rank: int, targets: set[str]) -> None:
+        self.max_rank = max_rank
+        self.targets = targets
+
+
+class Adapter:
+    """A loaded LoRA adapter: ``(A, B)`` per module (its dotted name in the model) and
+    its scale ``alpha / r``."""
+
+    def __init__(self, name: str, path: str, layers: dict[str, tuple[Any, Any]], scale: float) -> None:
+        self.name = name
+        self.path = path
+        self.layers = layers
+        self.scale = scale
+
+
 class Live:
     """One request the engine holds (SGLang's ``Req``): the tokens it has sampled, the
     weight-version changes it ran across (the old version and its tokens then), and
@@ -194,14 +241,14 @@ def version_spans(events: list[tuple[str, int]], current: str, n: int) -> list[d
 
 
 class Engine:
-    """The model, its weights' version, and pause/abort state."""
+    """The model, its weights' version, LoRA adapters, and pause/abort state."""
 
     FLUSH_REFUSED = (
         "Weights were updated, but the cache was not flushed because requests are still running or "
         "queued. Retract or finish them, then call /flush_cache."
     )
 
-    def __init__(self, model_path: str, version: str) -> None:
+    def __init__(self, model_path: str, version: str, lora: LoraSlots | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -233,6 +280,91 @@ class Engine:
         self.requests = ThreadPoolExecutor(max_workers=64, thread_name_prefix="double-generate")
         self.groups: dict[str, Any] = {}
         self.calls: list[dict[str, Any]] = []
+        self.lora = lora
+        self.adapters: dict[str, Adapter] = {}
+        self.active: Adapter | None = None  # the adapter of the forward pass under way (under the lock)
+        self.lora_modules: dict[str, Any] = {}
+        if lora is not None:
+            head = self.model.get_output_embeddings()
+            for name, module in self.model.named_modules():
+                if isinstance(module, torch.nn.Linear) and module is not head and name.rpartition(".")[2] in lora.targets:
+                    self.lora_modules[name] = module
+                    module.register_forward_hook(self._lora_hook(name))
+
+    def _lora_hook(self, name: str) -> Any:
+        def hook(module: Any, inputs: Any, output: Any) -> Any:
+            adapter = self.active
+            if adapter is None or name not in adapter.layers:
+                return None
+            a, b = adapter.layers[name]
+            return output + (inputs[0] @ a.T @ b.T) * adapter.scale
+
+        return hook
+
+    def adapter_for(self, name: str | None) -> Adapter | None:
+        """The adapter a generation names (SGLang's errors for a name it cannot serve)."""
+        if name is None:
+            return None
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise ValueError(
+                f"The following requested LoRA adapters are not loaded: {name}\nLoaded adapters: {list(self.adapters)}."
+            )
+        return adapter
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load the PEFT adapter in folder ``path`` as ``name``; ValueError as SGLang refuses."""
+        import torch
+        from safetensors.torch import load_file
+
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        if name in self.adapters:
+            raise ValueError(f"LoRA with name {name} already exists. Loaded LoRAs: {list(self.adapters)}")
+        folder = Path(path)
+        try:
+            config = json.loads((folder / "adapter_config.json").read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read the adapter_config.json of LoRA adapter {name} in {path}: {exc}") from exc
+        if str(config.get("peft_type", "")).lower() != "lora" or config.get("use_dora"):
+            raise ValueError(f"LoRA adapter {name}: peft_type {config.get('peft_type')!r} is not LoRA")
+        rank, alpha, modules = int(config["r"]), float(config["lora_alpha"]), config["target_modules"]
+        kinds = {m.rpartition(".")[2] for m in modules}
+        if rank > self.lora.max_rank or not kinds <= self.lora.targets:
+            raise ValueError(
+                f"LoRA adapter {name} with rank {rank} is incompatible with the current LoRA memory pool "
+                f"configuration (max_lora_rank={self.lora.max_rank}, target_modules={sorted(self.lora.targets)})"
+            )
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"no safetensors in {path}")
+        parts: dict[str, dict[str, Any]] = {}
+        for f in files:
+            for tensor_name, t in load_file(str(f)).items():
+                found = _LORA_TENSOR.fullmatch(tensor_name)
+                module = found.group(1) if found else None
+                if found is None or module not in self.lora_modules or module.rpartition(".")[2] not in kinds:
+                    raise ValueError(f"LoRA adapter {name}: tensor {tensor_name!r} names no LoRA module it targets")
+                parts.setdefault(module, {})[found.group(2)] = t.to(torch.float32)
+        layers = {}
+        for module, ab in parts.items():
+            linear = self.lora_modules[module]
+            want = {"A": (rank, linear.in_features), "B": (linear.out_features, rank)}
+            if set(ab) != {"A", "B"} or any(tuple(ab[k].shape) != want[k] for k in ab):
+                raise ValueError(f"LoRA adapter {name}: {module} has {({k: tuple(v.shape) for k, v in ab.items()})}, "
+                                 f"expected A {want['A']} and B {want['B']}")
+            layers[module] = (ab["A"], ab["B"])
+        with self.lock:
+            self.adapters[name] = Adapter(name, path, layers, alpha / rank)
+
+    def unload_lora(self, name: str) -> None:
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled. Please set `--enable-lora` to enable LoRA.")
+        with self.lock:
+            if self.adapters.pop(name, None) is None:
+                raise ValueError(f"LoRA with name {name} does not exist. Loaded LoRAs: {list(self.adapters)}")
 
     def generate(self, req: GenerateReqInput) -> dict[str, Any]:
         import torch
@@ -242,6 +374,8 @@ class Engine:
         gen.manual_seed(s.sampling_seed if s.sampling_seed is not None else int.from_bytes(__import__("os").urandom(4)))
         past = None
         finish: dict[str, Any] = {"type": "length", "length": s.max_new_tokens}
+        # A generation keeps the adapter it started with (SGLang: an unload waits for it).
+        adapter = self.adapter_for(req.lora_path)
         with self.changed:  # a paused server holds new requests before they reach its scheduler
             self.changed.wait_for(lambda: self.paused is None)
             epoch = self.abort_all_epoch
@@ -273,8 +407,12 @@ class Engine:
                         past, live.retracted = None, False
                     if past is None:
                         ids = torch.tensor([req.input_ids + [t for _, t, _ in out]])
-                    with torch.no_grad():
-                        result = self.model(ids, past_key_values=past, use_cache=True)
+                    self.active = adapter
+                    try:
+                        with torch.no_grad():
+                            result = self.model(ids, past_key_values=past, use_cache=True)
+                    finally:
+                        self.active = None
                     past = result.past_key_values
                     logits = result.logits[0, -1].float()
                     tok, logprob = self.sample(logits, s, gen)
@@ -482,7 +620,35 @@ def build_app(engine: Engine, api_key: str | None) -> Any:
         sglang_check("GenerateReqInput", req.model_dump(exclude_none=True))
         # A thread per request, not asyncio's default pool (cores + 4 threads): requests
         # held at the gate must not keep others from reaching it.
-        return await asyncio.get_running_loop().run_in_executor(engine.requests, engine.generate, req)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(engine.requests, engine.generate, req)
+        except ValueError as exc:  # as SGLang answers a request it refuses
+            return JSONResponse({"error": {"message": str(exc)}}, status_code=400)
+
+    def lora_answer(error: str | None) -> JSONResponse:  # SGLang's LoRAUpdateOutput
+        body = {"success": error is None, "error_message": error,
+                "loaded_adapters": {n: a.path for n, a in engine.adapters.items()}}
+        return JSONResponse(body, status_code=200 if error is None else 400)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora(req: LoadLoRAAdapterReqInput) -> JSONResponse:
+        record("/load_lora_adapter", req)
+        sglang_check("LoadLoRAAdapterReqInput", req.model_dump(exclude_none=True))
+        try:
+            await asyncio.to_thread(engine.load_lora, req.lora_name, req.lora_path)
+        except ValueError as exc:
+            return lora_answer(str(exc))
+        return lora_answer(None)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora(req: UnloadLoRAAdapterReqInput) -> JSONResponse:
+        record("/unload_lora_adapter", req)
+        sglang_check("UnloadLoRAAdapterReqInput", req.model_dump(exclude_none=True))
+        try:
+            await asyncio.to_thread(engine.unload_lora, req.lora_name)
+        except ValueError as exc:
+            return lora_answer(str(exc))
+        return lora_answer(None)
 
     def answer(ok: bool, message: str) -> JSONResponse:
         return JSONResponse({"success": ok, "message": message}, status_code=200 if ok else 400)
@@ -609,14 +775,35 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--mem-fraction-static", type=float, default=None)
     parser.add_argument("--context-length", type=int, default=None)
     parser.add_argument("--sampling-backend", default=None)
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int, default=None)
+    parser.add_argument("--lora-target-modules", nargs="*", default=None)
+    parser.add_argument("--max-loras-per-batch", type=int, default=8)
     return parser
+
+
+def lora_slots(args: argparse.Namespace, parser: argparse.ArgumentParser) -> LoraSlots | None:
+    """The LoRA pool the flags ask for; SGLang's own refusals (exit status 2 here)."""
+    if not args.enable_lora:
+        return None
+    targets = set(args.lora_target_modules or ())
+    if targets == {"all"}:
+        targets = set(LORA_MODULES)
+    if not (args.max_lora_rank and targets):
+        parser.error("When no initial --lora-paths is provided, you need to specify both --max-lora-rank "
+                     "and --lora-target-modules for LoRA initialization.")
+    unknown = targets - set(LORA_MODULES)
+    if unknown:
+        parser.error(f"--lora-target-modules: {sorted(unknown)} are not modules the double serves LoRA on")
+    return LoraSlots(args.max_lora_rank, targets)
 
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    args = parser().parse_args(argv)
-    engine = Engine(args.model_path, args.weight_version)
+    flags = parser()
+    args = flags.parse_args(argv)
+    engine = Engine(args.model_path, args.weight_version, lora_slots(args, flags))
     uvicorn.run(build_app(engine, args.api_key), host=args.host, port=args.port, log_level="warning")
 
 

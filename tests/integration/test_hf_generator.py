@@ -332,6 +332,85 @@ def test_failed_updates_keep_the_old_weights_and_version(model_dir, reference, p
         gen.close()
 
 
+def _random_adapter(trainer, seed: int) -> dict[str, torch.Tensor]:
+    """The trainer's adapter set to values large enough that sampling with it, without it
+    or with another version's is told apart by orders of magnitude; exported as a run does."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            if p.requires_grad:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    exported = trainer.export_weights(seed)
+    assert exported is not None
+    return dict(exported.tensors)
+
+
+def test_lora_adapter_versions_are_served_in_place(model_dir, reference, prompts, tmp_path):
+    """With a LoRA trainer a version is the adapter alone: the generator samples with it
+    on the unchanged base model, each version replacing the last; version 0 is the base."""
+    pytest.importorskip("peft")
+    import dataclasses
+
+    from forgerl.adapters import LoraOptions
+    from forgerl_plugins.trainers.shared.lora import adapter_off
+    from tests.helpers import trainer_worker as worker
+
+    lora = {"rank": 4, "alpha": 8}
+    # The large adapters make large logits: the cached decode and the trainer's one forward
+    # round differently by ~1e-5 (fp32 on both sides), as on vLLM (test_vllm_lora.py).
+    tol = 1e-4
+    transport = _shm(tmp_path / "shm")
+    ctx = dataclasses.replace(_ctx(model_dir, tmp_path, timeout=scaled(30)), adapter=LoraOptions(**lora))
+    gen = HFGenerator(HFGenerator.Options(batch_size=4), context=ctx, transport=transport)
+    sender = transport.sender()
+    trainer = worker.make_trainer(model_dir, tmp_path / "trainer", 2, lora=lora)
+    requests = [GenerationRequest(f"r{j}", p, 2, SamplingParams(max_tokens=12, seed=5)) for j, p in enumerate(prompts)]
+    base = {n: t.clone() for n, t in gen.model.state_dict().items() if "lora_" not in n}
+    try:
+        for request, cs in zip(requests, _generate(gen, requests)):
+            for c in cs:
+                assert _max_gap(reference, list(request.prompt_token_ids), c, 1.0) < ATOL, "version 0 is not the base model"
+        for version in (1, 2):
+            adapter = _random_adapter(trainer, version)
+            assert set(adapter) == set(gen.adapter.params) and all(".lora_" in n for n in adapter)
+            sender.send(WeightSet(version, adapter))
+            gen.update_weights(version)
+            assert sender.last_send_bytes == gen.adapter.nbytes  # the adapter moved, nothing else
+            for request, cs in zip(requests, _generate(gen, requests)):
+                prompt = list(request.prompt_token_ids)
+                for c in cs:
+                    assert c.policy_version == version
+                    gap = _max_gap(trainer.model, prompt, c, 1.0)
+                    assert gap < tol, f"version {version}: logprob gap {gap:.2e} to the trainer's"
+                    with adapter_off(trainer.model):
+                        # The check above can fail: the base model is far from these logprobs.
+                        assert _max_gap(trainer.model, prompt, c, 1.0) > 100 * tol
+        # Nothing merged: the base weights are as loaded.
+        after = {n: t for n, t in gen.model.state_dict().items() if "lora_" not in n}
+        assert all(torch.equal(after[n], t) for n, t in base.items())
+
+        # The full model's weights, or an adapter of another rank, are refused; version 2 stays.
+        full = _perturbed(reference, 0.05, seed=4)
+        other = worker.make_trainer(model_dir, tmp_path / "rank8", 2, lora={"rank": 8})
+        try:
+            wrong_rank = _random_adapter(other, 4)
+        finally:
+            other.close()
+        for version, (weights, message) in enumerate(
+            [(full, "unknown lm_head.weight.*; missing base_model"), (wrong_rank, "wrong shapes")], start=3
+        ):
+            sender.send(WeightSet(version, weights))
+            with pytest.raises(TransportError, match=message):
+                gen.update_weights(version)
+        assert gen.policy_version == 2
+        c = _generate(gen, requests[:1])[0][0]
+        assert c.policy_version == 2 and _max_gap(trainer.model, list(requests[0].prompt_token_ids), c, 1.0) < tol
+    finally:
+        trainer.close()
+        sender.close()
+        gen.close()
+
+
 def test_empty_prompt_and_unknown_tokens_are_clear_errors(generator):
     from forgerl.errors import GeneratorError
 

@@ -1,10 +1,12 @@
 """LoRA end to end on a real vLLM CPU server: the ``fsdp`` trainer trains an adapter, its
-export (the adapter's tensors alone) crosses the shm transport, the server's workers load
-it in place under one name, and the generator samples with it.
+export (the adapter's tensors alone) crosses the shm or the nccl transport (gloo on CPU),
+the server's workers load it in place under one name, and the generator samples with it.
 
 One server of its own (the session's shared one runs without ``--enable-lora``, which is
 fixed when vLLM starts), started as a run starts it, with the run's config saying
-``trainer.options.lora``: the server role derives its LoRA flags from that.
+``trainer.options.lora``: the server role derives its LoRA flags from that. Both
+transports use that one server: its workers build a receiver for whichever transport a
+load names, so the second transport costs no second start.
 """
 
 from __future__ import annotations
@@ -87,7 +89,10 @@ def _gap(model: Any, prompt: list[int], completion: Any, temperature: float) -> 
     return float((torch.tensor(completion.logprobs) - want).abs().max())
 
 
-def test_the_generator_samples_with_each_adapter_version(site: Any, model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("transport", ["shm", "nccl"])
+def test_the_generator_samples_with_each_adapter_version(
+    site: Any, model_dir: Path, tmp_path: Path, transport: str
+) -> None:
     import torch
 
     from forgerl.types import GenerationRequest, SamplingParams
@@ -98,11 +103,14 @@ def test_the_generator_samples_with_each_adapter_version(site: Any, model_dir: P
     trainer = worker.make_trainer(model_dir, tmp_path, 2, lora={"rank": RANK, "alpha": 16})
     prompts = [site.chat_prompt("What is 2 + 3?"), site.random_prompt(seed=3, length=9)]
     try:
-        with site.open() as opened:
+        with site.open(transport) as opened:
+            assert type(opened.transport).name == transport
             for version in (1, 2):
                 # A trained adapter, made large enough that sampling with it or without
                 # it (or with the last version's) is told apart by orders of magnitude.
-                g = torch.Generator().manual_seed(version)
+                # Seeds of this transport's own: a worker still holding the other test's
+                # adapter fails the check too.
+                g = torch.Generator().manual_seed(version + 100 * (transport == "nccl"))
                 with torch.no_grad():
                     for p in trainer.model.parameters():
                         if p.requires_grad:

@@ -169,6 +169,7 @@ def test_a_generator_that_takes_no_weights_is_never_sent_any_and_all_its_samples
     assert summary["policy_version"] == 3, "the trainer's version moves on with every step"
     assert not [c for c in trainer.calls if c.startswith("export_weights")], trainer.calls
     assert sender.sent == []
+    assert [r["sync/bytes"] for r in rows] == [0, 0, 0]
     assert [r["samples/dropped_stale"] for r in rows] == [0, 0, 0]
     assert [r["samples/trained"] for r in rows] == [PROMPTS * GROUP] * 3
     assert [r["policy_version"] for r in rows] == [1, 2, 3]

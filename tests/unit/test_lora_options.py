@@ -58,14 +58,18 @@ def test_the_run_context_carries_the_trainers_adapter(tmp_path) -> None:
     assert RunContext.for_run(_config()[0], tmp_path).adapter is None, "full fine-tuning: no adapter"
 
 
-def test_a_lora_trainer_needs_a_generator_that_serves_adapters() -> None:
+@pytest.mark.parametrize("generator", ["vllm", "hf"])
+def test_a_lora_trainer_needs_a_generator_that_serves_adapters(monkeypatch, generator: str) -> None:
     from forgerl.errors import ConfigError
     from forgerl.preflight import check_adapter_served
 
-    config, registry = _config("trainer.options.lora.rank=8")
-    check_adapter_served(config, registry)  # vllm does
-    config, registry = _config("trainer.options.lora.rank=8", generator="hf")
-    with pytest.raises(ConfigError, match="hf generator cannot serve"):
+    config, registry = _config("trainer.options.lora.rank=8", generator=generator)
+    check_adapter_served(config, registry)  # it does
+    check_adapter_served(_config(generator=generator)[0], registry)  # full fine-tuning: any generator
+    # One that does not say it does (a third-party generator, by default) is refused.
+    factory = registry.require("generator", generator).load_factory()
+    monkeypatch.setattr(factory, "serves_adapters", False)
+    with pytest.raises(ConfigError, match=f"{generator} generator cannot serve"):
         check_adapter_served(config, registry)
 
 

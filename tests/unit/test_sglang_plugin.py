@@ -18,7 +18,7 @@ from forgerl.errors import GeneratorError, UserError
 from forgerl.interfaces import RunContext, TensorSpec
 from forgerl.types import GenerationRequest, SamplingParams
 from forgerl_plugins.generators.common.pool import ReplicaFailed
-from forgerl_plugins.generators.sglang import SGLANG_VERSION, payloads, server
+from forgerl_plugins.generators.sglang import SGLANG_VERSION, adapter, payloads, server
 from forgerl_plugins.generators.sglang.generator import SGLangGenerator, choose_weight_sync
 from tests.helpers import sglang_double
 
@@ -80,6 +80,24 @@ def test_the_command_is_one_the_double_accepts_and_the_double_refuses_others(tmp
     assert refused.value.code == 2
 
 
+def test_with_an_adapter_the_server_starts_with_a_lora_pool_that_holds_it(tmp_path, capsys):
+    from forgerl.adapters import LoraOptions
+    from forgerl.errors import ConfigError
+
+    lora = LoraOptions(rank=24, target_modules=["q_proj", "model.layers.1.mlp.[gu]*_proj"])
+    cmd = server.server_command(SGLangGenerator.Options(), tmp_path, "float32", 1, lora)
+    flags = " ".join(cmd)
+    assert "--enable-lora --max-lora-rank 24 --lora-target-modules gate_proj q_proj up_proj" in flags
+    assert "--enable-lora" not in " ".join(server.server_command(SGLangGenerator.Options(), tmp_path, "float32", 1))
+    args = sglang_double.parser().parse_args([*cmd[5:], "--api-key=k"])  # the double takes them
+    assert sglang_double.lora_slots(args, sglang_double.parser()).targets == {"q_proj", "gate_proj", "up_proj"}
+    with pytest.raises(SystemExit) as refused:  # as SGLang: no pool size without adapters at start
+        sglang_double.lora_slots(sglang_double.parser().parse_args([*cmd[5:13], "--enable-lora"]), sglang_double.parser())
+    assert refused.value.code == 2 and "--max-lora-rank and --lora-target-modules" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no module SGLang serves LoRA on"):
+        adapter.server_flags(LoraOptions(target_modules=["c_attn"]))
+
+
 def test_the_servers_never_return_unscaled_logprobs_nor_see_the_trainers_rendezvous(monkeypatch):
     monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
     monkeypatch.setenv("MASTER_PORT", "29500")
@@ -126,6 +144,11 @@ def test_every_payload_fits_the_doubles_sglang_shaped_models():
     sglang_double.EndWeightUpdateReqInput.model_validate(payloads.end_update_body())
     for policy in ("wait", "abort", "keep"):
         sglang_double.PauseGenerationReqInput.model_validate(payloads.pause_body(policy))
+    sglang_double.GenerateReqInput.model_validate(
+        payloads.generate_body(_request(), 0, "r", send_seed=False, lora="forge-adapter")
+    )
+    sglang_double.LoadLoRAAdapterReqInput.model_validate(adapter.load_body(Path("/x")))
+    sglang_double.UnloadLoRAAdapterReqInput.model_validate(adapter.unload_body())
     with pytest.raises(ValidationError):
         sglang_double.UpdateWeightFromDiskReqInput.model_validate({"model_path": "/x", "version": "3"})
 
@@ -152,6 +175,9 @@ def test_every_payload_is_one_sglangs_own_request_classes_accept():
     check("EndWeightUpdateReqInput", payloads.end_update_body())
     check("ContinueGenerationReqInput", {})
     check("AbortReq", {"abort_all": True})
+    check("GenerateReqInput", payloads.generate_body(_request(), 0, "r", send_seed=False, lora="forge-adapter"))
+    check("LoadLoRAAdapterReqInput", adapter.load_body(Path("/x")))
+    check("UnloadLoRAAdapterReqInput", adapter.unload_body())
 
 
 def _answer(status: int = 200, **meta) -> httpx.Response:
@@ -271,6 +297,21 @@ def test_the_weight_sync_follows_the_transport():
 
     with pytest.raises(UserError, match="neither"):
         choose_weight_sync("auto", Neither)  # type: ignore[arg-type]
+
+
+def test_an_adapter_is_loaded_from_files_and_broadcast_is_refused_with_one(tmp_path):
+    """SGLang takes an adapter from a folder (or CUDA IPC handles), never by broadcast."""
+    import dataclasses
+
+    from forgerl.adapters import LoraOptions
+    from forgerl.errors import ConfigError
+    from forgerl_plugins.transports.nccl.transport import NcclTransport
+
+    ctx = dataclasses.replace(_ctx(tmp_path), adapter=LoraOptions(rank=8))
+    transport = NcclTransport(NcclTransport.Options(), context=None)
+    with pytest.raises(ConfigError, match="cannot receive one by broadcast: use --transport shm"):
+        SGLangGenerator(SGLangGenerator.Options(), context=ctx, transport=transport)
+    assert SGLangGenerator.serves_adapters
 
 
 def test_the_backend_is_registered_and_says_how_to_install_sglang():

@@ -88,25 +88,28 @@ class GeneratorSite:
         return RunContext.for_run(self.config, self.run_dir, model_path=self.model_dir)
 
     @contextlib.contextmanager
-    def open(self) -> Iterator[OpenGenerator]:
+    def open(self, transport: str | None = None) -> Iterator[OpenGenerator]:
         """A new generator (with a new transport and its sender, as a run builds them:
-        transport, sender, generator) closed with them at the end, whatever happened."""
+        transport, sender, generator) closed with them at the end, whatever happened.
+        ``transport`` names another transport than the site's (with its default options),
+        for a generator whose servers take whichever its updates name (the site's servers
+        then serve both)."""
         transport_dir = self.run_dir / f"weights-{next(self._serial)}"  # the shm transport's, each its own
         ctx = self.context()
         registry = registry_for(self.plugins)
-        choice = self.config.transport
-        options = choice.options
-        if choice.name == "shm":
+        name = transport or self.config.transport.name
+        options: Any = self.config.transport.options if transport is None else {}
+        if name == "shm":
             options = {**options_dict(options), "directory": str(transport_dir)}
-        transport = registry.require("transport", choice.name).build(options, context=ctx)
+        built = registry.require("transport", name).build(options, context=ctx)
         sender = generator = None
         try:
-            sender = transport.sender()
+            sender = built.sender()
             record = backend_under_test("generator", self.backend, self.plugins)
-            generator = record.build(dict(self.options), context=ctx, transport=transport)
-            yield OpenGenerator(generator, transport, sender)
+            generator = record.build(dict(self.options), context=ctx, transport=built)
+            yield OpenGenerator(generator, built, sender)
         finally:
-            for part in (generator, sender, transport):  # the run's order (forgerl.worker)
+            for part in (generator, sender, built):  # the run's order (forgerl.worker)
                 if part is not None:
                     part.close()
 

@@ -10,6 +10,10 @@ The reference backend: small, exact, and easy to read. It runs its own decoding 
 * Sampling is reproducible per sequence: sequence ``i`` of a request draws its uniforms
   from a generator seeded with ``seed + i``, one per token, so its tokens do not depend on
   the batch it happens to be in (exact resume relies on it).
+
+With a LoRA trainer (``context.adapter``) each version holds only the adapter, which is
+loaded onto the model's PEFT layers in place (:mod:`.adapter`): no merge, the base weights
+untouched; version 0 is the base model.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from pydantic import Field
 
@@ -36,6 +40,8 @@ from forgerl.types import (
     SamplingParams,
     tie_key,
 )
+
+from .adapter import ServedAdapter, few
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -139,6 +145,9 @@ class HFGenerator(Generator):
     name = "hf"
     description = "transformers forward passes with a KV cache, in the trainer's process"
     requires = ("torch", "transformers")
+    #: With a LoRA trainer, the model gets the same PEFT layers as the trainer's and each
+    #: version's adapter is copied into them (:mod:`.adapter`).
+    serves_adapters: ClassVar[bool] = True
 
     class Options(OptionsModel):
         batch_size: int = Field(16, ge=1, le=65_536, description="Sequences generated together in one forward pass.")
@@ -172,6 +181,8 @@ class HFGenerator(Generator):
         except (OSError, ValueError) as exc:
             raise ConfigError(f"hf generator cannot load the model in {path}: {exc}") from exc
         self.model = model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]  # transformers' wrapped .to() takes self
+        # The trainer's adapter, off until its first version arrives: version 0 is the base model.
+        self.adapter = ServedAdapter(self.model, context.adapter) if context.adapter is not None else None
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
         self.eos_ids = self._eos_ids()
@@ -339,7 +350,8 @@ class HFGenerator(Generator):
     # --------------------------------------------------------------------- weights
 
     def update_weights(self, version: int) -> None:
-        """Receive ``version`` in full, check it, then copy it into the model under the lock.
+        """Receive ``version`` in full, check it, then copy it into the model under the lock
+        (with a LoRA trainer: into the adapter's A and B).
 
         Any failure (timeout, unknown or missing names, wrong shapes) leaves the served
         weights and version as they were.
@@ -357,15 +369,22 @@ class HFGenerator(Generator):
         with self._lock:
             if self._closed:
                 raise GeneratorError("the hf generator is closed")
-            targets = self.model.state_dict()
-            self._check(version, staged, targets)
-            import torch
-
-            with torch.no_grad():
-                for name, tensor in staged.items():
-                    targets[name].copy_(tensor)
+            if self.adapter is not None:
+                self.adapter.check(version, staged)
+                self.adapter.load(staged)
+            else:
+                self._load_weights(version, staged)
             self._version = int(version)
         log.debug("hf generator: loaded weights version %d (%d tensors)", version, len(staged))
+
+    def _load_weights(self, version: int, staged: dict[str, torch.Tensor]) -> None:
+        import torch
+
+        targets = self.model.state_dict()
+        self._check(version, staged, targets)
+        with torch.no_grad():
+            for name, tensor in staged.items():
+                targets[name].copy_(tensor)
 
     def _get_receiver(self) -> TransportReceiver:
         if self._receiver is None:
@@ -381,7 +400,7 @@ class HFGenerator(Generator):
         if unknown:
             raise TransportError(
                 f"weights version {version} has names the generator's model does not: "
-                f"{_few(unknown)} (a different model or naming on the trainer side?)"
+                f"{few(unknown)} (a different model or naming on the trainer side?)"
             )
         groups: dict[Any, list[str]] = {}
         for name, t in targets.items():
@@ -389,14 +408,14 @@ class HFGenerator(Generator):
             groups.setdefault(key, []).append(name)
         missing = [names[0] for names in groups.values() if not any(n in staged for n in names)]
         if missing:
-            raise TransportError(f"weights version {version} lacks {len(missing)} tensors: {_few(missing)}")
+            raise TransportError(f"weights version {version} lacks {len(missing)} tensors: {few(missing)}")
         wrong = [
             f"{n} {tuple(t.shape)} (model: {tuple(targets[n].shape)})"
             for n, t in staged.items()
             if tuple(t.shape) != tuple(targets[n].shape)
         ]
         if wrong:
-            raise TransportError(f"weights version {version} has wrong shapes: {_few(wrong)}")
+            raise TransportError(f"weights version {version} has wrong shapes: {few(wrong)}")
         for names in groups.values():
             given = [n for n in names if n in staged]
             if len(given) > 1 and not all(staged[n].equal(staged[given[0]]) for n in given[1:]):
@@ -411,6 +430,7 @@ class HFGenerator(Generator):
             healthy=not self._closed,
             policy_version=self._version,
             detail=f"hf on {self.device}, {str(self.dtype).removeprefix('torch.')}"
+            + (f", LoRA adapter on {len(self.adapter.targets)} layers" if self.adapter is not None else "")
             + (" (closed)" if self._closed else ""),
         )
 
@@ -423,8 +443,5 @@ class HFGenerator(Generator):
                 self._receiver.close()
                 self._receiver = None
             self.model = None
+            self.adapter = None  # it holds the model too
 
-
-def _few(names: list[str], limit: int = 5) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

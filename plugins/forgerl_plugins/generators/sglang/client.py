@@ -4,7 +4,8 @@ Health and the shared admin call come from :mod:`..common.client`; here: ``/gene
 ``/model_info`` (which weights it serves; it needs the key, so an answer also proves the
 server on that port is ours: SGLang's ``/health`` answers anyone), the weight updates
 (``/update_weights_from_disk``, ``/init_weights_update_group``,
-``/update_weights_from_distributed``), and ``/pause_generation``,
+``/update_weights_from_distributed``), a LoRA adapter's (``/load_lora_adapter``,
+``/unload_lora_adapter``), and ``/pause_generation``,
 ``/continue_generation``, ``/abort_request``, ``/flush_cache``.
 """
 
@@ -46,6 +47,19 @@ class SGLangClient(HealthClient):
         answer = resp.json()
         if isinstance(answer, dict) and answer.get("success") is False:
             raise TransportError(f"replica {r.index}: {path}: {answer.get('message')}")
+
+    async def lora(self, r: Replica, path: str, body: dict[str, Any], timeout: float) -> tuple[bool, str]:
+        """One adapter call: whether SGLang did it, and what it said when not (its
+        ``LoRAUpdateOutput``: ``success``, ``error_message``; HTTP 400 on failure)."""
+        resp = await self.http.post(r.url + path, json=body, headers=r.headers, timeout=timeout + LOAD_MARGIN)
+        try:
+            answer = resp.json()
+        except ValueError:
+            answer = None
+        if resp.status_code == 200 and isinstance(answer, dict) and answer.get("success") is not False:
+            return True, ""
+        said = answer.get("error_message") if isinstance(answer, dict) else None
+        return False, f"HTTP {resp.status_code}: {said or error_message(resp)}"
 
     async def abort_all(self, r: Replica) -> None:
         await self.admin(r, "/abort_request", json={"abort_all": True})

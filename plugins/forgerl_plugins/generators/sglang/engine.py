@@ -22,6 +22,11 @@ the version it was dispatched under and those loaded while it ran (update policy
 retracted at the pause, prefilled again with the new weights after the resume, labelled
 per token from SGLang's spans). Version 0 (a replica left behind by a failed load) is
 reloaded from the model folder.
+
+With a LoRA trainer (``context.adapter``) a version is the adapter alone, loaded from the
+folder the ``files`` receiver stages (:mod:`.adapter`): the last version unloaded, this one
+loaded under the run's adapter name, which every request names from version 1 on; version
+0 is the base model (the adapter unloaded).
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ import contextlib
 import os
 from typing import TYPE_CHECKING
 
+from forgerl.adapters import ADAPTER_NAME
 from forgerl.errors import TransportError
 from forgerl.interfaces import EngineReceiver, RunContext, Transport
 from forgerl.types import Completion, GenerationRequest
 from forgerl_plugins.generators.common.crossings import Flight
 from forgerl_plugins.generators.common.replica import Replica
 
-from . import payloads
+from . import adapter, payloads
 from .client import SGLangClient
 from .payloads import generate_body, parse_generate
 from .server import ROLE
@@ -65,6 +71,7 @@ class SGLangEngine:
         self.model_path = str(context.model_path)
         self.transport_timeout = context.transport_timeout
         self.transport = transport
+        self.adapter = context.adapter
         self._receivers: dict[str, EngineReceiver] = {}  # by "<replica>:<instance>"
         self._joined: set[int] = set()  # broadcast receivers whose engine joined their group
 
@@ -80,9 +87,11 @@ class SGLangEngine:
             await self.client.admin(r, "/continue_generation", json={})
 
     async def send(self, r: Replica, request: GenerationRequest, version: int) -> list[Completion]:
+        lora = ADAPTER_NAME if self.adapter is not None and version > 0 else None
+
         async def one(i: int) -> Completion:
             rid = f"{request.request_id}-{i}-{os.urandom(4).hex()}"
-            body = generate_body(request, i, rid, send_seed=self.send_seed)
+            body = generate_body(request, i, rid, send_seed=self.send_seed, lora=lora)
             flight = r.flights[rid] = Flight(rid, version)  # the updates it runs across (keep)
             try:
                 resp = await self.client.generate(r, body)
@@ -120,7 +129,9 @@ class SGLangEngine:
     async def load(self, r: Replica, version: int) -> None:
         timeout = self.transport_timeout
         try:
-            if version == 0:
+            if self.adapter is not None:
+                await self._load_adapter(r, version, timeout)
+            elif version == 0:
                 body = payloads.update_from_disk_body(self.model_path, 0)
                 await self.client.load(r, "/update_weights_from_disk", body, timeout)
             elif self.weight_sync == "files":
@@ -164,6 +175,35 @@ class SGLangEngine:
             )
         finally:
             receiver.release(version)
+
+    async def _load_adapter(self, r: Replica, version: int, timeout: float) -> None:
+        """Version ``version`` of the adapter in place of the last (0: none); the base
+        weights stay as they are."""
+        from forgerl.interfaces import FilesEngineReceiver
+
+        assert self.adapter is not None
+        if version > 0:
+            receiver = self._receiver(r)
+            assert isinstance(receiver, FilesEngineReceiver)
+            folder = await asyncio.to_thread(receiver.stage, version, timeout)
+            try:
+                await asyncio.to_thread(adapter.write_config, folder, self.adapter)
+                await self._unload_adapter(r, timeout)
+                ok, said = await self.client.lora(r, "/load_lora_adapter", adapter.load_body(folder), timeout)
+                if not ok:
+                    raise TransportError(f"replica {r.index}: loading LoRA adapter version {version}: {said}")
+            finally:
+                receiver.release(version)  # SGLang holds the adapter in memory once loaded
+        else:
+            await self._unload_adapter(r, timeout)
+        await self.client.load(r, "/update_weight_version", payloads.weight_version_body(version), timeout)
+
+    async def _unload_adapter(self, r: Replica, timeout: float) -> None:
+        """Drop the adapter ``r`` serves, if any (a server met for the first time may hold
+        one from an earlier generator, or none)."""
+        ok, said = await self.client.lora(r, "/unload_lora_adapter", adapter.unload_body(), timeout)
+        if not ok and adapter.NOT_LOADED not in said:
+            raise TransportError(f"replica {r.index}: unloading the LoRA adapter: {said}")
 
     async def _load_broadcast(self, r: Replica, version: int, timeout: float) -> None:
         from forgerl.interfaces import BroadcastEngineReceiver

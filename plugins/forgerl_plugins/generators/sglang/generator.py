@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import Field
 
 from forgerl.config import MAX_SECONDS
-from forgerl.errors import UserError
+from forgerl.errors import ConfigError, UserError
 from forgerl.interfaces import RunContext, Transport
 from forgerl.options import OptionsModel
 from forgerl_plugins.generators.common.pool import ReplicaPool
 
-from . import SGLANG_VERSION, server
+from . import SGLANG_VERSION, adapter, server
 from .engine import SGLangEngine
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -64,6 +64,9 @@ class SGLangGenerator(ReplicaPool):
     # SGLang has no CPU build: say so before anyone installs 11 GB for nothing.
     install_hint = f"pip install 'forgerl[sglang]' (SGLang {SGLANG_VERSION}; CUDA GPUs only)"
     info: ClassVar[dict[str, str]] = {"install": f"pip install 'forgerl[sglang]' (SGLang {SGLANG_VERSION}; CUDA GPUs only)"}
+    #: With a LoRA trainer, the servers start with LoRA on and each version's adapter is
+    #: loaded from the folder the transport stages, under one name (:mod:`.adapter`).
+    serves_adapters: ClassVar[bool] = True
 
     class Options(OptionsModel):
         replicas: int = Field(
@@ -156,5 +159,13 @@ class SGLangGenerator(ReplicaPool):
 
     def __init__(self, options: SGLangGenerator.Options, *, context: RunContext, transport: Transport) -> None:
         weight_sync = choose_weight_sync(options.weight_sync, transport)  # before any server is asked
+        if context.adapter is not None:
+            adapter.module_kinds(context.adapter)  # ConfigError: no module SGLang serves LoRA on
+            if weight_sync != "files":
+                raise ConfigError(
+                    "the sglang generator loads a LoRA adapter (trainer.options.lora) from a folder the "
+                    f"transport stages; SGLang {SGLANG_VERSION} cannot receive one by broadcast: "
+                    "use --transport shm"
+                )
         engine = SGLangEngine(options, weight_sync, context=context, transport=transport)
         super().__init__(engine, options, context=context)

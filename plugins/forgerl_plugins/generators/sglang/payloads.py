@@ -36,8 +36,11 @@ FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": 
 SEED_STRIDE = 1_000_003
 
 
-def generate_body(request: GenerationRequest, sample: int, rid: str, *, send_seed: bool) -> dict[str, Any]:
-    """The ``/generate`` body of sample ``sample`` of ``request``."""
+def generate_body(
+    request: GenerationRequest, sample: int, rid: str, *, send_seed: bool, lora: str | None = None
+) -> dict[str, Any]:
+    """The ``/generate`` body of sample ``sample`` of ``request`` (sampled with the LoRA
+    adapter named ``lora``, when given: SGLang takes its name in ``lora_path``)."""
     prompt = [int(t) for t in request.prompt_token_ids]
     if not prompt:
         raise GeneratorError(f"request {request.request_id!r} has an empty prompt")
@@ -53,13 +56,16 @@ def generate_body(request: GenerationRequest, sample: int, rid: str, *, send_see
         params["stop"] = list(s.stop)
     if send_seed and s.seed is not None:
         params["sampling_seed"] = int(s.seed) + sample * SEED_STRIDE
-    return {
+    body: dict[str, Any] = {
         "rid": rid,
         "input_ids": prompt,
         "sampling_params": params,
         "return_logprob": True,
         "logprob_start_len": -1,
     }
+    if lora is not None:
+        body["lora_path"] = lora
+    return body
 
 
 def parse_generate(

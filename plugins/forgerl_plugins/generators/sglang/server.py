@@ -29,6 +29,7 @@ from forgerl_plugins.generators.sglang import guard
 from forgerl_plugins.serving import launcher
 
 if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.adapters import LoraOptions
     from forgerl.interfaces import RunContext
     from forgerl.types import RoleSpec
     from forgerl_plugins.generators.sglang.generator import SGLangGenerator
@@ -65,10 +66,13 @@ def roles(options: SGLangGenerator.Options, *, context: RunContext) -> list[Role
     ]
 
 
-def server_command(options: SGLangGenerator.Options, model_dir: Path, model_dtype: str, port: int) -> list[str]:
-    """``sglang.launch_server`` for ``model_dir`` on ``options.host:port`` with our options,
-    run by the launch command's Python under the key guard (:mod:`.guard`, which adds the
-    key, from the environment, to the server's own arguments in its process only)."""
+def server_command(
+    options: SGLangGenerator.Options, model_dir: Path, model_dtype: str, port: int, adapter: LoraOptions | None = None
+) -> list[str]:
+    """``sglang.launch_server`` for ``model_dir`` on ``options.host:port`` with our options
+    (and LoRA on, for the trainer's ``adapter``), run by the launch command's Python under
+    the key guard (:mod:`.guard`, which adds the key, from the environment, to the server's
+    own arguments in its process only)."""
     dtype = model_dtype if options.dtype == "auto" else options.dtype
     python, *program = options.launch_command or [sys.executable, "-m", "sglang.launch_server"]
     args = [
@@ -86,6 +90,10 @@ def server_command(options: SGLangGenerator.Options, model_dir: Path, model_dtyp
         args += ["--mem-fraction-static", str(options.mem_fraction_static)]
     if options.context_length is not None:
         args += ["--context-length", str(options.context_length)]
+    if adapter is not None:
+        from .adapter import server_flags
+
+        args += server_flags(adapter)
     args += server_arg_flags(options.server_args)  # last: the user's own say wins
     return args
 
@@ -167,7 +175,7 @@ def serve(options: SGLangGenerator.Options, *, context: RunContext, role: str, r
         startup_timeout=options.startup_timeout,
         health_interval=options.health_interval,
         liveness_timeout=options.liveness_timeout,
-        command=lambda port: server_command(options, model_dir, context.dtype, port),
+        command=lambda port: server_command(options, model_dir, context.dtype, port, context.adapter),
         env=server_env(options, api_key),
         api_key=api_key,
         first_request=first_request,
