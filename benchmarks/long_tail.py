@@ -93,7 +93,12 @@ def main() -> None:
                 folder = work / f"{side}-{r + 1}"
                 say(f"round {r + 1}/{args.rounds}: {side} for {args.budget:.0f} s ...")
                 t0 = time.time()
-                run = run_side(side, folder, args, train, held_out)
+                try:
+                    run = run_side(side, folder, args, train, held_out)
+                except SystemExit as failed:  # the shared machine's OOM killer, a start-up timeout
+                    say(f"    {side} failed: {failed}")
+                    report["failed"] = [*report.get("failed", []), {"side": side, "error": str(failed)}]
+                    continue
                 run["load_average"] = load.between(t0, time.time())
                 run.update(lengths(folder / "completions.jsonl", model))
                 report["runs"].append(run)
@@ -256,11 +261,13 @@ def summarise(runs: list[dict], sides: list[str]) -> dict:
     out: dict = {}
     for side in sides:
         mine = [r for r in runs if r["side"] == side]
+        if not mine:
+            continue
         out[side] = {"trained_tokens_per_s": statistics.fmean(r["trained_tokens_per_s"] for r in mine),
                      "steps": [r["steps"] for r in mine],
                      "eval_accuracy": [r["eval_accuracy"] for r in mine]}
-    base = out[sides[0]]["trained_tokens_per_s"]
-    for side in sides:
+    base = out[sides[0]]["trained_tokens_per_s"] if sides[0] in out else float("nan")
+    for side in out:
         out[side]["ratio"] = out[side]["trained_tokens_per_s"] / base
     return out
 
@@ -281,6 +288,8 @@ def print_report(report: dict) -> None:
               f"{r['load_average']['mean']:>6.1f}")
     for r in report["runs"]:
         print(f"{r['side']}: completion tokens {r['lengths']}; eval curve {r['eval_curve']}")
+    for failed in report.get("failed", []):
+        print(f"{failed['side']}: FAILED: {failed['error'].splitlines()[0]}")
     for side, s in report["sides"].items():
         print(f"{side}: {s['trained_tokens_per_s']:.1f} trained tokens/s ({s['ratio']:.2f}x), "
               f"held-out {s['eval_accuracy']}, steps {s['steps']}")
