@@ -50,7 +50,7 @@ from tests.helpers.vf_envs.vf_scoring import reward_of  # noqa: E402
 pytestmark = pytest.mark.integration
 
 VF_ENVS = str(Path(__file__).resolve().parents[1] / "helpers" / "vf_envs")
-ENV_ID = "forge-vf-test"
+ENV_ID = "forge-vf-envs"
 FAILED_REWARD = -0.5
 
 
@@ -236,7 +236,7 @@ def test_tool_calls_faults_and_foreign_problems(vf_python, tokenizer, tmp_path):
     # The environment that raised: its trajectory failed, with the environment's reason.
     assert crashed.result.failed and crashed.result.value == FAILED_REWARD
     assert "the test environment's tool server is down" in crashed.trajectory.failure
-    assert "forge_vf_test.py" in crashed.trajectory.failure, "where it was raised"
+    assert "forge_vf_envs.py" in crashed.trajectory.failure, "where it was raised"
     # The one that blocked its process: failed at the deadline, its process killed.
     assert hung.result.failed and "did not end within" in hung.trajectory.failure
     [pid] = [int(p) for p in pids.read_text().split()]

@@ -64,7 +64,7 @@ class VLLMGenerator(ReplicaPool):
             "per-token versions, and a sample's staleness counts from its oldest token).",
         )
         stage_updates: bool = Field(
-            True,
+            False,
             description="At a weight update, read the new version from the transport while the replica still "
             "generates, and pause it only for the load (with the shm transport: one more copy of the weights in "
             "host memory during the update; full weights only, a LoRA adapter is read under the pause).",

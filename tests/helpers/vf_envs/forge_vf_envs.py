@@ -1,6 +1,6 @@
 """A verifiers environment as a verifiers user writes one (``load_environment`` returning
 a ``vf.Environment`` with a dataset and a ``Rubric``), with an in-memory dataset: nothing
-is downloaded. ``vf.load_environment("forge-vf-test", mode=...)`` imports it.
+is downloaded. ``vf.load_environment("forge-vf-envs", mode=...)`` imports it.
 
 - ``mode="feedback"``: a ``MultiTurnEnv``; after the model's first reply the environment
   says "Check it." once, and the second reply ends the rollout.
@@ -82,7 +82,7 @@ class Tools(vf.ToolEnv):
 
 def load_environment(mode: str = "feedback", size: int = 8, faults: dict | None = None,
                      broken: bool = False) -> vf.Environment:
-    print(f"loading forge-vf-test ({mode})")  # as environments do: never onto the runner's answers
+    print(f"loading forge-vf-envs ({mode})")  # as environments do: never onto the runner's answers
     if broken:
         raise RuntimeError("this environment needs a service that is not configured")
     faults = {int(k): v for k, v in (faults or {}).items()}
