@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from forgerl_plugins.transports.common.control import Backoff, timedelta
@@ -106,15 +105,37 @@ def broadcast(pg: Any, tensor: Any, root: int, timeout: float) -> Any:
     return pg.broadcast([tensor], opts)
 
 
+def on_done(work: Any, wake: threading.Event) -> None:
+    """Set ``wake`` when ``work``'s future completes (or fails), from the backend's own
+    thread. Waiting on the event instead of sleeping between ``is_completed()`` polls sees
+    a gloo work's completion at once: a poll that had backed off to 10-20 ms saw the last
+    chunk of a version that much late, and a sender waiting for a staging buffer posted
+    the next chunks that much late. ``is_completed()`` stays the test (a NCCL work's
+    future completes as the work is queued); where a backend gives no future, ``wake`` is
+    never set and callers' bounded waits make them poll."""
+    try:
+        work.get_future().add_done_callback(lambda _future: wake.set())
+    except (RuntimeError, AttributeError, NotImplementedError):  # no future: the caller polls
+        pass
+
+
 def wait(work: Any, deadline: Any) -> None:
     """Wait for ``work`` until ``deadline`` (a :class:`..common.control.Deadline`); raises what
-    the work raised, or TimeoutError. Polls instead of ``work.wait()``, which trusts the
-    backend to honour its own timeout."""
+    the work raised, or TimeoutError. Waits for its completion event (:func:`on_done`) in
+    bounded steps instead of ``work.wait()``, which trusts the backend to honour its own
+    timeout."""
+    wake = threading.Event()
+    on_done(work, wake)
     backoff = Backoff(0.01)
-    while not work.is_completed():
+    while True:
+        # Cleared before each look: a completion after it sets the event again. (A NCCL
+        # work's future completes when the work is queued, not done: then this polls.)
+        wake.clear()
+        if work.is_completed():
+            break
         if deadline.expired:
             raise TimeoutError(f"the transfer did not complete within {deadline.seconds:g} s")
-        time.sleep(backoff.next())
+        wake.wait(max(0.0, min(backoff.next(), deadline.remaining())))
     work.wait()
 
 

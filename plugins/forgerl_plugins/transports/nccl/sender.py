@@ -385,8 +385,12 @@ class NcclSender(StoreSender):
         did). A receiver that died before answering leaves gloo ops pending until their
         own timeout — the stall rule frees the others, who share the staging buffers."""
         waiting = [(m, w) for m, w in works if m.failed is None]
+        wake = threading.Event()  # set as any of them completes
+        for _, w in waiting:
+            groups.on_done(w, wake)
         backoff = Backoff(self.options.poll_interval)
         while waiting:
+            wake.clear()  # before looking: a completion after the look wakes the wait below
             still = []
             for m, w in waiting:
                 if m.failed is not None:
@@ -408,7 +412,7 @@ class NcclSender(StoreSender):
                     still.append((m, w))
             waiting = still
             if waiting:
-                time.sleep(backoff.next())
+                wake.wait(backoff.next())
 
     def _fail(self, m: _Member, reason: str) -> None:
         with self._cond:
