@@ -104,8 +104,10 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
                 "generator.options.replicas=2",
                 "generator.options.kv_cache_gb=0.25",
                 "generator.options.health_interval=0.5",
-                # Patience, not what is tested here: scaled, so a loaded machine is no "hang".
-                f"generator.options.liveness_timeout={scaled(20)}",
+                # Patience, not what is tested here: scaled, so a loaded machine is no "hang"
+                # (at 20 s, CI at load 7-18 once lost the surviving replica while the killed
+                # one restarted and took both cores).
+                f"generator.options.liveness_timeout={scaled(90)}",
                 f"generator.options.startup_timeout={scaled(SERVER_WAIT)}",
                 f"transport.timeout={scaled(60)}",
             ],
@@ -597,4 +599,9 @@ def test_a_killed_replica_fails_over_restarts_and_rejoins_at_the_current_weights
     assert info["version"] == version
     events = (c.run_dir / "logs" / "scheduler.log").read_text()
     assert "restarting vllm-1" in events, events[-2000:]
+    # Both replicas must be back in service before each is asked directly (a replica the
+    # launcher replaced meanwhile comes back re-synced to the same version).
+    wait_until(
+        lambda: all(r["serving"] for r in gen.replica_info()), SERVER_WAIT, "both replicas in service", interval=1
+    )
     _check_each_replica(c, version)  # the restarted server holds the current weights
