@@ -27,6 +27,9 @@ FORGE = [str(_SCRIPT)] if _SCRIPT.is_file() else [sys.executable, "-m", "forgerl
 #: Address space of the forge process: several times what refusing (or validating a real
 #: config) needs, far below what expanding a bomb needs.
 MEMORY_LIMIT = 2 * 2**30
+#: When to give up. Generous: under the memory limit the old code failed anyway (a
+#: MemoryError after ~48 s), and `forge report` (matplotlib) once needed over 60 s at load 18.
+DEADLINE = scaled(240)
 
 
 def laughs(levels: int = 9, flow: bool = False) -> str:
@@ -51,11 +54,11 @@ def forge(*argv: str, cwd: Path) -> tuple[int, str, str]:
     proc = subprocess.Popen([*FORGE, *argv], cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, preexec_fn=limit_memory)  # noqa: PLW1509 - only setrlimit
     try:
-        out, err = proc.communicate(timeout=scaled(60))
+        out, err = proc.communicate(timeout=DEADLINE)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        pytest.fail(f"forge {' '.join(argv)} was still running after {scaled(60):g} s (expanding the aliases?)\n"
+        pytest.fail(f"forge {' '.join(argv)} was still running after {DEADLINE:g} s (expanding the aliases?)\n"
                     f"{err[-2000:]}")
     return proc.returncode, out, err
 
