@@ -6,13 +6,18 @@ What a user relies on: each run samples with its own adapter (the served logprob
 its trainer's, and are far from the other run's), one run's update never changes another
 run's samples, and a run's end unloads its adapter while the fleet serves on.
 
-One server for the module (``--max-loras 2``); the runs are cheap (no server of their own).
+One server for the module (``--max-loras 2``), started by the fleet's own command and
+stopped by SIGTERM; the runs are cheap (no server of their own).
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import signal
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -52,14 +57,42 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    from forgerl_plugins.generators.vllm import fleet
+    """The fleet, started by its documented command; at the end stopped by SIGTERM, which
+    must take its server down with it."""
+    from forgerl_plugins.generators.common.replica import read_endpoint
+    from forgerl_plugins.generators.vllm.server import endpoint_file
 
     directory = tmp_path_factory.mktemp("fleet")
-    sets = [f"generator.options.{k}={v}" for k, v in FLEET_OPTIONS.items()]
-    config = fleet.fleet_config(str(model_dir), max_adapters=2, max_rank=RANK, sets=sets)
-    with fleet.started(directory, config) as info:
-        wait_until(lambda: fleet.endpoints_up(info) == 1, scaled(SERVER_WAIT), "the fleet's server to publish its endpoint")
+    command = [sys.executable, "-m", "forgerl_plugins.generators.vllm.fleet", "--dir", str(directory),
+               "--model", str(model_dir), "--max-adapters", "2", "--max-rank", str(RANK)]  # fmt: skip
+    for key, value in FLEET_OPTIONS.items():
+        command += ["--set", f"generator.options.{key}={value}"]
+    log = (directory.parent / "fleet-command.log").open("w")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        wait_until(
+            lambda: proc.poll() is not None or "forge fleet: ready" in (directory.parent / "fleet-command.log").read_text(),
+            scaled(SERVER_WAIT), "the fleet command to say its server is up",
+        )  # fmt: skip
+        assert proc.poll() is None, (directory.parent / "fleet-command.log").read_text()
+        endpoint = read_endpoint(endpoint_file(directory, 0))
+        assert endpoint is not None and endpoint.get("pid")
         yield directory
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(scaled(120))
+        log.close()
+    assert rc == 0, (directory.parent / "fleet-command.log").read_text()
+    # Its server went with it.
+    wait_until(lambda: not _alive(int(endpoint["pid"])), scaled(60), "the fleet's server to stop")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 @pytest.fixture(scope="module")
