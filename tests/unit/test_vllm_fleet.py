@@ -124,3 +124,17 @@ def test_the_fleet_command_refuses_another_generator_with_one_line(tmp_path: Pat
         "forge fleet: error: a fleet's servers attach to no other fleet: leave generator.options.fleet unset"
     ]
     assert not (tmp_path / "f").exists()  # nothing started
+
+
+def test_a_directory_with_a_running_fleet_is_refused_a_second_one(tmp_path: Path) -> None:
+    from forgerl.errors import ConfigError
+    from forgerl_plugins.generators.vllm import fleet
+
+    directory = _fleet(tmp_path / "fleet")
+    config = fleet.fleet_config("tiny", max_adapters=2, max_rank=8)
+    endpoint = directory / "generators" / "vllm-0.json"
+    endpoint.write_text(json.dumps({"host": "127.0.0.1", "port": 1, "pid": os.getpid()}))  # a live server's
+    with pytest.raises(ConfigError, match="holds a running fleet"):
+        with fleet.started(directory, config):
+            pass
+    assert not (directory / "config.yaml").exists()  # nothing written, nothing started

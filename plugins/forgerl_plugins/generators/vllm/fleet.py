@@ -179,8 +179,10 @@ def started(directory: Path, config: Any) -> Iterator[FleetInfo]:
 
     directory = Path(directory).resolve()
     directory.mkdir(parents=True, exist_ok=True)
-    if any(endpoint_file(directory, i).exists() for i in range(config.generator.options.replicas)):
-        raise ConfigError(f"{directory} already holds a fleet's endpoints: stop that fleet, or choose another --dir")
+    # Endpoint files of servers that still run: another fleet's (a killed fleet's files,
+    # of servers gone, are left over and replaced).
+    if any(_serving(endpoint_file(directory, i)) for i in range(config.generator.options.replicas)):
+        raise ConfigError(f"{directory} holds a running fleet: stop that fleet, or choose another --dir")
     runs.write_config(directory, config)
     registry = build_registry()
     context = RunContext.for_run(config, directory)
@@ -196,6 +198,20 @@ def started(directory: Path, config: Any) -> Iterator[FleetInfo]:
     finally:
         stop()
         (directory / FLEET_FILE).unlink(missing_ok=True)
+
+
+def _serving(endpoint: Path) -> bool:
+    """The server of endpoint file ``endpoint`` still runs."""
+    import os
+
+    try:
+        pid = int(json.loads(endpoint.read_text())["pid"])
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # another user's process
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # no file, no pid in it, or no such process
+    return True
 
 
 def _supervise(scheduler: Any, job: Any, directory: Path) -> Callable[[], None]:
