@@ -1,6 +1,7 @@
 """Several runs, one generator fleet: two runs' ``vllm`` generators attached to one real
 vLLM CPU server (started as ``python -m forgerl_plugins.generators.vllm.fleet`` starts
-it), each loading versions of its own LoRA adapter through its own shm transport.
+it), each loading versions of its own LoRA adapter through its own transport (``shm`` for
+one, ``nccl`` (gloo on CPU) for the other).
 
 What a user relies on: each run samples with its own adapter (the served logprobs equal
 its trainer's, and are far from the other run's), one run's update never changes another
@@ -201,7 +202,9 @@ def test_two_runs_sample_each_with_its_own_adapter(
 ) -> None:
     with _run(model_dir, fleet_dir, tmp_path / "run-a") as site_a, _run(model_dir, fleet_dir, tmp_path / "run-b") as site_b:
         assert site_a.context().adapter is not None
-        with site_a.open() as a, site_b.open() as b:
+        # Each run its own transport, of two kinds: the fleet's workers keep a receiver per run.
+        with site_a.open("shm") as a, site_b.open("nccl") as b:
+            assert type(b.transport).name == "nccl"
             name_a, name_b = a.generator.engine.adapter_name, b.generator.engine.adapter_name
             assert name_a != name_b
             # Neither run started a server: both talk to the fleet's one.

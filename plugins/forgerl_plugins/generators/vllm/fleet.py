@@ -153,6 +153,8 @@ def fleet_config(model: str, *, max_adapters: int, max_rank: int, sets: Sequence
     from forgerl.plugins import build_registry
     from forgerl.resolve import resolve
 
+    if Path(model).expanduser().exists():  # a folder: named absolutely, whatever the runs' working directory
+        model = str(Path(model).expanduser().resolve())
     base = {
         "model": {"name": model},
         "generator": {"name": "vllm", "options": {"max_adapters": max_adapters}},
@@ -192,7 +194,11 @@ def started(directory: Path, config: Any) -> Iterator[FleetInfo]:
     info = FleetInfo(directory, config.model.name, options.replicas, options.max_adapters, context.adapter.rank)
     (directory / FLEET_FILE).write_text(json.dumps(info.__dict__ | {"directory": str(directory)}, indent=1))
     scheduler = registry.require("scheduler", "local").build({"stop_timeout": STOP_TIMEOUT})
-    stop = _supervise(scheduler, JobSpec("forge-fleet", str(directory), tuple(roles)), directory)
+    try:
+        stop = _supervise(scheduler, JobSpec("forge-fleet", str(directory), tuple(roles)), directory)
+    except BaseException:
+        (directory / FLEET_FILE).unlink(missing_ok=True)
+        raise
     try:
         yield info
     finally:
