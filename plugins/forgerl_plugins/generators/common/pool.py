@@ -53,12 +53,13 @@ class ReplicaPool(Generator):
     """``ReplicaPool(engine, options, *, context)``: connects to the replicas of
     ``context.run_dir`` through ``engine`` and dispatches the requests (see the module
     docstring). The options need ``replicas``, ``max_concurrency``, ``startup_timeout``,
-    ``health_interval`` and ``update_policy``."""
+    ``health_interval`` and ``update_policy``. ``serving_dir``: where the replicas' endpoint
+    files are when the servers are not the run's own (a shared fleet's directory)."""
 
-    def __init__(self, engine: Engine, options: Any, *, context: RunContext) -> None:
+    def __init__(self, engine: Engine, options: Any, *, context: RunContext, serving_dir: Path | None = None) -> None:
         self.engine = engine
         self.options = options
-        run_dir = Path(context.run_dir)
+        run_dir = Path(serving_dir if serving_dir is not None else context.run_dir)
         # httpx logs every request at INFO: thousands of lines per step in the trainer's log.
         if logging.getLogger("httpx").level == logging.NOTSET:
             logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -72,7 +73,8 @@ class ReplicaPool(Generator):
         # first waits on them (Python >= 3.10).
         self._sem = asyncio.Semaphore(options.max_concurrency)
         self._changed = asyncio.Condition()  # a replica may serve now, or the version changed
-        self.watcher = ReplicaWatcher(engine, run_dir=run_dir, startup_timeout=options.startup_timeout)
+        # Events go to the run's own directory, wherever its servers are.
+        self.watcher = ReplicaWatcher(engine, run_dir=Path(context.run_dir), startup_timeout=options.startup_timeout)
         self.updater = WeightUpdater(
             engine,
             self._replicas,
@@ -247,6 +249,10 @@ class ReplicaPool(Generator):
                     await self._monitor
             client = getattr(self.engine, "client", None)  # none where connect never ran
             if client is not None:
+                release = getattr(self.engine, "release", None)  # what the run left on shared servers
+                if release is not None:
+                    async with self.updater.lock:  # not in the middle of an update
+                        await release(self._replicas)
                 await client.aclose()
 
         self._io.close(shutdown())

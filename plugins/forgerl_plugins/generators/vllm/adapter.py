@@ -35,8 +35,17 @@ def register_body() -> dict[str, Any]:
 def install(worker_manager: Any, tensors: dict[str, Any], config: dict[str, Any]) -> None:
     """Replace adapter :data:`ADAPTER_ID` of ``worker_manager`` (vLLM's worker LoRA
     manager) with ``tensors`` (PEFT names) and ``config`` (an ``adapter_config.json``)."""
+    manager = worker_manager._adapter_manager
+    lora = build(worker_manager, ADAPTER_ID, tensors, config)
+    manager.remove_adapter(ADAPTER_ID)  # deactivates it too: the activation below copies afresh
+    manager.add_adapter(lora)
+    manager.activate_adapter(ADAPTER_ID)
+
+
+def build(worker_manager: Any, lora_id: int, tensors: dict[str, Any], config: dict[str, Any]) -> Any:
+    """vLLM's ``LoRAModel`` of id ``lora_id`` from ``tensors`` (PEFT names, copied) and
+    ``config``; ValueError where the server cannot serve them (rank, modules)."""
     from vllm.lora.peft_helper import PEFTHelper
-    from vllm.lora.utils import parse_fine_tuned_lora_name
 
     manager = worker_manager._adapter_manager
     helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": worker_manager.max_position_embeddings})
@@ -44,13 +53,9 @@ def install(worker_manager: Any, tensors: dict[str, Any], config: dict[str, Any]
     model = manager.model
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     mapper = mapper.get_rename_mapper() if mapper is not None else None
-    supported = _expected_modules(manager)
-    for name in tensors:
-        module, _ = parse_fine_tuned_lora_name(name, mapper)
-        if module.rpartition(".")[2] not in supported:
-            raise ValueError(f"adapter tensor {name!r}: vLLM serves no LoRA on {module!r} (it does on {sorted(supported)})")
+    check_modules(worker_manager, tensors)
     lora = worker_manager._lora_model_cls.from_lora_tensors(
-        lora_model_id=ADAPTER_ID,
+        lora_model_id=lora_id,
         # Copies: the transport may reuse its buffers for the next version.
         tensors={name: t.clone() for name, t in tensors.items()},
         peft_helper=helper,
@@ -62,9 +67,88 @@ def install(worker_manager: Any, tensors: dict[str, Any], config: dict[str, Any]
     )
     if not lora.loras:
         raise ValueError(f"none of the {len(tensors)} adapter tensors names a LoRA module")
-    manager.remove_adapter(ADAPTER_ID)  # deactivates it too: the activation below copies afresh
-    manager.add_adapter(lora)
-    manager.activate_adapter(ADAPTER_ID)
+    return lora
+
+
+def check_modules(worker_manager: Any, tensors: dict[str, Any]) -> None:
+    """ValueError unless vLLM serves LoRA on every module ``tensors`` name."""
+    from vllm.lora.utils import parse_fine_tuned_lora_name
+
+    manager = worker_manager._adapter_manager
+    mapper = getattr(manager.model, "hf_to_vllm_mapper", None)
+    mapper = mapper.get_rename_mapper() if mapper is not None else None
+    supported = _expected_modules(manager)
+    for name in tensors:
+        module, _ = parse_fine_tuned_lora_name(name, mapper)
+        if module.rpartition(".")[2] not in supported:
+            raise ValueError(f"adapter tensor {name!r}: vLLM serves no LoRA on {module!r} (it does on {sorted(supported)})")
+
+
+# ------------------------------------------------------------- named adapters (a fleet)
+#
+# On a shared fleet's server each run's adapter has a name of its own, and the API server
+# chooses its id (a counter, in the order names are first registered), so the worker
+# cannot install it ahead under a known id as above. Instead each version's tensors are
+# kept in the worker under the adapter's name (:class:`NamedAdapters`), and then
+# registered through ``/v1/load_lora_adapter`` with ``load_inplace`` under a path naming
+# name and version (:func:`named_register_body`). vLLM then loads it in place through the
+# worker manager's own ``_load_adapter``, which reads that path from the kept tensors
+# (:meth:`NamedAdapters.hook`) and everything else from disk as before. A new path per
+# version also gives the version's requests prefix-cache keys of their own (vLLM keys a
+# LoRA request's blocks by name and path). The kept tensors stay: a server holding more
+# adapters than its ``--max-cpu-loras`` evicts the least used and loads it again later.
+
+#: The root of the paths that name kept adapters (never a real folder).
+NAMED_ROOT = "/nonexistent/forgerl-adapters"
+
+
+def named_path(name: str, version: int) -> str:
+    return f"{NAMED_ROOT}/{name}/v{version}"
+
+
+def named_register_body(name: str, version: int) -> dict[str, Any]:
+    """The body of ``/v1/load_lora_adapter`` that loads kept version ``version`` of ``name``."""
+    return {"lora_name": name, "lora_path": named_path(name, version), "load_inplace": True}
+
+
+class NamedAdapters:
+    """The adapters a worker keeps by name: ``{name: (version, tensors, config)}``."""
+
+    def __init__(self, worker_manager: Any) -> None:
+        self.worker_manager = worker_manager
+        self.kept: dict[str, tuple[int, dict[str, Any], dict[str, Any]]] = {}
+        self.ids: dict[str, int] = {}  # name -> the id the API server gave it
+        self._original = worker_manager._load_adapter
+        worker_manager._load_adapter = self.hook
+
+    def keep(self, name: str, version: int, tensors: dict[str, Any], config: dict[str, Any]) -> None:
+        check_modules(self.worker_manager, tensors)  # refused here, with the transport's answer
+        # Copies: the transport may reuse its buffers for the next version.
+        self.kept[name] = (version, {k: t.clone() for k, t in tensors.items()}, config)
+
+    def version(self, name: str) -> int:
+        found = self.kept.get(name)
+        return found[0] if found is not None else 0
+
+    def drop(self, name: str) -> None:
+        """Forget ``name`` (and take its id out of the worker's adapters)."""
+        self.kept.pop(name, None)
+        lora_id = self.ids.pop(name, None)
+        if lora_id is not None:
+            self.worker_manager._adapter_manager.remove_adapter(lora_id)
+
+    def hook(self, lora_request: Any) -> Any:
+        """vLLM's ``_load_adapter`` for a kept adapter's path; the original for any other."""
+        path = str(lora_request.lora_path or "")
+        if not path.startswith(NAMED_ROOT + "/"):
+            return self._original(lora_request)
+        name, _, version = path[len(NAMED_ROOT) + 1 :].rpartition("/v")
+        found = self.kept.get(name)
+        if found is None or str(found[0]) != version:
+            held = "none" if found is None else f"version {found[0]}"
+            raise ValueError(f"adapter {name!r} version {version} is not in this worker (it holds {held})")
+        self.ids[name] = int(lora_request.lora_int_id)
+        return build(self.worker_manager, int(lora_request.lora_int_id), found[1], found[2])
 
 
 def remove(worker_manager: Any) -> None:

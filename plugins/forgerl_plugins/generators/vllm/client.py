@@ -37,12 +37,16 @@ class ReplicaClient(HealthClient):
             length = models[0].get("max_model_len")
             r.max_model_len = int(length) if length else None
 
-    async def probe_version(self, r: Replica) -> None:
+    async def probe_version(self, r: Replica, adapter: str | None = None) -> None:
         """Ask the workers which weights they hold: 0 for a fresh server (the model folder);
-        a server this generator did not start may hold anything."""
+        a server this generator did not start may hold anything. ``adapter``: on a shared
+        fleet's server, the version of that adapter (0: they hold none of that name)."""
+        body: dict[str, Any] = {"method": "forge_policy_version"}
+        if adapter is not None:
+            body = {"method": "forge_adapter_version", "args": [adapter]}
         resp = await self.http.post(
             r.url + "/collective_rpc",
-            json={"method": "forge_policy_version"},
+            json=body,
             headers=r.headers,
             timeout=60.0,
         )

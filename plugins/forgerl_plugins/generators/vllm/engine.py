@@ -20,6 +20,14 @@ speaks to one vLLM replica (every HTTP call, with the replica's key: :mod:`.clie
   the workers load in place as the server's one adapter (:mod:`.adapter`); the first
   time on each server the adapter is named to its API server, and from then on requests
   name it as their model. Version 0 is the base model: requests name the base model.
+* **a shared fleet** (``fleet``, :mod:`.fleet`): the servers serve other runs' adapters
+  too. This run's adapter has a name of its own (:func:`.fleet.adapter_name`); each
+  version is first handed to the workers under that name, then registered with the API
+  server under a path naming the version (:mod:`.adapter`), which loads it in place as the
+  adapter's one id. No server is paused (our own requests on it have drained: the
+  ``wait`` policy), and no prefix cache is reset: vLLM keys cached blocks by the adapter's
+  name and path, and the path is new with every version. At the end the run unloads
+  its adapter; the servers are the fleet's.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from .completions import parse_completions, request_body
 from .server import ROLE
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .fleet import FleetInfo
     from .generator import VLLMGenerator
 
 log = logging.getLogger(__name__)
@@ -60,7 +69,14 @@ class VLLMEngine:
     label = "vLLM"
     client: ReplicaClient
 
-    def __init__(self, options: VLLMGenerator.Options, *, context: RunContext, transport: Transport) -> None:
+    def __init__(
+        self, options: VLLMGenerator.Options, *, context: RunContext, transport: Transport, fleet: FleetInfo | None = None
+    ) -> None:
+        from . import fleet as _fleet
+
+        self.fleet = fleet
+        #: What requests name as their model from version 1 on.
+        self.adapter_name = _fleet.adapter_name(context) if fleet is not None else ADAPTER_NAME
         self.request_timeout = options.request_timeout
         self.send_seed = options.send_seed  # on the CPU build, see server.whole_prefill_args
         self.transport_timeout = context.transport_timeout
@@ -81,12 +97,13 @@ class VLLMEngine:
         if r.max_model_len is None:
             await self.client.fetch_model_info(r)
         if not r.probed:
-            await self.client.probe_version(r)
+            # On a fleet's server: the version of this run's adapter there (0: none).
+            await self.client.probe_version(r, self.adapter_name if self.fleet is not None else None)
 
     async def send(self, r: Replica, request: GenerationRequest, version: int) -> list[Completion]:
         body = request_body(request, r, send_seed=self.send_seed)
         if self.adapter is not None and version > 0:
-            body["model"] = ADAPTER_NAME  # the base model with the adapter of ``version``
+            body["model"] = self.adapter_name  # the base model with the adapter of ``version``
         key = body["request_id"] = f"{request.request_id}-{os.urandom(4).hex()}"
         flight = r.flights[key] = Flight(key, version)
         try:
@@ -99,6 +116,11 @@ class VLLMEngine:
         return completions
 
     async def pause(self, r: Replica, policy: str) -> None:
+        if self.fleet is not None:
+            # Other runs' requests go on: only ours must not run across the load. Under
+            # wait they have drained; a re-sync (abort) resubmits them, once they are back.
+            await r.idle.wait()
+            return
         await self.client.admin(r, "/pause", params={"mode": policy})  # vLLM's modes: wait, abort, keep
 
     async def sampled_so_far(self, r: Replica, keys: list[str]) -> dict[str, dict[int, int]]:
@@ -111,6 +133,8 @@ class VLLMEngine:
         # Under keep the frozen requests hold blocks computed by the old weights: vLLM
         # then declines a plain reset. Preempting them frees those blocks; each is
         # recomputed (prompt and tokens so far, one prefill) with the new weights.
+        if self.fleet is not None:
+            return  # never paused; its cache keys name each adapter version (see the module)
         params = {"reset_running_requests": "true"} if policy == "keep" else None
         await self.client.admin(r, "/reset_prefix_cache", params=params)
         await self.client.admin(r, "/resume")
@@ -157,6 +181,9 @@ class VLLMEngine:
                 or "no worker answered"
             )
             raise TransportError(f"replica {r.index} did not load weights version {version}: {what}")
+        if self.fleet is not None:
+            await self._register_version(r, version)
+            return
         if self.adapter is not None and version > 0 and (r.index, r.instance) not in self._named:
             await self._name_adapter(r)
 
@@ -170,6 +197,9 @@ class VLLMEngine:
         }
         if self.adapter_config is not None:
             request["adapter"] = self.adapter_config
+        if self.fleet is not None:
+            request["adapter_name"] = self.adapter_name
+            request["worker_prefix"] += f"-{self.adapter_name[-10:]}"  # the run's receivers, beside others'
         if version == 0:
             request["source"] = "base"
         else:
@@ -192,6 +222,51 @@ class VLLMEngine:
                 f"replica {r.index}: naming the LoRA adapter failed: HTTP {resp.status_code}: {error_message(resp)}"
             )
         self._named.add((r.index, r.instance))
+
+    async def _register_version(self, r: Replica, version: int) -> None:
+        """On a fleet's server: make the API server serve ``version`` of this run's adapter
+        (its workers hold it, :meth:`load`), or none for version 0."""
+        from . import adapter
+
+        if version == 0:
+            resp = await self.client.http.post(
+                r.url + "/v1/unload_lora_adapter", json={"lora_name": self.adapter_name}, headers=r.headers,
+                timeout=60.0,
+            )  # fmt: skip
+            if resp.status_code not in (200, 404):  # 404: it was not registered
+                r.version = None
+                raise TransportError(f"replica {r.index}: unloading LoRA adapter {self.adapter_name} failed: "
+                                     f"HTTP {resp.status_code}: {error_message(resp)}")  # fmt: skip
+            return
+        resp = await self.client.http.post(
+            r.url + "/v1/load_lora_adapter", json=adapter.named_register_body(self.adapter_name, version),
+            headers=r.headers, timeout=self.transport_timeout + LOAD_MARGIN,
+        )  # fmt: skip
+        if resp.status_code != 200:
+            r.version = None
+            raise TransportError(f"replica {r.index}: loading LoRA adapter {self.adapter_name} version {version} "
+                                 f"failed: HTTP {resp.status_code}: {error_message(resp)}")  # fmt: skip
+
+    async def release(self, replicas: list[Replica]) -> None:
+        """At the run's end, on a fleet's servers: unload this run's adapter (from the API
+        server, and its tensors and receivers from the workers). The servers go on."""
+        if self.fleet is None:
+            return
+        for r in replicas:
+            if not r.up:
+                continue
+            try:
+                await self.client.http.post(
+                    r.url + "/v1/unload_lora_adapter", json={"lora_name": self.adapter_name}, headers=r.headers,
+                    timeout=60.0,
+                )  # fmt: skip
+                await self.client.http.post(
+                    r.url + "/collective_rpc", json={"method": "forge_drop_adapter", "args": [self.adapter_name]},
+                    headers=r.headers, timeout=60.0,
+                )  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - the run ends either way; the fleet's LRU evicts it later
+                log.warning("vllm: could not unload adapter %s from fleet replica %d: %s",
+                            self.adapter_name, r.index, exc)  # fmt: skip
 
     def close(self) -> None:
         pass  # nothing beside its client

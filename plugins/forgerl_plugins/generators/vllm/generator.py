@@ -20,8 +20,8 @@ from forgerl.interfaces import RunContext, Transport
 from forgerl.options import OptionsModel
 from forgerl_plugins.generators.common.pool import ReplicaPool
 
+from . import fleet, server
 from . import preflight as _preflight
-from . import server
 from .engine import VLLMEngine
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -100,10 +100,22 @@ class VLLMGenerator(ReplicaPool):
             default_factory=dict,
             description="More vLLM engine arguments, e.g. {max_num_seqs: 64} becomes --max-num-seqs 64.",
         )
+        fleet: str | None = Field(
+            None,
+            description="Attach to the shared fleet of vLLM servers in this directory instead of starting "
+            "servers (a LoRA trainer only; its adapter is served under a name of its own; docs/lora.md).",
+        )
+        max_adapters: int = Field(
+            1, ge=1, le=256, description="LoRA adapters a server holds at once (--max-loras): a fleet's runs."
+        )
 
     @staticmethod
     def roles(options: VLLMGenerator.Options, *, context: RunContext) -> list[RoleSpec]:
-        """The replicas' server processes the scheduler starts (:func:`.server.roles`)."""
+        """The replicas' server processes the scheduler starts (:func:`.server.roles`);
+        none for a run attached to a fleet (:mod:`.fleet`: its servers are the fleet's)."""
+        if options.fleet is not None:
+            fleet.check_attach(options, context)
+            return []
         return server.roles(options, context=context)
 
     @staticmethod
@@ -125,4 +137,11 @@ class VLLMGenerator(ReplicaPool):
                 "generator.options.update_policy keep does not work with a LoRA adapter yet "
                 "(trainer.options.lora): use wait or abort"
             )
+        if options.fleet is not None:
+            # The fleet's servers, found through its directory, as many as it has.
+            info = fleet.check_attach(options, context)
+            options = options.model_copy(update={"replicas": info.replicas})
+            engine = VLLMEngine(options, context=context, transport=transport, fleet=info)
+            super().__init__(engine, options, context=context, serving_dir=info.directory)
+            return
         super().__init__(VLLMEngine(options, context=context, transport=transport), options, context=context)

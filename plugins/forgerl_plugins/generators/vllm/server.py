@@ -95,7 +95,7 @@ def server_command(
     if options.enforce_eager:
         args.append("--enforce-eager")
     if adapter is not None:
-        args += adapter_flags(adapter)
+        args += adapter_flags(adapter, options.max_adapters)
     # vLLM's CPU default reserves most of the machine's memory; one GiB holds ~100k tokens
     # of a 135M model.
     args += vllm_server.kv_cache_flags(options.kv_cache_gb, DEFAULT_CPU_KV_CACHE_GB)
@@ -105,11 +105,13 @@ def server_command(
     return args
 
 
-def adapter_flags(adapter: LoraOptions) -> list[str]:
-    """LoRA on, for the one adapter of the run: vLLM sizes its adapter slots by
-    ``--max-lora-rank``, which takes only some values (the smallest that holds the rank)."""
+def adapter_flags(adapter: LoraOptions, slots: int = 1) -> list[str]:
+    """LoRA on, for ``slots`` adapters at once (a run's one, or a fleet's runs'): vLLM
+    sizes its adapter slots by ``--max-lora-rank``, which takes only some values (the
+    smallest that holds the rank)."""
     fits = [r for r in MAX_LORA_RANKS if r >= adapter.rank]
-    return ["--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1", "--max-lora-rank", str(fits[0])]
+    n = str(slots)
+    return ["--enable-lora", "--max-loras", n, "--max-cpu-loras", n, "--max-lora-rank", str(fits[0])]
 
 
 #: The ``--max-lora-rank`` values vLLM 0.32 accepts (``vllm.config.lora.MaxLoRARanks``).

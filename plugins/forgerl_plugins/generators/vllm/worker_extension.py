@@ -14,7 +14,9 @@ here (without it, a CPU server keeps sampling from the old output layer).
 
 With a LoRA trainer (``"adapter"`` in the request) a version holds only the adapter's
 tensors: they are loaded in place as the worker's one LoRA adapter (:mod:`.adapter`),
-and the base weights stay as they are.
+and the base weights stay as they are. On a shared fleet's server (``"adapter_name"`` in
+the request) each run's adapter is kept under its own name, with a receiver per run, and
+loaded through vLLM's loader when the generator registers the version (:class:`.adapter.NamedAdapters`).
 
 **Staging** (:meth:`ForgeWorkerExtension.forge_stage_weights`, full weights only): the
 version is read from the transport by a thread of the worker while the engine still
@@ -156,7 +158,8 @@ class ForgeWorkerExtension:
                 "version": self._forge_version,
                 "rank": int(getattr(self, "rank", 0)),
             }
-        self._forge_version = version
+        if req.get("adapter_name") is None:  # a fleet's adapters have versions of their own
+            self._forge_version = version
         seconds = time.perf_counter() - start
         return {
             "ok": True,
@@ -218,17 +221,57 @@ class ForgeWorkerExtension:
         from . import adapter
 
         manager = self.model_runner.lora_manager
+        name = req.get("adapter_name")  # on a shared fleet's server: kept by name, see adapter.NamedAdapters
         if req.get("source") == "base":
-            adapter.remove(manager)
+            if name is None:
+                adapter.remove(manager)
+            else:
+                self._forge_named().drop(str(name))
             return _Counted(()), 0.0
-        receiver = self._forge_receiver(req)
+        receiver = self._forge_receiver(req, owner=name)
         counted = _Counted(receiver.receive(version, timeout=float(req["timeout"])))
         waited = time.perf_counter() - start
         tensors = dict(counted)
         if not tensors:
             raise RuntimeError(f"adapter version {version} held no tensors")
-        adapter.install(manager, tensors, config)
+        if name is None:
+            adapter.install(manager, tensors, config)
+        else:
+            self._forge_named().keep(str(name), version, tensors, config)
         return counted, waited
+
+    def _forge_named(self) -> Any:
+        """The adapters this worker keeps by name (made, and hooked into vLLM's loader, once)."""
+        from . import adapter
+
+        named = self.__dict__.get("_forge_named_adapters")
+        if named is None:
+            named = self._forge_named_adapters = adapter.NamedAdapters(self.model_runner.lora_manager)
+        return named
+
+    def forge_adapter_version(self, name: str) -> int:
+        """The version of adapter ``name`` this worker keeps (0: none), as
+        :meth:`forge_policy_version` for a run on a shared fleet."""
+        self._forge_watch_finished()
+        if self.__dict__.get("_forge_named_adapters") is None:
+            return 0
+        return int(self._forge_named().version(name))
+
+    def forge_drop_adapter(self, name: str) -> bool:
+        """A run on a shared fleet ended: forget its adapter and close its receivers."""
+        if self.__dict__.get("_forge_named_adapters") is not None:
+            self._forge_named().drop(name)
+        owned: dict[str, list[str]] = self.__dict__.setdefault("_forge_receivers_of", {})
+        receivers = self.__dict__.setdefault("_forge_receivers", {})
+        for key in owned.pop(name, []):
+            receiver = receivers.pop(key, None)
+            close = getattr(receiver, "close", None)
+            if close is not None:
+                try:
+                    close()
+                except Exception:  # noqa: BLE001, S110 - the receiver is dropped either way
+                    pass
+        return True
 
     def forge_adapters(self) -> list[int]:
         """The LoRA adapter ids this worker holds (the generator checks, after naming the
@@ -302,10 +345,16 @@ class ForgeWorkerExtension:
 
     # ------------------------------------------------------------------ internals
 
-    def _forge_receiver(self, req: dict[str, Any]) -> Any:
+    def _forge_receiver(self, req: dict[str, Any], owner: Any = None) -> Any:
+        """The receiver of the transport ``req`` names (one per transport: on a shared
+        fleet's server one per run, remembered under ``owner``, its adapter's name)."""
         transport = req["transport"]
         key = json.dumps(transport, sort_keys=True)
         receivers = self.__dict__.setdefault("_forge_receivers", {})
+        if owner is not None:
+            owned = self.__dict__.setdefault("_forge_receivers_of", {}).setdefault(str(owner), [])
+            if key not in owned:
+                owned.append(key)
         if key not in receivers:
             from forgerl.plugins import build_registry
 
