@@ -17,9 +17,11 @@ speaks to one vLLM replica (every HTTP call, with the replica's key: :mod:`.clie
   so every token after the update is sampled by the new weights given its whole prefix,
   as the trainer scores it.
 * **a LoRA adapter** (``context.adapter``): each version holds only the adapter, which
-  the workers load in place as the server's one adapter (:mod:`.adapter`); the first
-  time on each server the adapter is named to its API server, and from then on requests
-  name it as their model. Version 0 is the base model: requests name the base model.
+  the workers load in place as the server's one adapter (:mod:`.adapter`). When the
+  generator first meets a server, its workers install the all-zero adapter (version 0:
+  the base model's outputs exactly) unless they hold one already, and the adapter is
+  named to its API server; every request names it as its model. So a request in flight
+  at an update (``keep``) goes on with the new adapter, whatever version it began on.
 """
 
 from __future__ import annotations
@@ -82,11 +84,13 @@ class VLLMEngine:
             await self.client.fetch_model_info(r)
         if not r.probed:
             await self.client.probe_version(r)
+        if self.adapter is not None and (r.index, r.instance) not in self._named:
+            await self._name_adapter(r)
 
     async def send(self, r: Replica, request: GenerationRequest, version: int) -> list[Completion]:
         body = request_body(request, r, send_seed=self.send_seed)
-        if self.adapter is not None and version > 0:
-            body["model"] = ADAPTER_NAME  # the base model with the adapter of ``version``
+        if self.adapter is not None:
+            body["model"] = ADAPTER_NAME  # the base model with the adapter of ``version`` (0: all zero)
         key = body["request_id"] = f"{request.request_id}-{os.urandom(4).hex()}"
         flight = r.flights[key] = Flight(key, version)
         try:
@@ -157,8 +161,6 @@ class VLLMEngine:
                 or "no worker answered"
             )
             raise TransportError(f"replica {r.index} did not load weights version {version}: {what}")
-        if self.adapter is not None and version > 0 and (r.index, r.instance) not in self._named:
-            await self._name_adapter(r)
 
     def _load_request(self, r: Replica, version: int) -> dict[str, Any]:
         """What the workers are asked to load (and to stage): the JSON of
@@ -180,9 +182,13 @@ class VLLMEngine:
         return request
 
     async def _name_adapter(self, r: Replica) -> None:
-        """Tell ``r``'s API server the adapter's name, once per server (:mod:`.adapter`)."""
+        """Once per server: have its workers hold an adapter (the all-zero one on a fresh
+        server), then tell its API server the adapter's name (:mod:`.adapter`)."""
         from . import adapter
 
+        held = await self.client.zero_adapter(r, json.dumps(self.adapter_config))
+        if any(ids != [adapter.ADAPTER_ID] for ids in held):
+            raise TransportError(f"replica {r.index}: its workers hold LoRA adapters {held}, not [{adapter.ADAPTER_ID}]")
         resp = await self.client.http.post(
             r.url + "/v1/load_lora_adapter", json=adapter.register_body(), headers=r.headers, timeout=60.0
         )
