@@ -20,7 +20,9 @@ Measured per update, as the generator sees it (its engine adapter's calls, timed
 * ``stall``: from the pause to the end of the resume: nothing is sampled then. Split into
   ``counts`` (``keep``: the workers' token counts of the frozen requests), the load as the
   vLLM worker reports it (``wait`` for the bytes, ``read`` them, vLLM ``load`` + repack), and
-  the rest (pause, the load RPC, prefix-cache reset, resume);
+  the rest (pause, the load RPC, prefix-cache reset, resume), also in its parts: the pause
+  call (which returns once the engine's step in progress ends), the load RPC beyond the
+  worker's own time, and the resume call (prefix-cache reset and resume);
 * the trainer side: ``export`` (the state dict the sender is handed; a plain one-process
   model here, so next to nothing: the fsdp trainer's gather is measured by
   benchmarks/trainer_backends.py) and ``send`` (writing the version to /dev/shm).
@@ -201,6 +203,7 @@ def one_update(
     pause = next(m for m in marks if m[0] == "pause")
     resume = [m for m in marks if m[0] == "resume"][-1]
     counts = sum(end - start for name, start, end in marks if name == "sampled_so_far")
+    load_call = sum(end - start for name, start, end in marks if name == "load")
     stage = sum(end - start for name, start, end in marks if name == "stage")
     workers = [w for loads in gen.updater.last_update["workers"].values() for w in loads]
     stall = resume[2] - pause[1]
@@ -220,6 +223,12 @@ def one_update(
         "worker_read_s": max(w.get("read_seconds", 0.0) for w in workers),
         "worker_load_s": max(w.get("load_seconds", 0.0) for w in workers),
         "rest_s": stall - counts - worker,
+        # The rest's parts: the pause call (it returns once the engine's step in progress
+        # ended), the load RPC's own overhead (HTTP, JSON, the engine's turn to run it),
+        # and the resume (prefix-cache reset, under keep preempting the frozen requests, then resume).
+        "pause_call_s": pause[2] - pause[1],
+        "load_rpc_s": load_call - worker,
+        "resume_call_s": resume[2] - resume[1],
         "export_s": export,
         "send_s": sender.last_send_seconds,
     }
@@ -357,7 +366,8 @@ def main() -> None:
             gaps[side.mode] = check_logprobs(side.gen, side.model, tokenizer)
     load_after = os.getloadavg()
     modes = list(configs)
-    keys = ("stage_s", "drain_s", "stall_s", "counts_s", "worker_wait_s", "worker_read_s", "worker_load_s", "rest_s", "export_s", "send_s")
+    keys = ("stage_s", "drain_s", "stall_s", "counts_s", "worker_wait_s", "worker_read_s", "worker_load_s", "rest_s",
+            "pause_call_s", "load_rpc_s", "resume_call_s", "export_s", "send_s")  # fmt: skip
     groups = {
         f"{mode}/{policy}/{order}/{staging}": [
             u for u in updates
@@ -403,13 +413,14 @@ def main() -> None:
     )
     print(
         "mode/policy/order/staging     MiB   stage   drain   stall (min, max)      counts  w.wait  w.read  w.load"
-        "  rest    export  send"
+        "  rest (pause, rpc, resume)       export  send"
     )
     for name, m in summary.items():
         print(
             f"{name:29s} {m['mib']:6.1f} {m['stage_s']:5.2f}  {m['drain_s']:6.2f}  {m['stall_s']:5.2f} "
             f"({m['min_stall_s']:5.2f}, {m['max_stall_s']:5.2f})  {m['counts_s']:6.2f}"
             f"  {m['worker_wait_s']:6.2f}  {m['worker_read_s']:6.2f}  {m['worker_load_s']:6.2f}  {m['rest_s']:6.2f}"
+            f" ({m['pause_call_s']:5.3f}, {m['load_rpc_s']:5.3f}, {m['resume_call_s']:5.3f})"
             f"  {m['export_s']:6.3f}  {m['send_s']:5.2f}"
         )
     print(f"resubmitted requests: {resubmitted}; completions labelled with two versions: {result['crossed']} "
