@@ -50,12 +50,14 @@ def measure(model_dir: Path, run_dir: Path, options: dict[str, Any], rounds: int
     batch = grpo_batch(model_dir)
     before = _peak_rss_mib()
     trainer = make_trainer(model_dir, run_dir, options)
+    built = _peak_rss_mib()
     try:
-        steps = []
+        steps, peaks = [], []
         for _ in range(rounds + 1):
             start = time.perf_counter()
             trainer.train_step(batch)
             steps.append(time.perf_counter() - start)
+            peaks.append(round(_peak_rss_mib()))
         start = time.perf_counter()
         exported = trainer.export_weights(1)
         export_s = time.perf_counter() - start
@@ -71,6 +73,8 @@ def measure(model_dir: Path, run_dir: Path, options: dict[str, Any], rounds: int
             "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "peak_rss_mib": round(_peak_rss_mib()),
             "rss_before_trainer_mib": round(before),
+            "peak_rss_after_build_mib": round(built),
+            "peak_rss_after_each_step_mib": peaks,
         }
     finally:
         trainer.close()
