@@ -2,7 +2,7 @@
 
 Run: .venv/bin/python benchmarks/update_stall.py [--model smollm2-135m-instruct]
      [--rounds 3] [--order concurrent|staged|both] [--staging on|off|both]
-     [--policies wait,abort,keep] [--streams 4] [--max-tokens 96] [--json]
+     [--policies wait,abort,keep] [--streams 4] [--max-tokens 96] [--lora-rank 16] [--json]
 
 One server is started by the plugin's role (as ``forge run`` does, through the helpers of
 benchmarks/vllm_weight_update.py); the benchmark plays trainer rank 0: it keeps
@@ -20,7 +20,9 @@ Measured per update, as the generator sees it (its engine adapter's calls, timed
 * ``stall``: from the pause to the end of the resume: nothing is sampled then. Split into
   ``counts`` (``keep``: the workers' token counts of the frozen requests), the load as the
   vLLM worker reports it (``wait`` for the bytes, ``read`` them, vLLM ``load`` + repack), and
-  the rest (pause, the load RPC, prefix-cache reset, resume);
+  the rest (pause, the load RPC, prefix-cache reset, resume), also in its parts: the pause
+  call (which returns once the engine's step in progress ends), the load RPC beyond the
+  worker's own time, and the resume call (prefix-cache reset and resume);
 * the trainer side: ``export`` (the state dict the sender is handed; a plain one-process
   model here, so next to nothing: the fsdp trainer's gather is measured by
   benchmarks/trainer_backends.py) and ``send`` (writing the version to /dev/shm).
@@ -35,6 +37,15 @@ took, as the generator saw it; not in the stall), and the pause holds the load a
 ``off``: they read it under the pause. ``both`` takes turns, update by update, so both
 see the same load. Also counted: requests resubmitted (``abort``) and completions labelled with two versions
 (``keep``). After the last update one completion is checked against transformers.
+
+``--lora-rank R``: full weights against a LoRA adapter of rank R on every block projection
+(what ``trainer.options.lora.rank=R`` trains and exports: A and B alone, PEFT's names), side
+by side. Each has its own server (the LoRA one started with LoRA on, as a run with that
+option starts it, serving the all-zero adapter at version 0); they take turns update by
+update (``mode`` ``full``, then ``lora``), each with the traffic on its own server only
+(the other's streams stop and its requests finish first), so the machine's load falls on
+both alike. An adapter is always read under the pause (``--staging on`` stages full
+weights only).
 """
 
 from __future__ import annotations
@@ -100,6 +111,9 @@ class Traffic:
         self.done = 0
         self.errors: list[BaseException] = []
         self.stop = threading.Event()
+        #: Cleared: the streams send nothing new (``--lora-rank``: the other server's turn).
+        self.active = threading.Event()
+        self.active.set()
         engine = gen.engine
         send = engine.send
 
@@ -118,6 +132,9 @@ class Traffic:
         async def stream(i: int) -> None:
             k = 0
             while not self.stop.is_set():
+                if not self.active.is_set():
+                    await asyncio.sleep(0.05)
+                    continue
                 prompt = self.prompts[(i + k * self.streams) % len(self.prompts)]
                 request = GenerationRequest(
                     f"s{i}-{k}", prompt, 1, SamplingParams(max_tokens=self.max_tokens, temperature=1.0)
@@ -133,14 +150,27 @@ class Traffic:
             self.errors.append(exc)
 
 
-def one_update(gen: Any, sender: Any, model: Any, version: int, order: str, timed: Timed) -> dict[str, Any]:
+def exported(model: Any, lora: bool) -> dict[str, Any]:
+    """What the trainer sends: the whole state dict, or (LoRA) the adapter's A and B under
+    PEFT's file names, as the fsdp trainer's ``export_weights`` gives them."""
+    if not lora:
+        return model.state_dict()
+    from forgerl_plugins.trainers.shared.lora import exported_names
+
+    return exported_names({n: p.detach() for n, p in model.named_parameters() if p.requires_grad})
+
+
+def one_update(
+    gen: Any, sender: Any, model: Any, version: int, order: str, timed: Timed, lora: bool = False
+) -> dict[str, Any]:
     import torch
 
     from forgerl.types import WeightSet
 
     with torch.no_grad():  # a real change, so that the final check means something
         for p in model.parameters():
-            p.add_(torch.randn_like(p) * 1e-3)
+            if p.requires_grad:  # all of them, or the adapter's alone
+                p.add_(torch.randn_like(p) * 1e-3)
     errors: list[BaseException] = []
     started: dict[str, float] = {}
 
@@ -153,7 +183,7 @@ def one_update(gen: Any, sender: Any, model: Any, version: int, order: str, time
 
     def send() -> float:
         start = time.perf_counter()
-        state = model.state_dict()
+        state = exported(model, lora)
         export = time.perf_counter() - start
         sender.send(WeightSet(version, state))
         return export
@@ -173,14 +203,17 @@ def one_update(gen: Any, sender: Any, model: Any, version: int, order: str, time
     pause = next(m for m in marks if m[0] == "pause")
     resume = [m for m in marks if m[0] == "resume"][-1]
     counts = sum(end - start for name, start, end in marks if name == "sampled_so_far")
+    load_call = sum(end - start for name, start, end in marks if name == "load")
     stage = sum(end - start for name, start, end in marks if name == "stage")
     workers = [w for loads in gen.updater.last_update["workers"].values() for w in loads]
     stall = resume[2] - pause[1]
     worker = max(w["seconds"] for w in workers)
     return {
+        "mode": "lora" if lora else "full",
         "version": version,
         "order": order,
-        "staging": "on" if gen.engine.stage_updates else "off",
+        "staging": "on" if gen.engine.stage_updates and not lora else "off",
+        "bytes": max(w.get("bytes", 0) for w in workers),
         "stage_s": stage,
         "drain_s": pause[1] - started["update"],
         "stall_s": stall,
@@ -190,6 +223,12 @@ def one_update(gen: Any, sender: Any, model: Any, version: int, order: str, time
         "worker_read_s": max(w.get("read_seconds", 0.0) for w in workers),
         "worker_load_s": max(w.get("load_seconds", 0.0) for w in workers),
         "rest_s": stall - counts - worker,
+        # The rest's parts: the pause call (it returns once the engine's step in progress
+        # ended), the load RPC's own overhead (HTTP, JSON, the engine's turn to run it),
+        # and the resume (prefix-cache reset, under keep preempting the frozen requests, then resume).
+        "pause_call_s": pause[2] - pause[1],
+        "load_rpc_s": load_call - worker,
+        "resume_call_s": resume[2] - resume[1],
         "export_s": export,
         "send_s": sender.last_send_seconds,
     }
@@ -206,7 +245,30 @@ def wait_in_flight(gen: Any, streams: int, settle: float) -> None:
     time.sleep(settle)
 
 
+def wait_idle(gen: Any) -> None:
+    """Until nothing of ours is in flight on ``gen``'s replicas (its streams stopped)."""
+    deadline = time.monotonic() + 300
+    while sum(info["outstanding"] for info in gen.replica_info()) > 0:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the other server's requests never finished")
+        time.sleep(0.02)
+
+
+class Side:
+    """One server with its generator, sender, traffic and the trainer's model (``full``:
+    the whole model; ``lora``: the same with a PEFT adapter, only A and B trainable)."""
+
+    def __init__(self, mode: str, gen: Any, sender: Any, model: Any, prompts: list[list[int]], args: Any) -> None:
+        self.mode, self.gen, self.sender, self.model = mode, gen, sender, model
+        self.lora = mode == "lora"
+        self.timed = Timed(gen.engine)
+        self.traffic = Traffic(gen, prompts, args.streams, args.max_tokens)
+        self.version = 0
+
+
 def main() -> None:
+    import contextlib
+
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -219,15 +281,19 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--settle", type=float, default=1.0, help="seconds of decoding before each update")
+    parser.add_argument("--lora-rank", type=int, default=0,
+                        help="also a LoRA adapter of this rank (its own server), taking turns with full weights")  # fmt: skip
     parser.add_argument("--set", action="append", default=[], help="more config, e.g. transport.timeout=300")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
-    config = resolved_config(args.model, ["generator.options.kv_cache_gb=1", *args.set], "shm")
-    model_dir = model_folder(config)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    sets = ["generator.options.kv_cache_gb=1", *args.set]
+    configs = {"full": resolved_config(args.model, sets, "shm")}
+    if args.lora_rank:
+        configs["lora"] = resolved_config(args.model, [*sets, f"trainer.options.lora.rank={args.lora_rank}"], "shm")
+    model_dir = model_folder(configs["full"])
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = prompts_for(config, model_dir, 16)
+    prompts = prompts_for(configs["full"], model_dir, 16)
     orders = ["concurrent", "staged"] if args.order == "both" else [args.order]
     stagings = ["off", "on"] if args.staging == "both" else [args.staging]
     policies = [p for p in args.policies.split(",") if p]
@@ -235,57 +301,98 @@ def main() -> None:
         parser.error(f"--policies: each of {', '.join(POLICIES)}")
     updates: list[dict[str, Any]] = []
     load_before = os.getloadavg()
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        plugin_servers(config, Path(tmp) / "run", model_dir) as (gen, sender),
-    ):
-        timed = Timed(gen.engine)
-        traffic = Traffic(gen, prompts, args.streams, args.max_tokens)
-        traffic.thread.start()
+    gaps: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        sides: list[Side] = []
+        for mode, config in configs.items():
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            if mode == "lora":  # the adapter the config's trainer trains (B = 0: version 0 is the base model)
+                from forgerl.adapters import LoraOptions
+                from forgerl_plugins.trainers.shared.lora import apply_lora
+
+                model, _ = apply_lora(model, LoraOptions(rank=args.lora_rank))
+                model.eval()
+            gen, sender = stack.enter_context(plugin_servers(config, Path(tmp) / mode, model_dir))
+            sides.append(Side(mode, gen, sender, model, prompts, args))
+        for side in sides:
+            side.traffic.active.clear()
+            side.traffic.thread.start()
+        current: Side | None = None
+
+        def turn(side: Side) -> None:
+            """``side``'s traffic alone, decoding, before its update."""
+            nonlocal current
+            if current is not side:
+                for other in sides:
+                    if other is not side:
+                        other.traffic.active.clear()
+                side.traffic.active.set()
+                for other in sides:
+                    if other is not side:
+                        wait_idle(other.gen)
+                current = side
+            wait_in_flight(side.gen, args.streams, args.settle)
+
         try:
-            # Not measured: the worker builds its transport receiver on its first update.
-            wait_in_flight(gen, args.streams, args.settle)
-            one_update(gen, sender, model, 1, "staged", timed)
-            version = 1
+            for side in sides:
+                # Not measured: the worker builds its transport receiver on its first update.
+                turn(side)
+                side.version = 1
+                one_update(side.gen, side.sender, side.model, 1, "staged", side.timed, side.lora)
             for _ in range(args.rounds):
                 for order in orders:
                     for policy in policies:
                         for staging in stagings:
-                            version += 1
-                            # After the last update's resubmissions went out (counted under its policy).
-                            wait_in_flight(gen, args.streams, args.settle)
-                            gen.updater.policy = traffic.policy = policy
-                            gen.engine.stage_updates = staging == "on"
-                            result = one_update(gen, sender, model, version, order, timed)
-                            updates.append({"policy": policy, **result})
-                            if traffic.errors:
-                                raise traffic.errors[0]
-            gen.updater.policy = traffic.policy = "wait"
+                            for side in sides:
+                                side.version += 1
+                                # After the last update's resubmissions went out (counted under its policy).
+                                turn(side)
+                                side.gen.updater.policy = side.traffic.policy = policy
+                                side.gen.engine.stage_updates = staging == "on"
+                                result = one_update(side.gen, side.sender, side.model, side.version, order,
+                                                    side.timed, side.lora)  # fmt: skip
+                                updates.append({"policy": policy, **result})
+                                if side.traffic.errors:
+                                    raise side.traffic.errors[0]
+            for side in sides:
+                side.gen.updater.policy = side.traffic.policy = "wait"
         finally:
-            traffic.stop.set()
-            traffic.thread.join(300)
-        gap = check_logprobs(gen, model, tokenizer)
+            for side in sides:
+                side.traffic.stop.set()
+                side.traffic.active.set()
+            for side in sides:
+                side.traffic.thread.join(300)
+        for side in sides:
+            gaps[side.mode] = check_logprobs(side.gen, side.model, tokenizer)
     load_after = os.getloadavg()
-    keys = ("stage_s", "drain_s", "stall_s", "counts_s", "worker_wait_s", "worker_read_s", "worker_load_s", "rest_s", "export_s", "send_s")
+    modes = list(configs)
+    keys = ("stage_s", "drain_s", "stall_s", "counts_s", "worker_wait_s", "worker_read_s", "worker_load_s", "rest_s",
+            "pause_call_s", "load_rpc_s", "resume_call_s", "export_s", "send_s")  # fmt: skip
     groups = {
-        f"{policy}/{order}/{staging}": [
-            u for u in updates if (u["policy"], u["order"], u["staging"]) == (policy, order, staging)
+        f"{mode}/{policy}/{order}/{staging}": [
+            u for u in updates
+            if (u["mode"], u["policy"], u["order"], u["staging"]) == (mode, policy, order, staging if mode == "full" else "off")
         ]
         for order in orders
         for policy in policies
         for staging in stagings
-    }
+        for mode in modes
+    }  # fmt: skip
     summary = {
         name: {
             **{key: statistics.median(u[key] for u in group) for key in keys},
             "max_stall_s": max(u["stall_s"] for u in group),
             "min_stall_s": min(u["stall_s"] for u in group),
+            "updates": len(group),
+            "mib": max(u["bytes"] for u in group) / 2**20,
         }
         for name, group in groups.items()
+        if group
     }
-    resubmitted = {p: traffic.resubmitted[p] for p in policies}
+    resubmitted = {f"{side.mode}/{p}": side.traffic.resubmitted[p] for side in sides for p in policies}
     result = {
         "model": args.model,
+        "lora_rank": args.lora_rank,
         "streams": args.streams,
         "max_tokens": args.max_tokens,
         "load_average_before": load_before,
@@ -293,9 +400,9 @@ def main() -> None:
         "updates": updates,
         "median": summary,
         "resubmitted": resubmitted,
-        "crossed": traffic.crossed,
-        "completions": traffic.done,
-        "logprob_gap_after_updates": gap,
+        "crossed": {side.mode: side.traffic.crossed for side in sides},
+        "completions": {side.mode: side.traffic.done for side in sides},
+        "logprob_gap_after_updates": gaps,
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -305,18 +412,19 @@ def main() -> None:
         f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
     )
     print(
-        "policy/order/staging     stage   drain   stall (min, max)      counts  w.wait  w.read  w.load  rest"
-        "    export  send"
+        "mode/policy/order/staging     MiB   stage   drain   stall (min, max)      counts  w.wait  w.read  w.load"
+        "  rest (pause, rpc, resume)       export  send"
     )
     for name, m in summary.items():
         print(
-            f"{name:24s} {m['stage_s']:5.2f}  {m['drain_s']:6.2f}  {m['stall_s']:5.2f} "
+            f"{name:29s} {m['mib']:6.1f} {m['stage_s']:5.2f}  {m['drain_s']:6.2f}  {m['stall_s']:5.2f} "
             f"({m['min_stall_s']:5.2f}, {m['max_stall_s']:5.2f})  {m['counts_s']:6.2f}"
             f"  {m['worker_wait_s']:6.2f}  {m['worker_read_s']:6.2f}  {m['worker_load_s']:6.2f}  {m['rest_s']:6.2f}"
+            f" ({m['pause_call_s']:5.3f}, {m['load_rpc_s']:5.3f}, {m['resume_call_s']:5.3f})"
             f"  {m['export_s']:6.3f}  {m['send_s']:5.2f}"
         )
-    print(f"resubmitted requests: {resubmitted}; completions labelled with two versions: {traffic.crossed} "
-          f"of {traffic.done}; logprob gap after the updates: {gap:.1e}")  # fmt: skip
+    print(f"resubmitted requests: {resubmitted}; completions labelled with two versions: {result['crossed']} "
+          f"of {result['completions']}; logprob gap after the updates: {gaps}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,5 +141,115 @@ def test_the_generator_samples_with_each_adapter_version(
                 assert max(with_adapter) < ATOL, f"version {version}: served logprobs {max(with_adapter):.2e} from the trainer's"
                 # The check above can fail: without the adapter the logprobs are far off.
                 assert min(without) > 100 * ATOL, f"version {version}: the adapter changes nothing ({min(without):.2e})"
+    finally:
+        trainer.close()
+
+
+def test_keep_carries_requests_from_the_zero_adapter_onto_the_next_version(
+    site: Any, model_dir: Path, tmp_path: Path
+) -> None:
+    """Version 0 is an all-zero adapter every request names: its logprobs are the base
+    model's. Under ``keep`` requests started at version 0 are frozen mid-way, the adapter
+    of version 1 replaces it in place, and they go on with it from the next token: each
+    token is labelled with the version that sampled it and has that version's logprob
+    (had the requests named the base model at version 0, their tokens after the update
+    would be sampled without the adapter: the base model's logprobs, which differ from
+    version 1's by more than 100 times the tolerance at each boundary)."""
+    import httpx
+    import torch
+
+    from forgerl.types import GenerationRequest, SamplingParams
+    from forgerl_plugins.generators.vllm.adapter import ADAPTER_ID
+    from forgerl_plugins.trainers.shared.lora import adapter_off
+    from tests.helpers import trainer_worker as worker
+
+    trainer = worker.make_trainer(model_dir, tmp_path, 2, lora={"rank": RANK, "alpha": 16})
+    prompts = [site.chat_prompt("What is 2 + 3?"), site.random_prompt(seed=5, length=9)]
+    try:
+        with site.open("shm") as opened:
+            gen = opened.generator
+            # The server holds the last test's adapter: the new generator brings it back
+            # to version 0 (the zero adapter) before it serves.
+            short = [GenerationRequest(f"zero-{i}", p, 2, SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0))
+                     for i, p in enumerate(prompts)]  # fmt: skip
+            r = gen._replicas[0]
+            for request, completions in zip(short, asyncio.run(gen.generate(short))):
+                for comp in completions:
+                    assert comp.policy_version == 0
+                    with adapter_off(trainer.model):
+                        gap = _gap(trainer.model, list(request.prompt_token_ids), comp, 1.0)
+                    assert gap < ATOL, f"version 0: served logprobs {gap:.2e} from the base model's"
+            held = httpx.post(r.url + "/collective_rpc", json={"method": "forge_adapters"}, headers=r.headers,
+                              timeout=scaled(60)).json()["results"]  # fmt: skip
+            assert held == [[ADAPTER_ID]], f"version 0: the workers hold adapters {held}, not the zero one"
+
+            room = (r.max_model_len or 1024) - max(len(p) for p in prompts) - 8
+            long = [GenerationRequest(f"keep-{i}", p, 2, SamplingParams(max_tokens=min(room, 400), temperature=1.0))
+                    for i, p in enumerate(prompts)]  # fmt: skip
+            pause = gen.engine.pause
+
+            async def pause_once_sampling(replica: Any, policy: str) -> None:
+                # The update waits until every choice of the long requests has sampled a
+                # token (the workers' own counts); hundreds are left to sample after it.
+                deadline = asyncio.get_running_loop().time() + scaled(120)
+                while True:
+                    counts = await gen.engine.sampled_so_far(replica, list(replica.flights))
+                    if len(counts) == len(long) and all(len(c) == 2 and min(c.values()) > 0 for c in counts.values()):
+                        break
+                    assert asyncio.get_running_loop().time() < deadline, f"the requests never sampled: {counts}"
+                    await asyncio.sleep(0.01)
+                await pause(replica, policy)
+
+            gen.updater.policy = "keep"
+            gen.engine.pause = pause_once_sampling  # type: ignore[method-assign]
+            results: list[Any] = []
+            runner = threading.Thread(target=lambda: results.append(asyncio.run(gen.generate(long))))
+            runner.start()
+            g = torch.Generator().manual_seed(7)
+            with torch.no_grad():
+                for p in trainer.model.parameters():
+                    if p.requires_grad:
+                        p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            exported = trainer.export_weights(1)
+            assert exported is not None
+            deadline = time.monotonic() + scaled(60)
+            while not r.flights:  # in flight before the update begins
+                assert time.monotonic() < deadline, "the requests never reached the replica"
+                time.sleep(0.02)
+            _push(opened, dict(exported.tensors), 1)
+            runner.join(scaled(300))
+            assert results, "generation did not finish"
+            crossed, apart = 0, []
+            for request, completions in zip(long, results[0]):
+                prompt = list(request.prompt_token_ids)
+                for comp in completions:
+                    assert comp.policy_version == 0  # its oldest token's
+                    versions = comp.versions or [0] * len(comp.token_ids)
+                    boundary = versions.index(1) if 1 in versions else len(versions)
+                    assert versions == [0] * boundary + [1] * (len(versions) - boundary), versions
+                    crossed += 0 < boundary < len(versions)
+                    served = torch.tensor(comp.logprobs)
+                    with torch.no_grad():
+                        logits = trainer.model(input_ids=torch.tensor([prompt + list(comp.token_ids)])).logits
+                        new = torch.log_softmax(logits[0, len(prompt) - 1 : -1].float(), -1)
+                        with adapter_off(trainer.model):
+                            logits = trainer.model(input_ids=torch.tensor([prompt + list(comp.token_ids)])).logits
+                        old = torch.log_softmax(logits[0, len(prompt) - 1 : -1].float(), -1)
+                    index = torch.tensor(comp.token_ids).unsqueeze(-1)
+                    old_lp, new_lp = old.gather(-1, index).squeeze(-1), new.gather(-1, index).squeeze(-1)
+                    for name, want, part in (("0 (zero adapter)", old_lp, slice(0, boundary)),
+                                             ("1", new_lp, slice(boundary, None))):  # fmt: skip
+                        if len(served[part]):
+                            gap = float((served[part] - want[part]).abs().max())
+                            assert gap < ATOL, f"{request.request_id}: version {name}'s tokens {part}: gap {gap:.2e}"
+                    if 0 < boundary < len(versions):
+                        # What makes the checks above fail for a boundary one token off, and
+                        # for tokens after the update sampled without the adapter.
+                        at = float((old_lp[boundary] - new_lp[boundary]).abs())
+                        after = float((old_lp[boundary:] - new_lp[boundary:]).abs().max())
+                        apart.append((at, after))
+            assert crossed, "no completion ran across the update: the pause did not find them sampling"
+            assert min(at for at, _ in apart) > ATOL, f"versions 0 and 1 agree at a boundary: {apart}"
+            assert min(after for _, after in apart) > 100 * ATOL, f"the adapter changes little after the update: {apart}"
     finally:
         trainer.close()

@@ -86,13 +86,17 @@ def test_vllm_starts_with_lora_on_for_the_adapters_rank(tmp_path, rank: int, ser
     assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in server.server_env(options, "key")
 
 
-def test_vllm_refuses_the_keep_update_policy_with_an_adapter(tmp_path) -> None:
+def test_sglang_refuses_the_keep_update_policy_with_an_adapter(tmp_path) -> None:
+    """Its version 0 is the base model: a request started there would go on without the
+    adapter after the update (vllm serves an all-zero adapter at version 0 instead)."""
     from forgerl.errors import ConfigError
     from forgerl.interfaces import RunContext
-    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
+    from forgerl_plugins.generators.sglang.generator import SGLangGenerator
     from forgerl_plugins.transports.shm.transport import ShmTransport
 
-    config, _ = _config("trainer.options.lora.rank=8")
+    config, _ = _config("trainer.options.lora.rank=8", generator="sglang")
     transport = ShmTransport(ShmTransport.Options(directory=str(tmp_path / "weights")), context=None)
     with pytest.raises(ConfigError, match="keep does not work with a LoRA adapter"):
-        VLLMGenerator(VLLMGenerator.Options(update_policy="keep"), context=RunContext.for_run(config, tmp_path), transport=transport)
+        SGLangGenerator(
+            SGLangGenerator.Options(update_policy="keep"), context=RunContext.for_run(config, tmp_path), transport=transport
+        )

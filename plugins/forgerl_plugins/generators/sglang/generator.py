@@ -160,6 +160,13 @@ class SGLangGenerator(ReplicaPool):
     def __init__(self, options: SGLangGenerator.Options, *, context: RunContext, transport: Transport) -> None:
         weight_sync = choose_weight_sync(options.weight_sync, transport)  # before any server is asked
         if context.adapter is not None:
+            if options.update_policy == "keep":
+                # Version 0 is the base model here (no adapter loaded, requests name none):
+                # a request started on it would go on without the adapter after the update.
+                raise ConfigError(
+                    "generator.options.update_policy keep does not work with a LoRA adapter "
+                    "(trainer.options.lora) on the sglang generator yet: use wait or abort"
+                )
             adapter.module_kinds(context.adapter)  # ConfigError: no module SGLang serves LoRA on
             if weight_sync != "files":
                 raise ConfigError(

@@ -7,8 +7,15 @@ builds vLLM's ``LoRAModel`` from the tensors (PEFT's names, :mod:`forgerl.adapte
 replaces the adapter of the same id in the worker's LoRA manager and activates it (which
 copies it into the slot the forward pass reads).
 
+Version 0 is an all-zero adapter (:func:`install_zero`: A and B zero, so every layer
+computes exactly what the base model does), installed when the generator first meets a
+server. So every request names the adapter from the first one on, and one that runs
+across an update (update policy ``keep``) goes on with the new adapter from its next
+token: vLLM looks a running request's adapter up by id at every step, and the in-place
+replace rewrites the slot that id points to.
+
 The API server must know the adapter's *name* before a request can use it. The generator
-names it once per server, after the first version is in place, through
+names it once per server, once the zero adapter is in place, through
 ``/v1/load_lora_adapter`` (:func:`register_body`): the server gives the first adapter it
 is told of the id :data:`ADAPTER_ID` and asks the workers to add it, which they then
 already have, so nothing is read from the path it names. If a server gave another id,
@@ -151,9 +158,15 @@ class NamedAdapters:
         return build(self.worker_manager, int(lora_request.lora_int_id), found[1], found[2])
 
 
-def remove(worker_manager: Any) -> None:
-    """Drop the adapter (version 0 is the base model alone)."""
-    worker_manager._adapter_manager.remove_adapter(ADAPTER_ID)
+def install_zero(worker_manager: Any, rank: int) -> None:
+    """Replace adapter :data:`ADAPTER_ID` with one of rank ``rank`` whose A and B are zero
+    on every module vLLM serves LoRA on (version 0: the base model's outputs exactly, as
+    ``x + 0``), built by vLLM's own warm-up helper."""
+    manager = worker_manager._adapter_manager
+    zero = manager.create_dummy_lora(ADAPTER_ID, rank, worker_manager.embedding_modules)
+    manager.remove_adapter(ADAPTER_ID)
+    manager.add_adapter(zero)
+    manager.activate_adapter(ADAPTER_ID)
 
 
 def loaded(worker_manager: Any) -> list[int]:

@@ -55,6 +55,18 @@ class ReplicaClient(HealthClient):
         r.version = versions.pop() if len(versions) == 1 else None
         r.probed = True
 
+    async def zero_adapter(self, r: Replica, config: str) -> list[list[int]]:
+        """``forge_zero_adapter(config)`` on every worker of ``r``: the all-zero LoRA
+        adapter where none is held; the adapter ids each worker holds."""
+        resp = await self.http.post(
+            r.url + "/collective_rpc",
+            json={"method": "forge_zero_adapter", "args": [config]},
+            headers=r.headers,
+            timeout=60.0,
+        )
+        resp.raise_for_status()
+        return [list(ids) for ids in resp.json().get("results") or []]
+
     async def sampled_so_far(self, r: Replica, keys: str) -> dict[str, dict[str, int]]:
         """Tokens sampled so far by our requests ``keys`` (a JSON list) on paused ``r``
         (the first worker's answer: every worker runs the same requests)."""

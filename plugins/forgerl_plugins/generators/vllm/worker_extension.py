@@ -14,9 +14,11 @@ here (without it, a CPU server keeps sampling from the old output layer).
 
 With a LoRA trainer (``"adapter"`` in the request) a version holds only the adapter's
 tensors: they are loaded in place as the worker's one LoRA adapter (:mod:`.adapter`),
-and the base weights stay as they are. On a shared fleet's server (``"adapter_name"`` in
-the request) each run's adapter is kept under its own name, with a receiver per run, and
-loaded through vLLM's loader when the generator registers the version (:class:`.adapter.NamedAdapters`).
+and the base weights stay as they are. Version 0 is an all-zero adapter
+(:meth:`ForgeWorkerExtension.forge_zero_adapter`), so that requests name the adapter
+from the first one on. On a shared fleet's server (``"adapter_name"`` in the request)
+each run's adapter is kept under its own name, with a receiver per run, and loaded
+through vLLM's loader when the generator registers the version (:class:`.adapter.NamedAdapters`).
 
 **Staging** (:meth:`ForgeWorkerExtension.forge_stage_weights`, full weights only): the
 version is read from the transport by a thread of the worker while the engine still
@@ -116,7 +118,7 @@ class ForgeWorkerExtension:
         "worker_prefix", "source": "transport" | "base", "transport": {"name", "options",
         "spec"}, "adapter": its adapter_config.json, only with a LoRA trainer}``.
         ``source: base`` reloads the model folder the server started from (version 0,
-        which no transport ever carried; with an adapter: drops it).
+        which no transport ever carried; with an adapter: the all-zero adapter).
 
         Never raises: returns ``{"ok": False, "error", "weights_touched"}`` on failure, so
         the caller knows whether the old weights are intact (the failure came before the
@@ -216,15 +218,15 @@ class ForgeWorkerExtension:
     def _forge_load_adapter(
         self, req: dict[str, Any], config: dict[str, Any], version: int, start: float
     ) -> tuple[_Counted, float]:
-        """Version ``version`` of the LoRA adapter (version 0: none); what was read, and
-        how long the wait for it took."""
+        """Version ``version`` of the LoRA adapter (version 0: all zero); what was read,
+        and how long the wait for it took."""
         from . import adapter
 
         manager = self.model_runner.lora_manager
         name = req.get("adapter_name")  # on a shared fleet's server: kept by name, see adapter.NamedAdapters
         if req.get("source") == "base":
             if name is None:
-                adapter.remove(manager)
+                adapter.install_zero(manager, int(config["r"]))
             else:
                 self._forge_named().drop(str(name))
             return _Counted(()), 0.0
@@ -272,6 +274,19 @@ class ForgeWorkerExtension:
                 except Exception:  # noqa: BLE001, S110 - the receiver is dropped either way
                     pass
         return True
+
+    def forge_zero_adapter(self, config: str) -> list[int]:
+        """When this worker holds no adapter (a fresh server, at version 0): install the
+        all-zero one of the rank in ``config`` (the adapter_config.json, as JSON), so the
+        adapter can be named and every request name it. An adapter already held (a server
+        met again) is left as it is: the generator knows its version from
+        :meth:`forge_policy_version`. Returns the adapter ids held."""
+        from . import adapter
+
+        manager = self.model_runner.lora_manager
+        if not adapter.loaded(manager):
+            adapter.install_zero(manager, int(json.loads(config)["r"]))
+        return adapter.loaded(manager)
 
     def forge_adapters(self) -> list[int]:
         """The LoRA adapter ids this worker holds (the generator checks, after naming the
