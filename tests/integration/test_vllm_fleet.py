@@ -1,5 +1,5 @@
 """Several runs, one generator fleet: two runs' ``vllm`` generators attached to one real
-vLLM CPU server (started as ``python -m forgerl_plugins.generators.vllm.fleet`` starts
+vLLM CPU server (started as ``forge fleet`` starts
 it), each loading versions of its own LoRA adapter through its own transport (``shm`` for
 one, ``nccl`` (gloo on CPU) for the other).
 
@@ -64,7 +64,7 @@ def fleet_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     from forgerl_plugins.generators.vllm.server import endpoint_file
 
     directory = tmp_path_factory.mktemp("fleet")
-    command = [sys.executable, "-m", "forgerl_plugins.generators.vllm.fleet", "--dir", str(directory),
+    command = [sys.executable, "-m", "forgerl.cli", "fleet", "--dir", str(directory),
                "--model", str(model_dir), "--max-adapters", "2", "--max-rank", str(RANK)]  # fmt: skip
     for key, value in FLEET_OPTIONS.items():
         command += ["--set", f"generator.options.{key}={value}"]

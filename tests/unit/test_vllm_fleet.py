@@ -115,15 +115,28 @@ def test_the_fleets_servers_hold_as_many_adapters_as_asked(tmp_path: Path) -> No
 def test_the_fleet_command_refuses_another_generator_with_one_line(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "FORGE_DEBUG"}
     proc = subprocess.run(
-        [sys.executable, "-m", "forgerl_plugins.generators.vllm.fleet", "--dir", str(tmp_path / "f"),
+        [sys.executable, "-m", "forgerl.cli", "fleet", "--dir", str(tmp_path / "f"),
          "--model", "tiny", "--set", "generator.options.fleet=/elsewhere"],
         capture_output=True, text=True, env=env, timeout=scaled(60),
     )  # fmt: skip
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "forge fleet: error: a fleet's servers attach to no other fleet: leave generator.options.fleet unset"
+        "forge: error: a fleet's servers attach to no other fleet: leave generator.options.fleet unset"
     ]
     assert not (tmp_path / "f").exists()  # nothing started
+
+
+def test_forge_fleet_refuses_a_generator_that_serves_no_fleet_with_one_line(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "FORGE_DEBUG"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "forgerl.cli", "fleet", "--generator", "hf", "--dir", str(tmp_path / "f"), "--model", "tiny"],
+        capture_output=True, text=True, env=env, timeout=scaled(60),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("forge: error: generator 'hf' cannot serve a shared fleet"), lines
+    assert "--generator vllm" in lines[0]
+    assert not (tmp_path / "f").exists()
 
 
 def test_a_directory_with_a_running_fleet_is_refused_a_second_one(tmp_path: Path) -> None:

@@ -8,10 +8,11 @@ launcher, liveness and restarts unchanged): its ``config.yaml`` (the base model,
 ``--max-lora-rank``), :data:`FLEET_FILE` (what an attaching run checks) and the servers'
 endpoint files ``generators/vllm-<replica>.json``.
 
-Start one, and leave it running (Ctrl-C or SIGTERM stops it)::
+Start one with ``forge fleet`` (:mod:`forgerl.fleet`, which calls :func:`start` through
+the generator class's ``fleet``), and leave it running (Ctrl-C or SIGTERM stops it)::
 
-    python -m forgerl_plugins.generators.vllm.fleet --dir FLEET --model M \\
-        --max-adapters 4 --max-rank 16 [--set generator.options.kv_cache_gb=2 ...]
+    forge fleet --dir FLEET --model M --max-adapters 4 --max-rank 16 \\
+        [--set generator.options.kv_cache_gb=2 ...]
 
 A run attaches with ``--set generator.options.fleet=FLEET``: it starts no servers, finds
 them through the endpoint files, and its adapter is served under a name of its own
@@ -21,19 +22,16 @@ at its end it unloads its adapter.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import signal
-import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forgerl.errors import ConfigError, ForgeError
+from forgerl.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
@@ -55,6 +53,10 @@ class FleetInfo:
     max_adapters: int
     max_rank: int
 
+    def ready(self) -> bool:
+        """Every server of the fleet has published its endpoint."""
+        return endpoints_up(self) >= self.replicas
+
 
 def adapter_name(context: RunContext) -> str:
     """The name a run's adapter is served under in a fleet: one per run directory (a
@@ -71,7 +73,7 @@ def read_fleet(directory: str | Path) -> FleetInfo:
     where = "generator.options.fleet"
     if not path.is_dir():
         raise ConfigError(f"{where}: {path} does not exist: start the fleet first "
-                          f"(python -m forgerl_plugins.generators.vllm.fleet --dir {path} --model ...)")  # fmt: skip
+                          f"(forge fleet --dir {path} --model ...)")  # fmt: skip
     try:
         data = json.loads((path / FLEET_FILE).read_text())
         info = FleetInfo(
@@ -80,7 +82,7 @@ def read_fleet(directory: str | Path) -> FleetInfo:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(
             f"{where}: {path} is not a generator fleet (no readable {FLEET_FILE}: {type(exc).__name__}); "
-            "start one there with python -m forgerl_plugins.generators.vllm.fleet"
+            "start one there with forge fleet"
         ) from None
     return info
 
@@ -168,6 +170,14 @@ def fleet_config(model: str, *, max_adapters: int, max_rank: int, sets: Sequence
     return config
 
 
+def start(
+    directory: Path, *, model: str, max_adapters: int, max_rank: int, sets: Sequence[str] = ()
+) -> AbstractContextManager[FleetInfo]:
+    """The fleet ``forge fleet`` starts: :func:`fleet_config`'s servers, :func:`started` in
+    ``directory`` (the config is checked before anything starts)."""
+    return started(directory, fleet_config(model, max_adapters=max_adapters, max_rank=max_rank, sets=sets))
+
+
 @contextmanager
 def started(directory: Path, config: Any) -> Iterator[FleetInfo]:
     """The fleet of ``config`` serving from ``directory`` (created), its servers started
@@ -247,42 +257,3 @@ def _supervise(scheduler: Any, job: Any, directory: Path) -> Callable[[], None]:
         thread.join(STOP_TIMEOUT * 6)
 
     return stop
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m forgerl_plugins.generators.vllm.fleet",
-        description="Start vLLM servers that several forge runs share (each its own LoRA adapter); "
-        "runs attach with --set generator.options.fleet=DIR. Runs until Ctrl-C or SIGTERM.",
-    )
-    parser.add_argument("--dir", required=True, type=Path, help="the fleet's directory (endpoints, logs)")
-    parser.add_argument("--model", required=True, help="the base model, as a run's model.name names it")
-    parser.add_argument("--max-adapters", type=int, default=4, help="adapters a server holds at once (--max-loras)")
-    parser.add_argument("--max-rank", type=int, default=16, help="the largest adapter rank a run may train")
-    parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
-                        help="generator.options.* (and model.*) settings of the servers")  # fmt: skip
-    args = parser.parse_args(argv)
-    stopped = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stopped.set())
-    try:
-        config = fleet_config(args.model, max_adapters=args.max_adapters, max_rank=args.max_rank, sets=args.sets)
-        with started(args.dir, config) as info:
-            print(f"forge fleet: starting {info.replicas} vLLM server(s) of {info.model} in {info.directory} "
-                  f"(logs: {info.directory / 'logs'})", flush=True)  # fmt: skip
-            while not stopped.wait(1.0) and endpoints_up(info) < info.replicas:
-                pass
-            if not stopped.is_set():
-                print(f"forge fleet: ready; attach runs with --set generator.options.fleet={info.directory} "
-                      "(and a LoRA trainer); Ctrl-C stops the fleet", flush=True)  # fmt: skip
-            stopped.wait()
-    except ForgeError as exc:
-        if not exc.user_fixable:
-            raise
-        print(f"forge fleet: error: {exc}", file=sys.stderr, flush=True)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,6 +10,9 @@ options, server roles and preflight.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
@@ -122,6 +125,13 @@ class VLLMGenerator(ReplicaPool):
     def serve(options: VLLMGenerator.Options, *, context: RunContext, role: str, replica: int) -> int:
         """One replica of the role, in the process forgerl.server_role starts (:func:`.server.serve`)."""
         return server.serve(options, context=context, role=role, replica=replica)
+
+    @staticmethod
+    def start_fleet(
+        directory: Path, *, model: str, max_adapters: int, max_rank: int, sets: Sequence[str] = ()
+    ) -> AbstractContextManager[fleet.FleetInfo]:
+        """Servers several runs share (``forge fleet``, :mod:`forgerl.fleet`; :func:`.fleet.start`)."""
+        return fleet.start(directory, model=model, max_adapters=max_adapters, max_rank=max_rank, sets=sets)
 
     @staticmethod
     def preflight(options: VLLMGenerator.Options) -> None:
