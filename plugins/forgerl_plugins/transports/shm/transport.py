@@ -395,9 +395,14 @@ class ShmTransport(Transport):
         per_version = _estimated_version_bytes(self.ctx)
         wanted = MIN_SHM_FREE if per_version is None else per_version * max(3, self.options.keep_versions + 1)
         if SHM_ROOT.is_dir() and os.access(SHM_ROOT, os.W_OK):
+            from . import leftovers
+
+            leftovers.sweep(SHM_ROOT)  # what killed senders left takes memory: before counting it
             free = shutil.disk_usage(SHM_ROOT).free
             if free >= wanted:
-                return Path(tempfile.mkdtemp(prefix="forgerl-", dir=SHM_ROOT))
+                folder = Path(tempfile.mkdtemp(prefix=leftovers.PREFIX, dir=SHM_ROOT))
+                leftovers.claim(folder)
+                return folder
             log.warning(
                 "shm: %s has %.0f MiB free, %.0f MiB wanted; using a directory on disk",
                 SHM_ROOT,
