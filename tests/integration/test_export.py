@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -147,11 +148,18 @@ def test_mistakes_are_one_line_and_leave_nothing(full_run, tmp_path: Path, capsy
     (full / "keep.txt").write_text("mine")
     # Unwritable even for root (who may write into a folder without write permission).
     unwritable = Path("/proc") / f"forgerl-export-{tmp_path.name}"
+    titan_run = tmp_path / "titan"
+    shutil.copytree(run_dir, titan_run)
+    config = titan_run / "config.yaml"
+    config.write_text(config.read_text().replace("name: fsdp", "name: torchtitan"))
+    assert "name: torchtitan" in config.read_text()
     cases = [
+        ([str(titan_run), "--output", str(tmp_path / "o6")], "reads checkpoints of the fsdp trainer.*--trainer fsdp"),
+        ([str(run_dir), "--output", str(tmp_path / "o7"), "--step", "-1"], "--step"),
         ([str(tmp_path / "nowhere"), "--output", str(tmp_path / "o1")], "not a run directory"),
         ([str(tmp_path), "--output", str(tmp_path / "o2")], "not a run directory"),
         ([str(empty_run), "--output", str(tmp_path / "o3")], "has no checkpoint"),
-        ([str(run_dir), "--output", str(tmp_path / "o4"), "--step", "7"], "no checkpoint of step 7; its checkpoints are of steps 1, 2"),
+        ([str(run_dir), "--output", str(tmp_path / "o4"), "--step", "7"], "no checkpoint of step 7; its checkpoints are of steps: 1, 2"),
         ([str(run_dir), "--output", str(full)], "exists and is not empty"),
         ([str(run_dir), "--output", str(unwritable)], "not writable|cannot write"),
         ([str(run_dir), "--output", str(tmp_path / "o5"), "--adapter-only"], "not a LoRA adapter"),
@@ -161,14 +169,12 @@ def test_mistakes_are_one_line_and_leave_nothing(full_run, tmp_path: Path, capsy
         assert code == 2, (args, err)
         assert re.search(message, err) and len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
     assert (full / "keep.txt").read_text() == "mine" and len(list(full.iterdir())) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "full"], (
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fresh", "full", "titan"], (
         "a failed export left something behind"
     )
 
 
 def test_a_checkpoint_that_fails_while_exporting_leaves_nothing(full_run, tmp_path: Path, capsys) -> None:
-    import shutil
-
     run_dir, _, _ = full_run
     broken = tmp_path / "run"
     shutil.copytree(run_dir, broken)

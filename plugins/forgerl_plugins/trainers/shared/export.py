@@ -24,7 +24,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from forgerl.errors import CheckpointUnusable, ConfigError, NotSupported
 
@@ -57,12 +57,12 @@ def export_run(run_dir: str, output: str, step: int | None, adapter_only: bool) 
             f"forge export reads checkpoints of the fsdp trainer; {run} was trained with "
             f"{config.trainer.name!r}, whose checkpoints hold its own parameter names: train with --trainer fsdp to export"
         )
-    raw_lora = (config.trainer.options or {}).get("lora")
+    options = config.trainer.options  # plain data as read (a model once resolved)
+    raw_lora = options.get("lora") if isinstance(options, dict) else getattr(options, "lora", None)
     lora = LoraOptions.model_validate(raw_lora) if raw_lora is not None else None
     if adapter_only and lora is None:
         raise ConfigError(f"--adapter-only: {run} trained every weight, not a LoRA adapter; leave --adapter-only out")
     folder = _checkpoint_folder(run, step)
-    checkpoint.load(folder)  # the manifest, every file's size and the loop state
     target = _check_output(Path(output))
     model_path = _model_path(config)
 
@@ -89,17 +89,21 @@ def export_run(run_dir: str, output: str, step: int | None, adapter_only: bool) 
 
 
 def _checkpoint_folder(run: Path, step: int | None) -> Path:
+    """The checkpoint to export, checked as a resume checks it (manifest, every file's
+    size, the loop state): the newest usable one, as a resume would take, or ``step``'s."""
     from forgerl import checkpoint
 
     folders = checkpoint.checkpoints(run)  # newest first
-    if not folders:
-        raise CheckpointUnusable(f"{run} has no checkpoint (checkpoints are written every loop.checkpoint_every steps)")
-    if step is None:
-        return folders[0]
-    wanted = checkpoint.final_dir(run, step)
+    newest = checkpoint.latest(run) if step is None and folders else None
+    if newest is None and step is None:
+        raise CheckpointUnusable(f"{run} has no checkpoint (one is written every checkpoint.every steps and at the end)")
+    if newest is not None:
+        return newest
+    wanted = checkpoint.final_dir(run, cast(int, step))
     if wanted not in folders:
-        steps = ", ".join(str(int(f.name.split("-")[1])) for f in reversed(folders))
-        raise CheckpointUnusable(f"{run} has no checkpoint of step {step}; its checkpoints are of steps {steps}")
+        steps = ", ".join(str(int(f.name.split("-")[1])) for f in reversed(folders)) or "none"
+        raise CheckpointUnusable(f"{run} has no checkpoint of step {step}; its checkpoints are of steps: {steps}")
+    checkpoint.load(wanted)
     return wanted
 
 
