@@ -183,3 +183,41 @@ def test_a_checkpoint_that_fails_while_exporting_leaves_nothing(full_run, tmp_pa
     code, _, err = forge_export(str(broken), "--output", str(tmp_path / "model"), capsys=capsys)
     assert code == 2 and ".metadata" in err and len(err.strip().splitlines()) == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "a failed export left something behind"
+
+
+def test_a_real_lora_run_exports_one_policy_both_ways(tmp_path: Path, capsys) -> None:
+    """A real `forge run` (named model, hf generator, fsdp trainer process) writes the
+    config.yaml and checkpoint `forge export` reads: the merged folder and the adapter on
+    its base give the same logprobs, which are not the base model's."""
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+
+    from forgerl.config import ModelConfig
+    from forgerl.models import resolve_model
+    from forgerl.testing.registry import registry_for
+
+    from ..helpers.timing import scaled
+
+    run_dir = tmp_path / "run"
+    # test_run_e2e.py's small run: a format reward random text sometimes satisfies, so the
+    # group's rewards vary and the one step moves the adapter.
+    args = ["--model", "tiny", "--generator", "hf", "--steps", "1", "--reward", "format",
+            "--set", "rewards.0.options.pattern=\\d", "--set", "loop.prompts_per_step=2",
+            "--set", "loop.group_size=4", "--set", "loop.sampling.max_tokens=12", "--set", "loop.eval_size=4",
+            "--set", "trainer.options.lr=1e-3", "--set", "trainer.options.autocast_bf16=false",
+            "--set", "trainer.options.lora.rank=8", "--output", str(run_dir), "-q"]
+    proc = subprocess.run([sys.executable, "-m", "forgerl.cli", "run", *args], capture_output=True, text=True,
+                          timeout=scaled(300))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    merged, adapter = tmp_path / "merged", tmp_path / "adapter"
+    assert forge_export(str(run_dir), "--output", str(merged), capsys=capsys)[0] == 0
+    assert forge_export(str(run_dir), "--output", str(adapter), "--adapter-only", capsys=capsys)[0] == 0
+
+    base_dir = resolve_model(ModelConfig(name="tiny"), registry_for())
+    batch = worker.make_batch(base_dir, rows=3, seed=4)
+    got = _logprobs_of(merged, batch)
+    peft = PeftModel.from_pretrained(reference_model(base_dir), str(adapter)).eval()
+    assert worker.attended_diff(got, next_token_logprobs(peft, batch, worker.TEMPERATURE), batch) <= TOL
+    assert worker.attended_diff(got, _logprobs_of(base_dir, batch), batch) > 1e-4, "the step changed nothing"

@@ -199,9 +199,25 @@ def write_model(
     """The policy as a plain Hugging Face model folder in ``folder``, in ``dtype`` (the
     run's model.dtype, the one the trainer loaded the base model in)."""
     import torch
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # the command prints the folder, not loading bars
+    try:
+        _merge_and_save(state, lora, model_path, getattr(torch, dtype), folder)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    _copy_tokenizer(model_path, folder)
+
+
+def _merge_and_save(
+    state: dict[str, torch.Tensor], lora: LoraOptions | None, model_path: Path, dtype: torch.dtype, folder: Path
+) -> None:
+    import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     params = dict(model.named_parameters())  # one name per tensor (a tied head is not listed)
     with torch.no_grad():
         if lora is None:
@@ -222,7 +238,6 @@ def write_model(
                 delta = lora.scale * (b.to(torch.float32) @ a.to(torch.float32))
                 weight.copy_((weight.to(torch.float32) + delta).to(weight.dtype))
     model.save_pretrained(folder, safe_serialization=True)
-    _copy_tokenizer(model_path, folder)
 
 
 def write_adapter(state: dict[str, torch.Tensor], lora: LoraOptions, folder: Path) -> None:
