@@ -82,6 +82,7 @@ def cli(debug: bool) -> None:
     forge run run.yaml --generator vllm --scheduler slurm
     forge plugins list              backends and whether they can run here
     forge report runs/A runs/B      plots of runs, overlaid, as one HTML page
+    forge export RUN_DIR --output DIR   the trained model as a Hugging Face folder
     """
     _State.debug = _State.debug or debug
 
