@@ -33,9 +33,9 @@ def kind(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-def _lora_trainer(model_dir: Path, run_dir: Path, kind: str, kl_coef: float = 0.0, **lora):
+def _lora_trainer(model_dir: Path, run_dir: Path, kind: str, kl_coef: float = 0.0, options: dict | None = None, **lora):
     return worker.make_trainer(
-        model_dir, run_dir, 2, algorithm={"kl_coef": kl_coef}, kind=kind, lora={**LORA, **lora}
+        model_dir, run_dir, 2, algorithm={"kl_coef": kl_coef}, kind=kind, lora={**LORA, **lora}, **(options or {})
     )
 
 
@@ -85,9 +85,20 @@ def test_kl_reference_is_the_base_model_without_a_copy(kind: str, tiny_model_dir
 
 
 def test_checkpoint_holds_the_adapter_and_resumes_exactly(kind: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    _check_checkpoint_resumes(kind, tiny_model_dir, tmp_path)
+
+
+def test_torchtitan_checkpoint_with_recomputed_layers_holds_the_adapter(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Activation checkpointing wraps each decoder layer, so its parameters' names differ
+    from the state dict's: the checkpoint must still hold the adapter (and only it)."""
+    require_torchtitan()
+    _check_checkpoint_resumes("torchtitan", tiny_model_dir, tmp_path, {"activation_checkpointing": "full"})
+
+
+def _check_checkpoint_resumes(kind: str, tiny_model_dir: Path, tmp_path: Path, options: dict | None = None) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
-    trainer = _lora_trainer(tiny_model_dir, tmp_path, kind, kl_coef=0.1)
+    trainer = _lora_trainer(tiny_model_dir, tmp_path, kind, kl_coef=0.1, options=options)
     try:
         batch1 = worker.on_policy(trainer, worker.make_batch(tiny_model_dir, rows=3, seed=4))
         batch2 = worker.on_policy(trainer, worker.make_batch(tiny_model_dir, rows=3, seed=5))
@@ -101,7 +112,7 @@ def test_checkpoint_holds_the_adapter_and_resumes_exactly(kind: str, tiny_model_
     models = [k for k in saved if k.startswith("model.")]
     assert models and all(".lora_A." in k or ".lora_B." in k for k in models), f"not only the adapter: {models}"
 
-    resumed = _lora_trainer(tiny_model_dir, tmp_path, kind, kl_coef=0.1)
+    resumed = _lora_trainer(tiny_model_dir, tmp_path, kind, kl_coef=0.1, options=options)
     try:
         resumed.load(tmp_path / "ckpt")
         assert resumed.train_step(batch2) == expected_metrics
@@ -146,12 +157,17 @@ def test_target_modules_that_match_nothing_are_a_config_error(kind: str, tiny_mo
         _lora_trainer(tiny_model_dir, tmp_path, kind, target_modules=["embed_tokens", "lm_head"])
 
 
-def test_torchtitan_exports_the_same_adapter_and_update_as_fsdp(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fixture", ["tiny_model_dir", "qwen3_model_dir"])
+def test_torchtitan_exports_the_same_adapter_and_update_as_fsdp(
+    fixture: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """From the same seed both trainers start from the same adapter (A drawn per Hugging
     Face layer name), give the same logprobs and, after one step on the same batch, the
-    same A and B under the same names: q and k's B rows mapped out of TorchTitan's RoPE
-    layout, as the tiny Qwen2's weights are."""
+    same A and B under the same names: on the tiny Qwen2 (TorchTitan's Llama code) q and
+    k's B rows mapped out of TorchTitan's RoPE layout, as its weights are; on the tiny
+    Qwen3 the layouts agree."""
     require_torchtitan()
+    tiny_model_dir = request.getfixturevalue(fixture)
     trainers = {}
     try:
         for kind in ("torchtitan", "fsdp"):

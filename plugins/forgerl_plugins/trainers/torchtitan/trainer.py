@@ -18,6 +18,11 @@ meshes when no accelerator exists (``tools/utils.py`` falls back to "cuda"), and
 default SPMD backend types every tensor; here meshes use the trainer's device and the
 ``partial_dtensor`` backend (DTensor for the model-parallel axes only), and FSDP sums
 gradients with plain SUM collectives (gloo has no PREMUL_SUM).
+
+With ``lora`` set, PEFT's LoRA layers are injected into the decoder's projections on the
+meta device, before sharding (:mod:`.lora`): only the adapter gets gradients, optimizer
+state, checkpoints and weight exports (under the Hugging Face names the ``fsdp`` trainer
+exports), and the KL reference is the same model with the adapter off.
 """
 
 from __future__ import annotations
