@@ -84,9 +84,10 @@ class FSDPTrainer(ShardedTrainer):
         # The decoder block classes, read before PEFT wraps the model.
         block_names = set(getattr(model, "_no_split_modules", None) or ())
         if trainable and self.options.lora is not None:
-            from forgerl_plugins.trainers.shared.lora import apply_lora
+            from forgerl_plugins.trainers.shared.lora import apply_lora, seed_adapter
 
             model, self.lora_targets = apply_lora(model, self.options.lora)
+            seed_adapter(model, self.lora_targets, self.ctx.seed)
         if self.world_size == 1:
             # Nothing to shard: FSDP2 on one rank still copies every parameter in before
             # each forward and backward and every gradient out after it, and makes the

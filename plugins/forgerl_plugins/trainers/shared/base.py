@@ -416,7 +416,11 @@ class ShardedTrainer(Trainer, abc.ABC):
         frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         if not frozen:
             return state
-        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        # State dicts leave out the wrapper that activation checkpointing puts around a
+        # layer (TorchTitan's); parameter names have it.
+        trainable = {
+            name.replace("_checkpoint_wrapped_module.", "") for name, p in model.named_parameters() if p.requires_grad
+        }
         return {k: v for k, v in state.items() if k in trainable}
 
     def _checkpoint_options(self) -> Any:

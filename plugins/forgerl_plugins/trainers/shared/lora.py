@@ -7,7 +7,9 @@ its trainable A and B into one unit (FSDP2 allows frozen and trainable parameter
 unit; it reduces gradients only for those that have them). The adapter is applied before
 sharding, so its parameters are sharded with their layer.
 
-* Only A and B require gradients; the optimizer is built over those alone.
+* Only A and B require gradients; the optimizer is built over those alone. A trainer
+  draws A from the run's seed and the layer's name (:func:`fresh_a`), so ``fsdp`` and
+  ``torchtitan`` start from the same adapter.
 * The KL reference is the same model with the adapter switched off
   (:func:`adapter_off`): the base weights are not copied.
 * The adapter is exported under the names of PEFT's ``adapter_model.safetensors``
@@ -17,6 +19,7 @@ sharding, so its parameters are sharded with their layer.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +82,32 @@ def apply_lora(model: Any, lora: LoraOptions) -> tuple[Any, list[str]]:
         task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config, adapter_name=ADAPTER), names
+
+
+def fresh_a(module: str, shape: tuple[int, int], seed: int) -> torch.Tensor:
+    """A fresh adapter's A for the layer whose Hugging Face name is ``module``: Kaiming
+    uniform with ``a = sqrt(5)`` as PEFT draws it (bound ``1 / sqrt(in)``), from a generator
+    seeded by the run's ``seed`` and the name. Every trainer (whatever its module names
+    and order) and every rank start from the same adapter for the same seed."""
+    import zlib
+
+    import torch
+
+    generator = torch.Generator().manual_seed(((seed & 0xFFFFFFFF) << 32) | zlib.crc32(module.encode()))
+    bound = 1 / math.sqrt(shape[1])
+    return (torch.rand(shape, generator=generator, dtype=torch.float32) * 2 - 1) * bound
+
+
+def seed_adapter(model: Any, names: list[str], seed: int) -> None:
+    """Set each A of the PEFT ``model`` (from :func:`apply_lora`, not yet sharded) on the
+    layers ``names`` to :func:`fresh_a`'s (B stays zero)."""
+    import torch
+
+    base = model.get_base_model()
+    with torch.no_grad():
+        for name in names:
+            weight = base.get_submodule(name).lora_A[ADAPTER].weight
+            weight.copy_(fresh_a(name, tuple(weight.shape), seed))
 
 
 def adapter_off(model: Any) -> contextlib.AbstractContextManager[Any]:

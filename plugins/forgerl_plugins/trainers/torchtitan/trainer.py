@@ -18,15 +18,22 @@ meshes when no accelerator exists (``tools/utils.py`` falls back to "cuda"), and
 default SPMD backend types every tensor; here meshes use the trainer's device and the
 ``partial_dtensor`` backend (DTensor for the model-parallel axes only), and FSDP sums
 gradients with plain SUM collectives (gloo has no PREMUL_SUM).
+
+With ``lora`` set, PEFT's LoRA layers are injected into the decoder's projections on the
+meta device, before sharding (:mod:`.lora`): only the adapter gets gradients, optimizer
+state, checkpoints and weight exports (under the Hugging Face names the ``fsdp`` trainer
+exports), and the KL reference is the same model with the adapter off.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
+from forgerl.adapters import LoraOptions
 from forgerl.errors import ConfigError
 from forgerl.types import TrainBatch, WeightSet
 from forgerl_plugins.trainers.shared.base import ShardedTrainer, check_batch, sum_gradients
@@ -93,6 +100,12 @@ class TorchTitanTrainer(ShardedTrainer):
             description="torch.compile each decoder layer (off by default: minutes to compile, and on CPU a C++ "
             "compiler).",
         )
+        lora: LoraOptions | None = Field(
+            None,
+            description="Train a LoRA adapter on the decoder layers' projections instead of every weight (None: "
+            "full fine-tuning); target_modules use Hugging Face names (q_proj, ...). Needs PEFT: "
+            "pip install 'forgerl[lora]'. Not with tp > 1 or compile.",
+        )
 
     options: TorchTitanTrainer.Options
 
@@ -108,6 +121,17 @@ class TorchTitanTrainer(ShardedTrainer):
             raise ConfigError(torch_mismatch(e)) from e
         self.adapter = self.spec.state_dict_adapter(self.spec.model, None)
         tp = options.tp
+        if options.lora is not None and (tp > 1 or options.compile):
+            # Untried: the tensor-parallel plan names the projections PEFT wraps, and
+            # compiling PEFT's layers is unchecked.
+            raise ConfigError(
+                "torchtitan trainer: trainer.options.lora works without tensor parallelism and torch.compile "
+                "(tp 1, compile false) for now; unset one or the other, or use the fsdp trainer"
+            )
+        # With LoRA: TorchTitan module name -> Hugging Face name of each adapted layer,
+        # and the Hugging Face names alone (as the fsdp trainer's lora_targets).
+        self.lora_modules: dict[str, str] = {}
+        self.lora_targets: list[str] = []
         dp_shard = options.dp_shard or self.world_size // tp
         if dp_shard * tp != self.world_size:
             raise ConfigError(
@@ -128,7 +152,10 @@ class TorchTitanTrainer(ShardedTrainer):
             self._set_up_data_parallel_groups(tp)
         hf_weights = self._read_hf_weights()
         self.model = self._build_model(hf_weights, trainable=True)
-        self.reference_model = self._build_model(hf_weights, trainable=False) if self.algorithm.kl_coef > 0 else None
+        # The reference model costs a full copy of the weights: only with a KL term, and
+        # never with LoRA (the base model is the policy with its adapter off).
+        needs_copy = self.algorithm.kl_coef > 0 and options.lora is None
+        self.reference_model = self._build_model(hf_weights, trainable=False) if needs_copy else None
         del hf_weights
         self.optimizer = self._adamw()
         # The decoder's forward ends in ``self.lm_head(h)`` on [b, L, dim] hidden states:
@@ -194,6 +221,16 @@ class TorchTitanTrainer(ShardedTrainer):
             model = self.spec.model.build()
         if not trainable:
             model.requires_grad_(False)
+        elif self.options.lora is not None:
+            from . import lora
+
+            self.lora_modules = lora.target_names(model, self.adapter, self.options.lora)
+            self.lora_targets = sorted(self.lora_modules.values())
+            lora.inject(model, self.lora_modules, self.options.lora)
+            weights = {
+                **lora.base_weight_names(weights, self.lora_modules),
+                **lora.initial_state(model, self.lora_modules, self.ctx.seed),
+            }
         if self.parallel_dims is not None:
             model = self._parallelize(model, trainable)
         model.to_empty(device=self.device)
@@ -224,6 +261,20 @@ class TorchTitanTrainer(ShardedTrainer):
         sum_gradients(model)
         return model
 
+    def _reference(self) -> tuple[Any, contextlib.AbstractContextManager[Any]] | None:
+        if self.options.lora is not None and self.algorithm.kl_coef > 0:
+            from .lora import adapter_off
+
+            return self.model, adapter_off(self.model)
+        return super()._reference()
+
+    def _update_mode(self) -> contextlib.AbstractContextManager[Any]:
+        if self.options.lora is None:
+            return contextlib.nullcontext()
+        from forgerl_plugins.trainers.shared.lora import adapter_dropout
+
+        return adapter_dropout(self.model, self.options.lora.dropout)
+
     # ---------------------------------------------------------------- forward
 
     def _head(self, model: Any) -> Any:
@@ -250,12 +301,31 @@ class TorchTitanTrainer(ShardedTrainer):
     # ---------------------------------------------------------------- weights
 
     def export_weights(self, version: int) -> WeightSet | None:
-        # A collective: every rank takes part, rank 0 receives the full CPU tensors.
-        state = self._full_state()
+        # A collective: every rank takes part, rank 0 receives the full CPU tensors
+        # (with LoRA: the adapter's A and B alone, under PEFT's Hugging Face names).
+        state = self._full_state(trainable_only=self.options.lora is not None)
         if state is None:
             return None
+        if self.options.lora is not None:
+            from .lora import exported
+
+            return WeightSet(version=version, tensors=exported(state, self.lora_modules, self._hf_rows()))
         tensors = self.adapter.to_hf(state)
         if self.spec.model.enable_weight_tying:
             # Hugging Face's state dict names the tied matrix twice; the adapter once.
             tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
         return WeightSet(version=version, tensors=tensors)
+
+    def _hf_rows(self) -> Any | None:
+        """How a LoRA B matrix's rows go from TorchTitan's layout to Hugging Face's: the
+        Llama adapter permutes q and k rows (RoPE pairs), as it does their weights."""
+        if self.spec.name != "llama3":
+            return None
+        attention = self.spec.model.layers[0].attention
+        heads = {"wq": attention.n_heads, "wk": attention.n_kv_heads or attention.n_heads}
+
+        def permute(module: str, b: torch.Tensor) -> torch.Tensor:
+            n = heads.get(module.rpartition(".")[2])
+            return b if n is None else self.adapter._permute(b, n, b.shape[0], b.shape[1])
+
+        return permute
