@@ -18,12 +18,8 @@ adapter off.
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any
 
-from pydantic import Field
-
-from forgerl.adapters import LoraOptions
 from forgerl.types import WeightSet
 from forgerl_plugins.trainers.shared.base import ShardedTrainer, sum_gradients
 from forgerl_plugins.trainers.shared.head import head_selection_works
@@ -39,13 +35,7 @@ class FSDPTrainer(ShardedTrainer):
     requires = ("torch", "transformers")
 
     class Options(ShardedTrainerOptions):
-        """The shared trainer options and LoRA; FSDP2 itself needs none (one unit per decoder layer)."""
-
-        lora: LoraOptions | None = Field(
-            None,
-            description="Train a LoRA adapter instead of every weight (None: full fine-tuning); "
-            "e.g. --set trainer.options.lora.rank=16. Needs PEFT: pip install 'forgerl[lora]'.",
-        )
+        """The shared trainer options (LoRA included); FSDP2 itself needs none (one unit per decoder layer)."""
 
     options: FSDPTrainer.Options
 
@@ -106,20 +96,6 @@ class FSDPTrainer(ShardedTrainer):
 
     def _logits(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-
-    def _reference(self) -> tuple[Any, contextlib.AbstractContextManager[Any]] | None:
-        if self.options.lora is not None and self.algorithm.kl_coef > 0:
-            from forgerl_plugins.trainers.shared.lora import adapter_off
-
-            return self.model, adapter_off(self.model)
-        return super()._reference()
-
-    def _update_mode(self) -> contextlib.AbstractContextManager[Any]:
-        if self.options.lora is None:
-            return contextlib.nullcontext()
-        from forgerl_plugins.trainers.shared.lora import adapter_dropout
-
-        return adapter_dropout(self.model, self.options.lora.dropout)
 
     def export_weights(self, version: int) -> WeightSet | None:
         # A collective: every rank takes part, rank 0 receives the full CPU tensors

@@ -131,13 +131,21 @@ class ShardedTrainer(Trainer, abc.ABC):
         """The model the KL term compares against and the context to run it in (None:
         no KL term). Default: ``self.reference_model`` as it is; a LoRA trainer gives its
         own model with the adapter switched off."""
+        if self.options.lora is not None and self.algorithm.kl_coef > 0:
+            from .lora import adapter_off
+
+            return self.model, adapter_off(self.model)
         if self.reference_model is None:
             return None
         return self.reference_model, contextlib.nullcontext()
 
     def _update_mode(self) -> contextlib.AbstractContextManager[Any]:
         """The context of the update forward (a LoRA trainer turns its adapter's dropout on)."""
-        return contextlib.nullcontext()
+        if self.options.lora is None:
+            return contextlib.nullcontext()
+        from .lora import adapter_dropout
+
+        return adapter_dropout(self.model, self.options.lora.dropout)
 
     def _head(self, model: Any) -> Any:
         """The output projection module that :mod:`.head` hooks (when ``_select_head``)."""

@@ -110,9 +110,20 @@ def seed_adapter(model: Any, names: list[str], seed: int) -> None:
             weight.copy_(fresh_a(name, tuple(weight.shape), seed))
 
 
-def adapter_off(model: Any) -> contextlib.AbstractContextManager[Any]:
-    """Within it, ``model`` computes as its base model (the adapter skipped)."""
-    return model.disable_adapter()
+@contextlib.contextmanager
+def adapter_off(model: Any) -> Iterator[None]:
+    """Within it, ``model`` computes as its base model (every adapter layer skipped): a
+    PeftModel (``fsdp``) or a model PEFT's layers were injected into (``torchtitan``)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enable_adapters(True)  # trainable again (PEFT froze A and B while off)
 
 
 @contextlib.contextmanager

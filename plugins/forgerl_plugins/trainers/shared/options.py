@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from forgerl.adapters import LoraOptions
 from forgerl.options import OptionsModel
 
 # torch.distributed's backend names, alone or per device type ("cpu:gloo,cuda:nccl").
@@ -49,6 +50,11 @@ class ShardedTrainerOptions(OptionsModel):
         None,
         description="torch.distributed backend: gloo, nccl, mpi, ucc or per-device 'cpu:gloo,cuda:nccl' "
         "(default: nccl on GPU, gloo on CPU).",
+    )
+    lora: LoraOptions | None = Field(
+        None,
+        description="Train a LoRA adapter instead of every weight (None: full fine-tuning); "
+        "e.g. --set trainer.options.lora.rank=16. Needs PEFT: pip install 'forgerl[lora]'.",
     )
 
     @model_validator(mode="after")

@@ -17,9 +17,7 @@ are permuted as the weight's are, and A (input side) is left as it is.
 
 from __future__ import annotations
 
-import contextlib
 import re
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import BackendUnavailable, ConfigError
@@ -110,21 +108,6 @@ def initial_state(model: Any, targets: dict[str, str], seed: int) -> dict[str, t
         state[f"{name}.lora_A.{ADAPTER}.weight"] = fresh_a(hf, tuple(a.shape), seed).to(a.dtype)
         state[f"{name}.lora_B.{ADAPTER}.weight"] = torch.zeros(tuple(b.shape), dtype=b.dtype)
     return state
-
-
-@contextlib.contextmanager
-def adapter_off(model: Any) -> Iterator[None]:
-    """Within it, ``model`` computes as its base model (every adapter layer skipped)."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
-    for m in layers:
-        m.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for m in layers:
-            m.enable_adapters(True)  # trainable again (PEFT froze A and B while off)
 
 
 def exported(

@@ -27,7 +27,6 @@ exports), and the KL reference is the same model with the adapter off.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -260,20 +259,6 @@ class TorchTitanTrainer(ShardedTrainer):
         )
         sum_gradients(model)
         return model
-
-    def _reference(self) -> tuple[Any, contextlib.AbstractContextManager[Any]] | None:
-        if self.options.lora is not None and self.algorithm.kl_coef > 0:
-            from .lora import adapter_off
-
-            return self.model, adapter_off(self.model)
-        return super()._reference()
-
-    def _update_mode(self) -> contextlib.AbstractContextManager[Any]:
-        if self.options.lora is None:
-            return contextlib.nullcontext()
-        from forgerl_plugins.trainers.shared.lora import adapter_dropout
-
-        return adapter_dropout(self.model, self.options.lora.dropout)
 
     # ---------------------------------------------------------------- forward
 
