@@ -38,7 +38,10 @@ def claim(folder: Path) -> None:
     if me is None:
         return
     tmp = folder / f"{OWNER}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(me))
+    # Private, as every file of the folder is (tests/conformance/test_transport_auth.py).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(me))
     os.replace(tmp, folder / OWNER)
 
 
