@@ -411,8 +411,11 @@ def fleet(directory: Path, model: str, generator: str, max_adapters: int, max_ra
     (runs attach with --set generator.options.fleet=DIR). Serves until Ctrl-C or SIGTERM."""
     from forgerl.fleet import serve_fleet
 
-    serve_fleet(_registry(), generator, directory, model=model, max_adapters=max_adapters, max_rank=max_rank,
-                sets=sets, say=click.echo)  # fmt: skip
+    code = serve_fleet(_registry(), generator, directory, model=model, max_adapters=max_adapters,
+                       max_rank=max_rank, sets=sets, say=click.echo,
+                       fail=lambda line: click.echo(line, err=True))  # fmt: skip
+    if code:
+        sys.exit(code)
 
 
 # --------------------------------------------------------------------------- report

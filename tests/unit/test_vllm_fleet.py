@@ -151,3 +151,52 @@ def test_a_directory_with_a_running_fleet_is_refused_a_second_one(tmp_path: Path
         with fleet.started(directory, config):
             pass
     assert not (directory / "config.yaml").exists()  # nothing written, nothing started
+
+
+def test_forge_fleet_refuses_a_mistyped_model_before_it_starts_anything(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "FORGE_DEBUG"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "forgerl.cli", "fleet", "--dir", str(tmp_path / "f"), "--model", "smollm-135"],
+        capture_output=True, text=True, env=env, timeout=scaled(60),
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "forge: error: no named model 'smollm-135'; did you mean 'smollm2-135m-instruct'? "
+        "(named models: smollm2-135m-instruct, tiny)"
+    ]
+    assert not (tmp_path / "f").exists()  # nothing started
+
+
+def test_a_fleet_whose_servers_stop_for_good_ends_with_one_line(tmp_path: Path) -> None:
+    # The core's loop against a generator class whose fleet's servers have spent their
+    # restarts: it must say why and exit 1, not wait for Ctrl-C forever.
+    from contextlib import contextmanager
+    from types import SimpleNamespace
+
+    from forgerl.fleet import serve_fleet
+
+    class Fleet:
+        replicas, model, directory = 1, "tiny", tmp_path
+
+        def ready(self) -> bool:
+            return False
+
+        def ended(self) -> str | None:
+            return "role 'vllm' replica 0 exited with code 1 after 3 restarts"
+
+    class Generator:
+        @staticmethod
+        @contextmanager
+        def start_fleet(directory, **kwargs):
+            yield Fleet()
+
+    backend = SimpleNamespace(factory=Generator, load_part=lambda ref, part: ref)
+    registry = SimpleNamespace(require=lambda kind, name: backend)
+    said: list[str] = []
+    failed: list[str] = []
+    code = serve_fleet(registry, "fake", tmp_path, model="tiny", max_adapters=1, max_rank=8,  # type: ignore[arg-type]
+                       say=said.append, fail=failed.append)  # fmt: skip
+    assert code == 1
+    assert failed == ["forge fleet: error: the fleet's servers stopped: role 'vllm' replica 0 exited with code 1 "
+                      "after 3 restarts"]  # fmt: skip
+    assert not any("ready" in line for line in said)

@@ -27,7 +27,7 @@ import json
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,10 +52,16 @@ class FleetInfo:
     replicas: int
     max_adapters: int
     max_rank: int
+    #: While the fleet's process runs it: why its servers' job ended (None: it has not).
+    outcome: Callable[[], str | None] | None = field(default=None, compare=False, repr=False)
 
     def ready(self) -> bool:
         """Every server of the fleet has published its endpoint."""
         return endpoints_up(self) >= self.replicas
+
+    def ended(self) -> str | None:
+        """Why the fleet's servers stopped for good (restarts spent), or None while they run."""
+        return self.outcome() if self.outcome is not None else None
 
 
 def adapter_name(context: RunContext) -> str:
@@ -162,11 +168,18 @@ def fleet_config(model: str, *, max_adapters: int, max_rank: int, sets: Sequence
         "generator": {"name": "vllm", "options": {"max_adapters": max_adapters}},
     }
     settings = [*sets, f"trainer.options.lora.rank={max_rank}"]
-    config = resolve(build_config(base=base, sets=settings), build_registry())
+    registry = build_registry()
+    config = resolve(build_config(base=base, sets=settings), registry)
     if config.generator.name != "vllm":
         raise ConfigError(f"a fleet's generator is vllm (got generator {config.generator.name!r})")
     if options_dict(config.generator.options).get("fleet") is not None:
         raise ConfigError("a fleet's servers attach to no other fleet: leave generator.options.fleet unset")
+    # What `forge run` checks before it starts a server: a model name that cannot be built
+    # or found here, vLLM engine arguments its own parser refuses (one line, nothing started).
+    from forgerl.preflight import model_context_length
+
+    model_context_length(config, registry)
+    registry.require("generator", "vllm").check_before_run(config.generator.options, runs_here=True)
     return config
 
 
@@ -205,12 +218,12 @@ def started(directory: Path, config: Any) -> Iterator[FleetInfo]:
     (directory / FLEET_FILE).write_text(json.dumps(info.__dict__ | {"directory": str(directory)}, indent=1))
     scheduler = registry.require("scheduler", "local").build({"stop_timeout": STOP_TIMEOUT})
     try:
-        stop = _supervise(scheduler, JobSpec("forge-fleet", str(directory), tuple(roles)), directory)
+        stop, outcome = _supervise(scheduler, JobSpec("forge-fleet", str(directory), tuple(roles)), directory)
     except BaseException:
         (directory / FLEET_FILE).unlink(missing_ok=True)
         raise
     try:
-        yield info
+        yield replace(info, outcome=outcome)
     finally:
         stop()
         (directory / FLEET_FILE).unlink(missing_ok=True)
@@ -230,11 +243,15 @@ def _serving(endpoint: Path) -> bool:
     return True
 
 
-def _supervise(scheduler: Any, job: Any, directory: Path) -> Callable[[], None]:
+def _supervise(
+    scheduler: Any, job: Any, directory: Path
+) -> tuple[Callable[[], None], Callable[[], str | None]]:
     """Submit ``job`` from a thread that then waits on it (the local scheduler's children
-    die with the thread that started them); returns what stops it."""
+    die with the thread that started them); returns what stops it, and what says why the
+    job ended (None while it runs)."""
     submitted = threading.Event()
     failed: list[BaseException] = []
+    ended: list[str] = []
 
     def supervise() -> None:
         try:
@@ -244,7 +261,8 @@ def _supervise(scheduler: Any, job: Any, directory: Path) -> Callable[[], None]:
             return
         finally:
             submitted.set()
-        scheduler.wait(handle)
+        status = scheduler.wait(handle)
+        ended.append(status.detail or f"its servers' job ended: {status.state.value}")
 
     thread = threading.Thread(target=supervise, name="forge-fleet", daemon=True)
     thread.start()
@@ -256,4 +274,4 @@ def _supervise(scheduler: Any, job: Any, directory: Path) -> Callable[[], None]:
         scheduler.cancel(str(directory))
         thread.join(STOP_TIMEOUT * 6)
 
-    return stop
+    return stop, lambda: ended[0] if ended else None
