@@ -164,6 +164,12 @@ class FakeKubelet:
         name = js["metadata"]["name"]
         run = Run(name)
         primaries = set(js["spec"].get("successPolicy", {}).get("targetReplicatedJobs") or [])
+        # As in a cluster: the Job controller counts a pod as active once it has created it,
+        # before its container's process runs (CI once saw a role's process write its record
+        # while this fake still reported the JobSet with nothing active: PENDING).
+        self._patch_jobset(run, {"replicatedJobsStatus": [
+            {"name": rj["name"], "active": rj["replicas"], "ready": rj["replicas"], "succeeded": 0, "failed": 0,
+             "suspended": 0} for rj in js["spec"]["replicatedJobs"]]})
         for rj in js["spec"]["replicatedJobs"]:
             job_spec = rj["template"]["spec"]
             template = job_spec["template"]
@@ -186,9 +192,6 @@ class FakeKubelet:
                         "spec": {"containers": [{"name": container["name"], "image": container["image"]}]},
                         "status": {"phase": "Running"},
                     })
-        self._patch_jobset(run, {"replicatedJobsStatus": [
-            {"name": rj["name"], "active": rj["replicas"], "ready": rj["replicas"], "succeeded": 0, "failed": 0,
-             "suspended": 0} for rj in js["spec"]["replicatedJobs"]]})
         return run
 
     def _advance(self, run: Run) -> None:
