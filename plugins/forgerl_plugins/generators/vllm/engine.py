@@ -269,10 +269,7 @@ class VLLMEngine:
                     r.url + "/v1/unload_lora_adapter", json={"lora_name": self.adapter_name}, headers=r.headers,
                     timeout=60.0,
                 )  # fmt: skip
-                await self.client.http.post(
-                    r.url + "/collective_rpc", json={"method": "forge_drop_adapter", "args": [self.adapter_name]},
-                    headers=r.headers, timeout=60.0,
-                )  # fmt: skip
+                await self.client.rpc(r, "forge_drop_adapter", self.adapter_name)
             except Exception as exc:  # noqa: BLE001 - the run ends either way; the fleet's LRU evicts it later
                 log.warning("vllm: could not unload adapter %s from fleet replica %d: %s",
                             self.adapter_name, r.index, exc)  # fmt: skip
