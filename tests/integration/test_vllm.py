@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.timing import scaled, wait_until
+from tests.helpers.weight_updates import send_while_loading
 
 pytestmark = [
     pytest.mark.integration,
@@ -208,20 +209,7 @@ def _push(c: Cluster, version: int, scale: float = 0.02) -> None:
         for p in model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale)
     c.weights[version] = {k: v.clone() for k, v in model.state_dict().items()}
-    errors: list[BaseException] = []
-
-    def load() -> None:
-        try:
-            c.generator.update_weights(version)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    loader = threading.Thread(target=load)
-    loader.start()
-    c.sender.send(WeightSet(version, model.state_dict()), timeout=scaled(60))
-    loader.join(scaled(120))
-    assert not loader.is_alive(), f"update_weights({version}) did not return"
-    assert not errors, errors
+    send_while_loading(c.generator, c.sender, WeightSet(version, model.state_dict()), join_timeout=scaled(120))
     assert c.generator.policy_version == version
     c.version = version
 

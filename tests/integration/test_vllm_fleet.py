@@ -19,13 +19,13 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.helpers.timing import scaled, wait_until
+from tests.helpers.weight_updates import send_while_loading
 
 pytestmark = [
     pytest.mark.integration,
@@ -133,20 +133,9 @@ def _push(opened: Any, trainer: Any, seed: int, version: int) -> None:
     _set_adapter(trainer, seed)
     exported = trainer.export_weights(version)
     assert exported is not None
-    errors: list[BaseException] = []
-
-    def load() -> None:
-        try:
-            opened.generator.update_weights(version)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    loader = threading.Thread(target=load)
-    loader.start()
-    opened.sender.send(WeightSet(version, dict(exported.tensors)), timeout=scaled(60))
-    loader.join(scaled(180))
-    assert not loader.is_alive(), f"update_weights({version}) did not return"
-    assert not errors, errors
+    send_while_loading(
+        opened.generator, opened.sender, WeightSet(version, dict(exported.tensors)), join_timeout=scaled(180)
+    )
 
 
 def _sample(opened: Any, site: Any, tag: str) -> list[tuple[list[int], Any]]:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from tests.helpers.timing import scaled
+from tests.helpers.weight_updates import send_while_loading
 
 pytestmark = [
     pytest.mark.integration,
@@ -63,20 +64,7 @@ def _push(opened: Any, tensors: dict[str, Any], version: int) -> None:
     """The trainer's half of an update: ``tensors`` sent while the generator loads them."""
     from forgerl.types import WeightSet
 
-    errors: list[BaseException] = []
-
-    def load() -> None:
-        try:
-            opened.generator.update_weights(version)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    loader = threading.Thread(target=load)
-    loader.start()
-    opened.sender.send(WeightSet(version, tensors), timeout=scaled(60))
-    loader.join(scaled(180))
-    assert not loader.is_alive(), f"update_weights({version}) did not return"
-    assert not errors, errors
+    send_while_loading(opened.generator, opened.sender, WeightSet(version, tensors), join_timeout=scaled(180))
 
 
 def _gap(model: Any, prompt: list[int], completion: Any, temperature: float) -> float:
