@@ -215,7 +215,9 @@ def started(directory: Path, config: Any) -> Iterator[FleetInfo]:
     options = config.generator.options
     assert context.adapter is not None
     info = FleetInfo(directory, config.model.name, options.replicas, options.max_adapters, context.adapter.rank)
-    (directory / FLEET_FILE).write_text(json.dumps(info.__dict__ | {"directory": str(directory)}, indent=1))
+    record = {"directory": str(directory), "model": info.model, "replicas": info.replicas,
+              "max_adapters": info.max_adapters, "max_rank": info.max_rank}  # what read_fleet reads
+    (directory / FLEET_FILE).write_text(json.dumps(record, indent=1))
     scheduler = registry.require("scheduler", "local").build({"stop_timeout": STOP_TIMEOUT})
     try:
         stop, outcome = _supervise(scheduler, JobSpec("forge-fleet", str(directory), tuple(roles)), directory)
