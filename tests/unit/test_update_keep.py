@@ -199,3 +199,27 @@ def test_vllm_internal_request_ids_map_back_to_ours():
     assert _our_request("2_cmpl-step3_p1-0a1b2c3d-0-1234abcd", keys) == ("step3_p1-0a1b2c3d", 2)
     assert _our_request("cmpl-r-9-ffff0000-0-00000000", keys) == ("r-9-ffff0000", 0)
     assert _our_request("cmpl-someone-else-0-1234abcd", keys) is None
+
+
+def test_a_replica_serves_only_the_generators_version_or_the_one_an_update_is_loading(tmp_path: Path):
+    """A server met holding another version (an earlier generator's adapter version 2, where
+    this one starts at 0) takes no request until the watcher reloads it: its completions
+    would report a version the run never sent, sampled with weights it does not hold."""
+    done, behind = (Replica(i, tmp_path / f"log{i}", tmp_path / f"fake-{i}.json", "fake") for i in range(2))
+    for r in (done, behind):
+        r.up, r.instance = True, f"i{r.index}"
+
+    async def notify() -> None:
+        pass
+
+    updater = WeightUpdater(RecordingEngine({}), [done, behind], policy="wait", retry_after=1.0, notify=notify)  # type: ignore[arg-type]
+    done.version, behind.version = 2, 0
+    assert not updater.serves(done) and updater.serves(behind)  # newer than the generator's 0
+    updater.version, updater.loading = 1, 2  # mid-update: replica 0 has 2, replica 1 still 1
+    behind.version = 1
+    assert updater.serves(done) and updater.serves(behind)
+    updater.loading = None
+    assert not updater.serves(done)
+    done.version = 1
+    done.updating = True
+    assert not updater.serves(done)

@@ -189,7 +189,7 @@ class ReplicaPool(Generator):
             while True:
                 if self._closed:
                     raise GeneratorError(f"the {self.engine.role} generator is closed")
-                ready = [r for r in self._replicas if r.serves(self.updater.version)]
+                ready = [r for r in self._replicas if self.updater.serves(r)]
                 fresh = [r for r in ready if r.index not in tried] or ready
                 if fresh:
                     return min(fresh, key=lambda r: (r.outstanding, r.dispatched, r.index))
@@ -209,7 +209,7 @@ class ReplicaPool(Generator):
     # ------------------------------------------------------------------ health
 
     def health(self) -> GeneratorHealth:
-        serving = [r for r in self._replicas if r.serves(self.updater.version)]
+        serving = [r for r in self._replicas if self.updater.serves(r)]
         return GeneratorHealth(
             healthy=bool(serving) and not self._closed,
             policy_version=self.updater.version,
@@ -227,7 +227,7 @@ class ReplicaPool(Generator):
                 "pid": r.pid,
                 "instance": r.instance,
                 "up": r.up,
-                "serving": r.serves(self.updater.version),
+                "serving": self.updater.serves(r),
                 "version": r.version,
                 "dispatched": r.dispatched,
                 "outstanding": r.outstanding,

@@ -68,11 +68,16 @@ class Replica:
         why = f" ({self.last_error})" if self.last_error and not self.up else ""
         return f"replica {self.index} {state}, {version}{why}; log: {self.log}"
 
-    def serves(self, current: int) -> bool:
-        """Whether it may take requests while ``current`` is the generator's version."""
-        # version > current happens for a moment during an update (this replica is done,
-        # others are not): its completions report the newer version, which is right.
-        return self.up and not self.updating and self.version is not None and self.version >= current
+    def serves(self, current: int, loading: int | None = None) -> bool:
+        """Whether it may take requests while ``current`` is the generator's version and
+        ``loading`` the one an update is loading (None: no update runs)."""
+        # A replica done with an update serves the new version while the others load it:
+        # its completions report the newer version, which is right. Any other version
+        # (a server met holding an older or a newer one: an earlier generator's, a resumed
+        # run's) is reloaded by the watcher before it takes a request.
+        if not self.up or self.updating or self.version is None:
+            return False
+        return self.version == current or self.version == loading
 
     def attach(self, data: dict[str, Any]) -> None:
         """Point this replica at the instance an endpoint file describes."""

@@ -54,6 +54,7 @@ class WeightUpdater:
         self.policies: dict[str, Policy] = {"wait": self._wait, "abort": self._abort, "keep": self._keep}
         self.policy = policy
         self.version = 0  # the version served: generation waits for a replica that has it
+        self.loading: int | None = None  # the version an update is loading now
         #: Results of the last update (for benchmarks and logs).
         self.last_update: dict[str, Any] = {}
         self.lock = asyncio.Lock()  # one update or re-sync at a time
@@ -84,9 +85,13 @@ class WeightUpdater:
             for r in targets:  # before any await: nothing new reaches any of them
                 r.updating = True
             start = time.perf_counter()
-            results = await asyncio.gather(
-                *(self.update_replica(r, version) for r in targets), return_exceptions=True
-            )
+            self.loading = version
+            try:
+                results = await asyncio.gather(
+                    *(self.update_replica(r, version) for r in targets), return_exceptions=True
+                )
+            finally:
+                self.loading = None
             failures = [(r, res) for r, res in zip(targets, results) if isinstance(res, BaseException)]
             errors = [f"replica {r.index}: {type(e).__name__}: {e}" for r, e in failures]
             done = [r for r in targets if r.version == version]
@@ -170,6 +175,10 @@ class WeightUpdater:
             raise
         for f in flights:
             f.crossings.append(Crossing(counts.get(f.key, {}), version))
+
+    def serves(self, r: Replica) -> bool:
+        """Whether ``r`` may take requests now (:meth:`.replica.Replica.serves`)."""
+        return r.serves(self.version, self.loading)
 
     async def catch_up(self) -> None:
         """Re-sync every replica that answers but serves another version (none while an
