@@ -15,13 +15,11 @@ sent any: the trainer's version still moves on with every step, the generator's 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import signal
 import threading
 import time
-from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -33,16 +31,17 @@ from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.config import RunConfig
 from forgerl.env_rollouts import EnvironmentRollouts
 from forgerl.errors import CheckpointError, CheckpointUnusable, ConfigError
+from forgerl.evaluation import evaluate_samples, evaluate_trajectories, mean
 from forgerl.generator_idle import IdleClock, WatchedGenerator
 from forgerl.interfaces import Generator, RunContext, Task
 from forgerl.metrics import MetricsWriter
 from forgerl.overlap import ContinuousBuffer, ContinuousProducer, default_in_flight
 from forgerl.plugins import Registry
 from forgerl.problem_source import ProblemSource
-from forgerl.rollout import RolloutBatch, RolloutBuffer, RolloutProducer, Tokenizing, sampling_seed
+from forgerl.rollout import RolloutBatch, RolloutBuffer, RolloutProducer, Tokenizing
 from forgerl.spmd import TrainerDriver
 from forgerl.staleness import age_counts, filter_stale, oldest_version
-from forgerl.types import GenerationRequest, Problem, RewardInput, RewardResult, SamplingParams
+from forgerl.types import Problem, SamplingParams
 
 log = logging.getLogger("forgerl.loop")
 
@@ -339,21 +338,21 @@ class Loop:
             # against it, and a resumed run's gap shows as one.
             "time/wall": time.time(),
             "policy_version": self.policy_version,
-            "reward/mean": _mean(e.reward for e in eps),
+            "reward/mean": mean(e.reward for e in eps),
             "reward/failed": rollouts.rewards_failed,
         }
         for name in sorted({n for e in eps for n in e.reward_components}):
-            row[f"reward/{name}"] = _mean(e.reward_components.get(name, 0.0) for e in eps)
+            row[f"reward/{name}"] = mean(e.reward_components.get(name, 0.0) for e in eps)
         staleness = [self.policy_version - 1 - oldest_version(e.completion) for e in eps]
         row.update(
             {
-                "staleness/mean": _mean(staleness),
+                "staleness/mean": mean(staleness),
                 "staleness/tokens_masked": stale.tokens_masked,
                 "samples/dropped_stale": stale.dropped,
                 "samples/trained": len(prepared.episodes),
                 "groups/filtered_zero_variance": prepared.filtered_groups,
-                "completion/mean_tokens": _mean(len(e.completion.token_ids) for e in eps),
-                "completion/truncated_frac": _mean(e.completion.finish_reason == "length" for e in eps),
+                "completion/mean_tokens": mean(len(e.completion.token_ids) for e in eps),
+                "completion/truncated_frac": mean(e.completion.finish_reason == "length" for e in eps),
                 "time/step": time.perf_counter() - t_step,
                 "time/wait_rollouts": wait_s,
                 "time/generate": rollouts.gen_seconds,
@@ -422,66 +421,23 @@ class Loop:
     # -------------------------------------------------------------------- eval
 
     def evaluate(self) -> dict[str, float]:
+        """The held-out row (:mod:`forgerl.evaluation`), timed as the ``eval`` phase."""
         cfg = self.config
         t = time.perf_counter()
         problems = self.task.eval_problems()
         if cfg.loop.eval_size:
             problems = problems[: cfg.loop.eval_size]
-        sampling = SamplingParams(
-            max_tokens=cfg.loop.sampling.max_tokens,
-            temperature=cfg.loop.eval_temperature,
-            top_p=cfg.loop.sampling.top_p,
-            top_k=cfg.loop.sampling.top_k,
-        )
         if self.environment is not None:
-            return self._evaluate_trajectories(problems, sampling, t)
-        requests = [
-            GenerationRequest(
-                request_id=f"eval-{i}",
-                prompt_token_ids=self.tokenizing.prompt_ids(p),
-                n=1,
-                sampling=_replace(sampling, seed=sampling_seed(cfg.loop.seed + 1, -1, i)),
-            )
-            for i, p in enumerate(problems)
-        ]
-
-        async def go() -> list[RewardResult]:
-            results = await self.generator.generate(requests)
-            inputs = [RewardInput(p, r[0].text, r[0].finish_reason) for p, r in zip(problems, results)]
-            return await self.rewards.score(inputs)
-
-        scores = asyncio.run(go())
-        correct = [_is_correct(s, cfg) for s in scores]
+            row = evaluate_trajectories(cfg, problems, self.generator, self.rewards, self.environment)
+            what = "trajectories"
+        else:
+            row = evaluate_samples(cfg, problems, self.generator, self.rewards, self.tokenizing)
+            what = "problems"
         self.time_totals["eval"] += time.perf_counter() - t
-        log.info("held-out accuracy after %d steps: %.4f (%d problems)", self.step, _mean(correct), len(scores))
-        return {
-            "eval/accuracy": _mean(correct),
-            "eval/reward": _mean(s.value for s in scores),
-            "eval/samples": len(scores),
-        }
-
-    def _evaluate_trajectories(self, problems: list[Any], sampling: SamplingParams, t: float) -> dict[str, float]:
-        """Held-out accuracy of whole trajectories: one per problem, at the eval temperature.
-        Correct: the environment's (or primary reward's) ``correct`` component, else a full score."""
-        assert self.environment is not None, "trajectory evaluation needs an environment"
-        cfg = self.config
-        jobs = [(p, f"eval-{i}", sampling_seed(cfg.loop.seed + 1, -1, i)) for i, p in enumerate(problems)]
-        turn = _replace(sampling, max_tokens=self.environment.runner.limits.max_turn_tokens)
-        scored, _ = asyncio.run(self.environment.scored(self.generator, jobs, self.rewards.score, turn))
-        correct = []
-        for s in scored:
-            comps = s.result.components
-            if s.trajectory.reward is not None:
-                correct.append(float(comps.get("correct", float(s.result.value >= 1.0))))
-            else:
-                correct.append(_is_correct(s.result, cfg))
-        self.time_totals["eval"] += time.perf_counter() - t
-        log.info("held-out accuracy after %d steps: %.4f (%d trajectories)", self.step, _mean(correct), len(scored))
-        return {
-            "eval/accuracy": _mean(correct),
-            "eval/reward": _mean(s.result.value for s in scored),
-            "eval/samples": len(scored),
-        }
+        log.info(
+            "held-out accuracy after %d steps: %.4f (%d %s)", self.step, row["eval/accuracy"], row["eval/samples"], what
+        )
+        return row
 
     # -------------------------------------------------------------------- checkpoint
 
@@ -530,27 +486,6 @@ def _context_length(model_path: Path | None) -> int | None:
         return folder_context_length(Path(model_path))
     except ConfigError:
         return None
-
-
-def _is_correct(score: Any, cfg: RunConfig) -> float:
-    """A held-out sample is correct when the primary (first) reward says so: its
-    ``correct`` sub-component where it reports one, else a full score."""
-    primary = cfg.rewards[0].name
-    comps = score.components
-    if f"{primary}/correct" in comps:
-        return float(comps[f"{primary}/correct"])
-    return float(comps.get(primary, 0.0) >= 1.0)
-
-
-def _mean(xs: Iterable[Any]) -> float:
-    xs = [float(x) for x in xs]
-    return sum(xs) / len(xs) if xs else 0.0
-
-
-def _replace(params: SamplingParams, **kw: Any) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, **kw)
 
 
 def install_stop_handlers(loop: Loop | None) -> None:
