@@ -13,6 +13,7 @@ from typing import Any
 
 from forgerl import runs
 from forgerl.config import RunConfig, build_config
+from forgerl.errors import JobNotFound
 from forgerl.interfaces import Scheduler
 from forgerl.plugins import Registry, build_registry
 from forgerl.resolve import resolve
@@ -139,3 +140,36 @@ def run(
     """Submit the run and wait for it to end; returns the final status and the submission."""
     sub = submit(config, registry=registry, resume_dir=resume_dir)
     return sub.wait(timeout), sub
+
+
+def job_scheduler(
+    job: str | Path, scheduler_name: str | None = None, *, registry: Registry | None = None
+) -> tuple[Scheduler, str, str]:
+    """The scheduler that holds ``job``, the job's id there and the scheduler's name, for
+    ``status``, ``logs`` and ``cancel``. ``job`` is a run directory (any scheduler: read
+    from its submission record, with the run's own scheduler options, which say where its
+    job lives: a namespace, a partition) or a scheduler's job id with ``scheduler_name``.
+    Raises JobNotFound (one line) when neither says where the job is."""
+    registry = registry or build_registry()
+    path = Path(job)
+    job_id = str(job)
+    if path.is_dir():
+        sub = runs.read_submission(path)
+        if sub is None:
+            raise JobNotFound(f"{str(job)!r} has no {runs.SUBMISSION_FILE}: it was never submitted")
+        scheduler_name = scheduler_name or sub["scheduler"]
+        job_id = runs.job_of_run_dir(path, sub)
+    if scheduler_name is None:
+        raise JobNotFound(f"{str(job)!r} is not a run directory; give the scheduler too, e.g. `--scheduler slurm`")
+    backend = registry.require("scheduler", scheduler_name)
+    options = None  # the scheduler's defaults
+    if path.is_dir():
+        from forgerl.config import read_yaml, validate_config
+
+        # A config that cannot be read is an error (one line naming the file), never
+        # silently replaced by defaults that would ask the wrong place.
+        config_file = path / runs.CONFIG_FILE
+        cfg = validate_config(read_yaml(config_file), source=str(config_file))
+        if cfg.scheduler.name == scheduler_name:
+            options = cfg.scheduler.options
+    return backend.build(options), job_id, scheduler_name

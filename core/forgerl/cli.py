@@ -19,11 +19,11 @@ import click
 
 from forgerl import __version__
 from forgerl.env import debug_enabled
-from forgerl.errors import ForgeError, JobNotFound, NotSupported
+from forgerl.errors import ForgeError, NotSupported
 from forgerl.kinds import FLAGS, REGISTRATION_HOOKS
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.backends import Backend, Options
+    from forgerl.backends import Backend
     from forgerl.interfaces import Scheduler
     from forgerl.plugin_info import PluginInfo
     from forgerl.plugins import Registry
@@ -316,34 +316,9 @@ def config_validate(config_file: str) -> None:
 
 
 def _job_scheduler(job: str, scheduler_name: str | None) -> tuple[Scheduler, str, str]:
-    """The scheduler of a job, its job id and the scheduler's name. A job is a run
-    directory (any scheduler; read from submission.json) or a scheduler's own job id
-    together with --scheduler."""
-    from forgerl import runs
+    from forgerl.api import job_scheduler
 
-    registry = _registry()
-    job_id = job
-    if Path(job).is_dir():
-        sub = runs.read_submission(Path(job))
-        if sub is None:
-            raise JobNotFound(f"{job!r} has no {runs.SUBMISSION_FILE}: it was never submitted")
-        scheduler_name = scheduler_name or sub["scheduler"]
-        job_id = runs.job_of_run_dir(Path(job), sub)
-    if scheduler_name is None:
-        raise JobNotFound(f"{job!r} is not a run directory; give the scheduler too, e.g. `--scheduler slurm`")
-    backend = registry.require("scheduler", scheduler_name)
-    options: Options = None  # the scheduler's defaults
-    if Path(job).is_dir():
-        from forgerl.config import read_yaml, validate_config
-
-        # The run's scheduler options (namespace, partition, ...) say where its job lives:
-        # a config that cannot be read is an error (one line naming the file), never
-        # silently replaced by defaults that would ask the wrong place.
-        config_file = Path(job) / runs.CONFIG_FILE
-        cfg = validate_config(read_yaml(config_file), source=str(config_file))
-        if cfg.scheduler.name == scheduler_name:
-            options = cfg.scheduler.options
-    return backend.build(options), job_id, scheduler_name
+    return job_scheduler(job, scheduler_name, registry=_registry())
 
 
 _scheduler_option = click.option("--scheduler", "scheduler_name", help="Scheduler of a bare job id.")

@@ -248,9 +248,10 @@ def test_plugin_switches_are_in_the_hook_reference():
 
 def loop_metric_keys() -> set[str]:
     """Every key core/forgerl/loop.py puts in a metrics.jsonl row (``<>`` for a computed part),
-    with the reward component names of core/forgerl/rewarding.py filled into ``reward/<>``."""
+    with the eval row of core/forgerl/evaluation.py and the reward component names of
+    core/forgerl/rewarding.py filled into ``reward/<>``."""
     loop = REPO / "core" / "forgerl" / "loop.py"
-    train_one, evaluate = function(loop, "train_one"), function(loop, "evaluate")
+    train_one, evaluate = function(loop, "train_one"), function(REPO / "core" / "forgerl" / "evaluation.py", "_row")
     keys = dict_literal_keys(train_one) | subscript_keys(train_one, "row") | dict_literal_keys(evaluate)
     components = subscript_keys(function(REPO / "core" / "forgerl" / "rewarding.py", "_combine"), "components")
     assert components, "core/forgerl/rewarding.py: no reward component keys found"
