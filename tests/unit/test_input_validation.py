@@ -12,7 +12,7 @@ import torch
 from forgerl.algorithms import AlgorithmConfig
 from forgerl.algorithms.loss import aggregate_loss, clipped_surrogate, kl_from_log_ratio, policy_loss
 from forgerl.types import Completion, TrainBatch
-from forgerl_plugins.trainers.shared.base import check_batch as _check_batch
+from forgerl_plugins.trainers.shared.batching import check_batch as _check_batch
 from forgerl_plugins.trainers.shared.batching import micro_batches, rank_rows
 from tests.helpers.timing import scaled
 

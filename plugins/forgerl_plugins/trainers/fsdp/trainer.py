@@ -21,7 +21,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from forgerl.types import WeightSet
-from forgerl_plugins.trainers.shared.base import ShardedTrainer, sum_gradients
+from forgerl_plugins.trainers.shared.base import ShardedTrainer
+from forgerl_plugins.trainers.shared.distributed import sum_gradients
 from forgerl_plugins.trainers.shared.head import head_selection_works
 from forgerl_plugins.trainers.shared.options import ShardedTrainerOptions
 

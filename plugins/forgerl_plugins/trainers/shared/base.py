@@ -15,7 +15,7 @@ same update as 1.
 
 A subclass builds the model (``_build_model``), runs it (``_logits``) and exports its
 weights under Hugging Face names (``export_weights``); the step, the logprobs, the
-metrics and the DCP checkpoints are here, so two trainers given the same model make the
+metrics and the DCP checkpoints (:mod:`.state`) are shared, so two trainers given the same model make the
 same update (tests/integration/test_torchtitan_trainer.py). Each phase carries a
 ``forge.*`` profiler label.
 """
@@ -26,17 +26,18 @@ import abc
 import contextlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
-from forgerl.errors import CheckpointUnusable, ConfigError
+from forgerl.errors import ConfigError
 from forgerl.interfaces import RunContext, Trainer
-from forgerl.types import TrainBatch, tie_key
+from forgerl.types import TrainBatch
 
-from .batching import MicroBatch, global_count, micro_batches, rank_rows
+from .batching import MicroBatch, check_batch, global_count, loss_ages, micro_batches, rank_rows, row_lengths
 from .distributed import init_distributed, native_bf16, pick_device
 from .distributed import local_preflight as check_backend_here
 from .head import head_at
 from .metrics import MetricAccumulator
+from .state import full_state, load_checkpoint, save_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -256,7 +257,7 @@ class ShardedTrainer(Trainer, abc.ABC):
             self.dp_size,
             self.dp_rank,
             self.options.micro_batch_size,
-            _row_lengths(batch),
+            row_lengths(batch),
             max_tokens=self.options.micro_batch_tokens,
         )
 
@@ -274,7 +275,7 @@ class ShardedTrainer(Trainer, abc.ABC):
         count = global_count(shifted_mask, alg.loss_agg)
         # The ages whose logprob gap is reported: those of the whole batch, which every rank
         # holds, so every micro-batch of every rank reports the same keys.
-        ages = _ages(batch)
+        ages = loss_ages(batch)
         acc = MetricAccumulator()
         for mb in self._micro_batches(batch):
             t = self._micro_tensors(batch, mb)
@@ -370,77 +371,11 @@ class ShardedTrainer(Trainer, abc.ABC):
         return torch.cat(parts).to(batch.input_ids.device)
 
     def save(self, path: Path) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        from .checkpointing import failure
-
-        model_state, optim_state = get_state_dict(*self._live(), options=self._checkpoint_options())
-        model_state = self._only_trainable(model_state)
-        try:
-            dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(path))
-        except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            # Collective: every rank gets every rank's errors, so all raise the same line.
-            err = failure(Path(path), exc, saving=True)
-            if err is None:
-                raise
-            raise err from err.__cause__
+        save_checkpoint(*self._live(), Path(path))
 
     def load(self, path: Path) -> None:
-        """Load a checkpoint written by :meth:`save` without unpickling anything but plain
-        data (see :mod:`.checkpointing`); CheckpointUnusable when it is missing or refused."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        from .checkpointing import SafePlanner, SafeReader, failure, read_metadata_safely
-
-        if not (Path(path) / ".metadata").is_file():
-            raise CheckpointUnusable(f"{path} is not a trainer checkpoint (no .metadata written by save())")
-        metadata = read_metadata_safely(Path(path))
-        model, optimizer = self._live()
-        options = self._checkpoint_options()
-        model_state, optim_state = get_state_dict(model, optimizer, options=options)
-        model_state = self._only_trainable(model_state)
-        state: dict[str, Any] = {"model": model_state, "optimizer": optim_state}
-        try:
-            dcp.load(state, storage_reader=SafeReader(Path(path), metadata), planner=SafePlanner())
-        except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            err = failure(Path(path), exc, saving=False)
-            if err is None:
-                raise
-            raise err from err.__cause__
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options
-        )
-
-    def _only_trainable(self, state: dict[str, Any]) -> dict[str, Any]:
-        """``state`` without frozen tensors. DCP's ``ignore_frozen_params`` keeps a frozen
-        weight that a second name shares (a tied output layer is no parameter of its own)."""
-        model, _ = self._live()
-        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-        if not frozen:
-            return state
-        # State dicts leave out the wrapper that activation checkpointing puts around a
-        # layer (TorchTitan's); parameter names have it.
-        trainable = {
-            name.replace("_checkpoint_wrapped_module.", "") for name, p in model.named_parameters() if p.requires_grad
-        }
-        return {k: v for k, v in state.items() if k in trainable}
-
-    def _checkpoint_options(self) -> Any:
-        """What a checkpoint holds: the trainable parameters and their optimizer state.
-        Frozen weights (a LoRA adapter's base model) are the model folder's, loaded again
-        at every start; DCP's load fails on any trainable tensor the checkpoint lacks, so
-        loading leaves out only the frozen ones (strict would ask for those too)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        model, _ = self._live()
-        frozen = any(not p.requires_grad for p in model.parameters())
-        return StateDictOptions(ignore_frozen_params=frozen, strict=not frozen)
+        """Load a checkpoint written by :meth:`save` (:func:`.state.load_checkpoint`)."""
+        load_checkpoint(*self._live(), Path(path))
 
     def _live(self) -> tuple[Any, torch.optim.Optimizer]:
         """The model and its optimizer, set from construction until :meth:`close`."""
@@ -448,28 +383,11 @@ class ShardedTrainer(Trainer, abc.ABC):
         return self.model, self.optimizer
 
     def _full_state(self, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
-        """The trainable model's full state dict on rank 0 (CPU tensors that nothing
-        changes later), None elsewhere; only its trainable parameters with
-        ``trainable_only`` (a LoRA adapter). A collective: every rank calls it."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+        """The model's full state dict on rank 0, None elsewhere (:func:`.state.full_state`);
+        a collective: every rank calls it."""
         model, _ = self._live()
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
-        state = get_model_state_dict(model, options=options)
-        if trainable_only:
-            state = self._only_trainable(state)
-        if self.rank != 0:
-            return None
-        # A full state dict holds plain tensors (no sharded ones).
-        tensors = cast("dict[str, torch.Tensor]", state)
-        if self.world_size == 1 and self.device.type == "cpu":
-            # One CPU rank: the "offloaded" state dict is the live parameters themselves, which
-            # the next step changes in place while a transport may still hold this version
-            # (for a worker that joins late). Gathered or offloaded tensors are copies already.
-            # A tensor under two names (tied embeddings) is copied once and stays one tensor,
-            # so a transport can send it once.
-            tensors = copy_keeping_ties(tensors)
-        return tensors
+        return full_state(model, rank=self.rank, world_size=self.world_size, device=self.device,
+                          trainable_only=trainable_only)  # fmt: skip
 
     def close(self) -> None:
         if self._closed:
@@ -483,64 +401,3 @@ class ShardedTrainer(Trainer, abc.ABC):
 
     def _check_batch(self, batch: TrainBatch) -> None:
         check_batch(batch)
-
-
-def copy_keeping_ties(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A copy of every tensor, where names that view the same memory the same way (tied
-    weights) get one copy between them."""
-    copies: dict[tuple[Any, ...], torch.Tensor] = {}
-    out = {}
-    for name, t in tensors.items():
-        key = tie_key(t)
-        if t.numel() == 0 or key not in copies:
-            copies[key] = t.detach().clone()
-        out[name] = copies[key]
-    return out
-
-
-def sum_gradients(model: Any) -> None:
-    """Make every FSDP2 unit of ``model`` sum gradients over ranks instead of averaging
-    them (the losses are already normalised over the whole batch) with a plain SUM
-    reduce-scatter, which gloo supports (not PREMUL_SUM)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
-
-
-def _ages(batch: TrainBatch) -> list[int]:
-    """The token ages (:meth:`TrainBatch.token_ages`) under the batch's loss mask, sorted;
-    empty without per-token versions."""
-    import torch
-
-    ages = batch.token_ages()
-    if ages is None:
-        return []
-    return [int(a) for a in torch.unique(ages[batch.loss_mask != 0]).tolist()]
-
-
-def _row_lengths(batch: TrainBatch) -> list[int]:
-    """Positions each row uses (up to its last attended or loss token), for grouping rows
-    of like length into micro-batches."""
-    import torch
-
-    used = (batch.attention_mask != 0) | (batch.loss_mask != 0)
-    columns = torch.arange(1, used.shape[1] + 1, device=used.device)
-    return torch.where(used, columns, 0).amax(-1).tolist()
-
-
-def check_batch(batch: TrainBatch) -> None:
-    shape = tuple(batch.input_ids.shape)
-    if len(shape) != 2 or shape[0] < 1:
-        raise ValueError(f"input_ids must be [B, T] with B >= 1, got {shape}")
-    for name in ("attention_mask", "loss_mask", "behaviour_logprobs"):
-        got = tuple(getattr(batch, name).shape)
-        if got != shape:
-            raise ValueError(f"{name} has shape {got}, expected input_ids' {shape}")
-    if batch.token_versions is not None and tuple(batch.token_versions.shape) != shape:
-        raise ValueError(f"token_versions has shape {tuple(batch.token_versions.shape)}, expected input_ids' {shape}")
-    adv = tuple(batch.advantages.shape)
-    if adv not in (shape[:1], shape):
-        raise ValueError(f"advantages must be [B] or [B, T] for input_ids {shape}, got {adv}")

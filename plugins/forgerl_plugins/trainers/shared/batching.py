@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from forgerl.types import TrainBatch
+
 
 def rank_rows(batch_size: int, world_size: int, rank: int) -> range:
     """The rows of a ``batch_size`` batch that ``rank`` (of ``world_size``) trains on."""
@@ -115,3 +117,39 @@ def global_count(loss_mask: torch.Tensor, loss_agg: str) -> float:
     else:
         n = int(mask.any(-1).sum())
     return float(max(n, 1))
+
+
+def loss_ages(batch: TrainBatch) -> list[int]:
+    """The token ages (:meth:`TrainBatch.token_ages`) under the batch's loss mask, sorted;
+    empty without per-token versions."""
+    import torch
+
+    ages = batch.token_ages()
+    if ages is None:
+        return []
+    return [int(a) for a in torch.unique(ages[batch.loss_mask != 0]).tolist()]
+
+
+def row_lengths(batch: TrainBatch) -> list[int]:
+    """Positions each row uses (up to its last attended or loss token), for grouping rows
+    of like length into micro-batches."""
+    import torch
+
+    used = (batch.attention_mask != 0) | (batch.loss_mask != 0)
+    columns = torch.arange(1, used.shape[1] + 1, device=used.device)
+    return torch.where(used, columns, 0).amax(-1).tolist()
+
+
+def check_batch(batch: TrainBatch) -> None:
+    shape = tuple(batch.input_ids.shape)
+    if len(shape) != 2 or shape[0] < 1:
+        raise ValueError(f"input_ids must be [B, T] with B >= 1, got {shape}")
+    for name in ("attention_mask", "loss_mask", "behaviour_logprobs"):
+        got = tuple(getattr(batch, name).shape)
+        if got != shape:
+            raise ValueError(f"{name} has shape {got}, expected input_ids' {shape}")
+    if batch.token_versions is not None and tuple(batch.token_versions.shape) != shape:
+        raise ValueError(f"token_versions has shape {tuple(batch.token_versions.shape)}, expected input_ids' {shape}")
+    adv = tuple(batch.advantages.shape)
+    if adv not in (shape[:1], shape):
+        raise ValueError(f"advantages must be [B] or [B, T] for input_ids {shape}, got {adv}")

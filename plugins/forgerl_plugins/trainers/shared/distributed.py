@@ -106,3 +106,15 @@ def init_distributed(backend: str | None, ctx: RunContext, device: torch.device)
             "(launch with torchrun/srun or the local scheduler)"
         )
     return True
+
+
+def sum_gradients(model: Any) -> None:
+    """Make every FSDP2 unit of ``model`` sum gradients over ranks instead of averaging
+    them (the losses are already normalised over the whole batch) with a plain SUM
+    reduce-scatter, which gloo supports (not PREMUL_SUM)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)

@@ -35,7 +35,9 @@ from pydantic import Field
 from forgerl.adapters import LoraOptions
 from forgerl.errors import ConfigError
 from forgerl.types import TrainBatch, WeightSet
-from forgerl_plugins.trainers.shared.base import ShardedTrainer, check_batch, sum_gradients
+from forgerl_plugins.trainers.shared.base import ShardedTrainer
+from forgerl_plugins.trainers.shared.batching import check_batch
+from forgerl_plugins.trainers.shared.distributed import sum_gradients
 from forgerl_plugins.trainers.shared.options import ShardedTrainerOptions
 
 if TYPE_CHECKING:  # pragma: no cover
