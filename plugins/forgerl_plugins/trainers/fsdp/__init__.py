@@ -1,7 +1,8 @@
 """``fsdp``: torch FSDP2 (``fully_shard``) on 1..N ranks; gloo on CPU, NCCL on GPU.
 
-Also ``forge export``, which writes a run's policy at a checkpoint of this trainer as a
-Hugging Face model folder (:mod:`..shared.export`)."""
+Also ``forge export``, which writes a run's policy at a checkpoint of this trainer (or of
+``torchtitan``, which converts its own names) as a Hugging Face model folder
+(:mod:`..shared.export`)."""
 
 from __future__ import annotations
 

@@ -42,6 +42,8 @@ from .state import full_state, load_checkpoint, save_checkpoint
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from forgerl.adapters import LoraOptions
+
     from .options import ShardedTrainerOptions
 
 log = logging.getLogger(__name__)
@@ -376,6 +378,18 @@ class ShardedTrainer(Trainer, abc.ABC):
     def load(self, path: Path) -> None:
         """Load a checkpoint written by :meth:`save` (:func:`.state.load_checkpoint`)."""
         load_checkpoint(*self._live(), Path(path))
+
+    @classmethod
+    def checkpoint_as_hf(
+        cls, state: dict[str, torch.Tensor], model_path: Path, lora: LoraOptions | None
+    ) -> dict[str, torch.Tensor]:
+        """``forge export`` (:mod:`.export`): the model tensors of a checkpoint :meth:`save`
+        wrote, read in one process without building a trainer, under the names a
+        checkpoint of the Hugging Face model holds (PEFT's model names for a LoRA
+        adapter: ``base_model.model.<module>.lora_A.default.weight``). A trainer whose
+        parameter names are others converts them (``torchtitan``); CheckpointUnusable
+        for tensors that do not fit the model in ``model_path``."""
+        return state  # the Hugging Face model's own parameters (fsdp)
 
     def _live(self) -> tuple[Any, torch.optim.Optimizer]:
         """The model and its optimizer, set from construction until :meth:`close`."""

@@ -6,7 +6,10 @@ weight of the model for a full-weight run, only the adapter's A and B matrices f
 LoRA run (the frozen base weights are the model folder's). It is read here in one
 process, without a process group (DCP loads with ``no_dist`` when none is running),
 through the same safe reader as a resume (:mod:`.checkpointing`: nothing is unpickled
-but plain data).
+but plain data). The run's trainer class gives the tensors Hugging Face names
+(:meth:`.base.ShardedTrainer.checkpoint_as_hf`: ``fsdp``'s have them already,
+``torchtitan`` converts its own through TorchTitan's state-dict adapter), so what
+follows is the same for every trainer.
 
 * Full weights: the base model folder gives the architecture, config and tokenizer; the
   checkpoint's tensors replace every weight, and ``save_pretrained`` writes the folder.
@@ -33,6 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from forgerl.adapters import LoraOptions
 
+    from .base import ShardedTrainer
+
 #: The DCP key prefix of the model's tensors (beside ``optimizer.``).
 MODEL_PREFIX = "model."
 #: What PEFT puts before a base model's parameter names.
@@ -48,15 +53,13 @@ def export_run(run_dir: str, output: str, step: int | None, adapter_only: bool) 
     from forgerl import checkpoint
     from forgerl.adapters import LoraOptions
     from forgerl.config import read_yaml, validate_config
+    from forgerl.plugins import build_registry
     from forgerl.runs import CONFIG_FILE, existing_run_dir
 
     run = existing_run_dir(run_dir)
     config = validate_config(read_yaml(run / CONFIG_FILE), source=str(run / CONFIG_FILE))
-    if config.trainer.name != "fsdp":
-        raise NotSupported(
-            f"forge export reads checkpoints of the fsdp trainer; {run} was trained with "
-            f"{config.trainer.name!r}, whose checkpoints hold its own parameter names: train with --trainer fsdp to export"
-        )
+    registry = build_registry()
+    trainer_class = _sharded_trainer(registry, config.trainer.name, run)
     options = config.trainer.options  # plain data as read (a model once resolved)
     raw_lora = options.get("lora") if isinstance(options, dict) else getattr(options, "lora", None)
     lora = LoraOptions.model_validate(raw_lora) if raw_lora is not None else None
@@ -64,7 +67,7 @@ def export_run(run_dir: str, output: str, step: int | None, adapter_only: bool) 
         raise ConfigError(f"--adapter-only: {run} trained every weight, not a LoRA adapter; leave --adapter-only out")
     folder = _checkpoint_folder(run, step)
     target = _check_output(Path(output))
-    model_path = _model_path(config)
+    model_path = _model_path(config, registry)
 
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
@@ -72,7 +75,7 @@ def export_run(run_dir: str, output: str, step: int | None, adapter_only: bool) 
     except OSError as exc:
         raise ConfigError(f"--output {output}: cannot write beside it ({exc.strerror or exc}); choose another folder") from None
     try:
-        state = read_model_state(folder / checkpoint.TRAINER)
+        state = trainer_class.checkpoint_as_hf(read_model_state(folder / checkpoint.TRAINER), model_path, lora)
         if adapter_only:
             assert lora is not None
             write_adapter(state, lora, tmp)
@@ -86,6 +89,27 @@ def export_run(run_dir: str, output: str, step: int | None, adapter_only: bool) 
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _sharded_trainer(registry: Any, name: str, run: Path) -> type[ShardedTrainer]:
+    """The class of the run's trainer, which converts its checkpoints' names
+    (:meth:`.base.ShardedTrainer.checkpoint_as_hf`); BackendUnavailable (one line) when
+    its packages are not installed here (TorchTitan for a torchtitan run)."""
+    from forgerl.errors import BackendUnavailable
+
+    from .base import ShardedTrainer
+
+    backend = registry.get("trainer", name)
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        raise BackendUnavailable(f"exporting {run} needs the {name} trainer it was trained with, unavailable here: {reason}")
+    trainer_class = backend.load_factory()
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, ShardedTrainer)):
+        raise NotSupported(
+            f"forge export reads checkpoints of the fsdp and torchtitan trainers (DCP, written by a sharded "
+            f"trainer); {run} was trained with {name!r}"
+        )
+    return trainer_class
 
 
 def _checkpoint_folder(run: Path, step: int | None) -> Path:
@@ -120,15 +144,14 @@ def _check_output(target: Path) -> Path:
     return target
 
 
-def _model_path(config: Any) -> Path:
+def _model_path(config: Any, registry: Any) -> Path:
     """The run's base model folder, from the local cache only (nothing is downloaded)."""
     from forgerl.models import resolve_model
-    from forgerl.plugins import build_registry
 
     before = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"  # a hub model must already be in the hub cache
     try:
-        return resolve_model(config.model, build_registry())
+        return resolve_model(config.model, registry)
     finally:  # an embedding program keeps its own setting
         if before is None:
             del os.environ["HF_HUB_OFFLINE"]

@@ -32,21 +32,28 @@ if TYPE_CHECKING:  # pragma: no cover
 PEFT_PREFIX = "base_model.model."
 
 
+def hf_module_name(state_dict_adapter: Any, name: str) -> str | None:
+    """The Hugging Face name of the decoder layer's linear module TorchTitan names
+    ``name`` (``layers.0.attention.qkv_linear.wq`` -> ``model.layers.0.self_attn.q_proj``),
+    from the adapter's weight-name map; None for a name outside it."""
+    match = re.fullmatch(r"layers\.(\d+)\.(.+)", name)
+    if match is None:
+        return None
+    to_hf = {tt: hf for hf, tt in state_dict_adapter.from_hf_map.items() if tt is not None}
+    hf = to_hf.get(f"layers.{{}}.{match.group(2)}.weight")
+    return None if hf is None else hf.format(match.group(1)).removesuffix(".weight")
+
+
 def hf_module_names(model: Any, state_dict_adapter: Any) -> dict[str, str]:
     """Each linear layer of ``model``'s decoder layers (TorchTitan name) -> the Hugging
-    Face name of the same module (``layers.0.attention.qkv_linear.wq`` ->
-    ``model.layers.0.self_attn.q_proj``), from the adapter's weight-name map."""
+    Face name of the same module (:func:`hf_module_name`)."""
     import torch
 
-    to_hf = {tt: hf for hf, tt in state_dict_adapter.from_hf_map.items() if tt is not None}
     names = {}
     for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or not name.startswith("layers."):
-            continue
-        layer = name.split(".")[1]
-        hf = to_hf.get(re.sub(r"^layers\.\d+\.", "layers.{}.", name) + ".weight")
+        hf = hf_module_name(state_dict_adapter, name) if isinstance(module, torch.nn.Linear) else None
         if hf is not None:
-            names[name] = hf.format(layer).removesuffix(".weight")
+            names[name] = hf
     return names
 
 
@@ -111,13 +118,14 @@ def initial_state(model: Any, targets: dict[str, str], seed: int) -> dict[str, t
 
 
 def exported(
-    state: dict[str, torch.Tensor], targets: dict[str, str], permute_rows: Any | None
+    state: dict[str, torch.Tensor], targets: dict[str, str], permute_rows: Any | None, suffix: str = ".weight"
 ) -> dict[str, torch.Tensor]:
     """The adapter's tensors of a (trainable-only) TorchTitan state dict under the names
     of PEFT's ``adapter_model.safetensors`` for the Hugging Face model
     (``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``), as the ``fsdp``
     trainer exports them. ``permute_rows(module, tensor)`` gives B's rows in Hugging
-    Face's layout (None: the layouts agree)."""
+    Face's layout (None: the layouts agree). ``suffix`` ``.default.weight`` gives the
+    names of PEFT's model parameters instead (as an ``fsdp`` checkpoint holds them)."""
     out = {}
     for key, tensor in state.items():
         match = re.fullmatch(rf"(.+)\.(lora_[AB])\.{ADAPTER}\.weight", key)
@@ -126,5 +134,5 @@ def exported(
         module, which = match.groups()
         if which == "lora_B" and permute_rows is not None:
             tensor = permute_rows(module, tensor)
-        out[f"{PEFT_PREFIX}{targets[module]}.{which}.weight"] = tensor
+        out[f"{PEFT_PREFIX}{targets[module]}.{which}{suffix}"] = tensor
     return out

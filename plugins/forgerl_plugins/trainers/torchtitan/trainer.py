@@ -23,11 +23,15 @@ With ``lora`` set, PEFT's LoRA layers are injected into the decoder's projection
 meta device, before sharding (:mod:`.lora`): only the adapter gets gradients, optimizer
 state, checkpoints and weight exports (under the Hugging Face names the ``fsdp`` trainer
 exports), and the KL reference is the same model with the adapter off.
+
+Weight exports and ``forge export`` of this trainer's checkpoints give TorchTitan's names
+Hugging Face's the same way (:mod:`.hf_names`).
 """
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
@@ -66,6 +70,19 @@ def torch_mismatch(error: ImportError) -> str:
         f"TorchTitan {titan} does not import with torch {torch.__version__} ({error}); install the "
         "torch it was released for (constraints.txt pins torchtitan==0.3.0 with torch==2.13.0)"
     )
+
+
+def load_spec(model_path: Path) -> Any:
+    """The TorchTitan model spec of the folder (:func:`.models.model_spec`); a TorchTitan
+    that does not import with this torch is one line (ConfigError)."""
+    from .models import model_spec
+
+    try:
+        return model_spec(model_path)
+    except ImportError as e:
+        if (e.name or "").split(".")[0] == "torchtitan":
+            raise  # TorchTitan itself (or part of it) is missing: not a version mismatch
+        raise ConfigError(torch_mismatch(e)) from e
 
 
 class TorchTitanTrainer(ShardedTrainer):
@@ -111,15 +128,8 @@ class TorchTitanTrainer(ShardedTrainer):
     options: TorchTitanTrainer.Options
 
     def _build(self) -> None:
-        from .models import model_spec
-
         options = self.options
-        try:
-            self.spec = model_spec(self._model_path)
-        except ImportError as e:
-            if (e.name or "").split(".")[0] == "torchtitan":
-                raise  # TorchTitan itself (or part of it) is missing: not a version mismatch
-            raise ConfigError(torch_mismatch(e)) from e
+        self.spec = load_spec(self._model_path)
         self.adapter = self.spec.state_dict_adapter(self.spec.model, None)
         tp = options.tp
         if options.lora is not None and (tp > 1 or options.compile):
@@ -288,6 +298,8 @@ class TorchTitanTrainer(ShardedTrainer):
     # ---------------------------------------------------------------- weights
 
     def export_weights(self, version: int) -> WeightSet | None:
+        from . import hf_names
+
         # A collective: every rank takes part, rank 0 receives the full CPU tensors
         # (with LoRA: the adapter's A and B alone, under PEFT's Hugging Face names).
         state = self._full_state(trainable_only=self.options.lora is not None)
@@ -296,23 +308,16 @@ class TorchTitanTrainer(ShardedTrainer):
         if self.options.lora is not None:
             from .lora import exported
 
-            return WeightSet(version=version, tensors=exported(state, self.lora_modules, self._hf_rows()))
-        tensors = self.adapter.to_hf(state)
-        if self.spec.model.enable_weight_tying:
-            # Hugging Face's state dict names the tied matrix twice; the adapter once.
-            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]
-        return WeightSet(version=version, tensors=tensors)
+            rows = hf_names.lora_rows(self.spec, self.adapter)
+            return WeightSet(version=version, tensors=exported(state, self.lora_modules, rows))
+        return WeightSet(version=version, tensors=hf_names.full_to_hf(self.spec, self.adapter, state))
 
-    def _hf_rows(self) -> Any | None:
-        """How a LoRA B matrix's rows go from TorchTitan's layout to Hugging Face's: the
-        Llama adapter permutes q and k rows (RoPE pairs), as it does their weights."""
-        if self.spec.name != "llama3":
-            return None
-        attention = self.spec.model.layers[0].attention
-        heads = {"wq": attention.n_heads, "wk": attention.n_kv_heads or attention.n_heads}
+    @classmethod
+    def checkpoint_as_hf(
+        cls, state: dict[str, torch.Tensor], model_path: Path, lora: LoraOptions | None
+    ) -> dict[str, torch.Tensor]:
+        # TorchTitan's parameter names -> the Hugging Face ones, from the model folder's
+        # config alone (no model, no process group).
+        from .hf_names import checkpoint_as_hf
 
-        def permute(module: str, b: torch.Tensor) -> torch.Tensor:
-            n = heads.get(module.rpartition(".")[2])
-            return b if n is None else self.adapter._permute(b, n, b.shape[0], b.shape[1])
-
-        return permute
+        return checkpoint_as_hf(load_spec(model_path), state, lora, model_path)
