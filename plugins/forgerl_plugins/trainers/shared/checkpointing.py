@@ -18,8 +18,10 @@ Both refusals surface as :class:`~forgerl.errors.CheckpointUnusable` naming the 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
+from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -112,6 +114,21 @@ class SafePlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
             self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+@contextlib.contextmanager
+def one_line_errors(path: Path, *, saving: bool) -> Iterator[None]:
+    """Around a DCP save or load: its failure as :func:`failure`'s one line, where it is
+    about the files (the same line on every rank); anything else raised as it is."""
+    try:
+        yield
+    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        err = failure(path, exc, saving=saving)
+        if err is None:
+            raise
+        raise err from err.__cause__  # a write error keeps its OSError: the core reads errno there
 
 
 def failure(path: Path, exc: BaseException, saving: bool) -> Exception | None:

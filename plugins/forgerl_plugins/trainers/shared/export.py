@@ -165,7 +165,7 @@ def read_model_state(trainer_dir: Path) -> dict[str, torch.Tensor]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .checkpointing import SafePlanner, SafeReader, failure, read_metadata_safely
+    from .checkpointing import SafePlanner, SafeReader, one_line_errors, read_metadata_safely
 
     if not (trainer_dir / ".metadata").is_file():
         raise CheckpointUnusable(f"{trainer_dir} is not a trainer checkpoint (no .metadata)")
@@ -176,18 +176,11 @@ def read_model_state(trainer_dir: Path) -> dict[str, torch.Tensor]:
             state[key[len(MODEL_PREFIX):]] = torch.empty(meta.size, dtype=meta.properties.dtype)
     if not state:
         raise CheckpointUnusable(f"{trainer_dir} holds no model tensors")
-    try:
-        with warnings.catch_warnings():  # one process on purpose: DCP warns that it assumes so
-            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-            dcp.load({"model": state}, storage_reader=SafeReader(trainer_dir, metadata), planner=SafePlanner(),
-                     no_dist=True)
-    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        err = failure(trainer_dir, exc, saving=False)
-        if err is None:
-            raise
-        raise err from None
+    with one_line_errors(trainer_dir, saving=False), warnings.catch_warnings():
+        # One process on purpose: DCP warns that it assumes so.
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": state}, storage_reader=SafeReader(trainer_dir, metadata), planner=SafePlanner(),
+                 no_dist=True)
     return state
 
 

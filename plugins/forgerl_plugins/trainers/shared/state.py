@@ -25,19 +25,12 @@ def save_checkpoint(model: Any, optimizer: torch.optim.Optimizer, path: Path) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from .checkpointing import failure
+    from .checkpointing import one_line_errors
 
     model_state, optim_state = get_state_dict(model, optimizer, options=checkpoint_options(model))
-    try:
+    # Collective: every rank gets every rank's errors, so all raise the same line.
+    with one_line_errors(path, saving=True):
         dcp.save({"model": only_trainable(model, model_state), "optimizer": optim_state}, checkpoint_id=str(path))
-    except BaseException as exc:  # DCP's CheckpointException derives from BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        # Collective: every rank gets every rank's errors, so all raise the same line.
-        err = failure(path, exc, saving=True)
-        if err is None:
-            raise
-        raise err from err.__cause__
 
 
 def load_checkpoint(model: Any, optimizer: torch.optim.Optimizer, path: Path) -> None:
@@ -46,7 +39,7 @@ def load_checkpoint(model: Any, optimizer: torch.optim.Optimizer, path: Path) ->
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    from .checkpointing import SafePlanner, SafeReader, failure, read_metadata_safely
+    from .checkpointing import SafePlanner, SafeReader, one_line_errors, read_metadata_safely
 
     if not (path / ".metadata").is_file():
         raise CheckpointUnusable(f"{path} is not a trainer checkpoint (no .metadata written by save())")
@@ -54,15 +47,8 @@ def load_checkpoint(model: Any, optimizer: torch.optim.Optimizer, path: Path) ->
     options = checkpoint_options(model)
     model_state, optim_state = get_state_dict(model, optimizer, options=options)
     state: dict[str, Any] = {"model": only_trainable(model, model_state), "optimizer": optim_state}
-    try:
+    with one_line_errors(path, saving=False):
         dcp.load(state, storage_reader=SafeReader(path, metadata), planner=SafePlanner())
-    except BaseException as exc:
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        err = failure(path, exc, saving=False)
-        if err is None:
-            raise
-        raise err from err.__cause__
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"], options=options)
 
 
