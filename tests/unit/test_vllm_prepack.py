@@ -13,49 +13,60 @@ from typing import Any
 import pytest
 import torch
 
-pytest.importorskip("vllm")
-
-from vllm.model_executor.layers.linear import UnquantizedLinearMethod
-from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
-from vllm.model_executor.models.utils import WeightsMapper
-from vllm.model_executor.utils import set_weight_attrs
-from vllm.platforms import current_platform
-
 from forgerl_plugins.generators.vllm import prepack
 from forgerl_plugins.generators.vllm.worker_extension import ForgeWorkerExtension
-
-pytestmark = pytest.mark.skipif(not current_platform.is_cpu(), reason="vLLM's CPU build packs linear weights")
 
 IN, OUT = 64, 48  # each of the two fused shards: OUT rows
 
 
-class Fused(torch.nn.Module):
-    """Two checkpoint weights stacked into one linear layer, as vLLM's gate_up_proj."""
+@pytest.fixture(scope="module")
+def vllm_model() -> SimpleNamespace:
+    """The small model's classes, made of vLLM's pieces (imported here, not at collection:
+    vLLM takes seconds to import, on every xdist worker)."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+    from vllm.model_executor.models.utils import WeightsMapper
+    from vllm.model_executor.utils import set_weight_attrs
+    from vllm.platforms import current_platform
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.quant_method = UnquantizedLinearMethod()
-        self.weight = torch.nn.Parameter(torch.empty(2 * OUT, IN), requires_grad=False)
-        set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's CPU build packs linear weights")
 
-    def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: int) -> None:
-        param.data[shard * OUT : (shard + 1) * OUT].copy_(loaded)
+    class Fused(torch.nn.Module):
+        """Two checkpoint weights stacked into one linear layer, as vLLM's gate_up_proj."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x)
+        def __init__(self) -> None:
+            super().__init__()
+            self.quant_method = UnquantizedLinearMethod()
+            self.weight = torch.nn.Parameter(torch.empty(2 * OUT, IN), requires_grad=False)
+            set_weight_attrs(self.weight, {"weight_loader": self.weight_loader})
 
+        def weight_loader(self, param: torch.Tensor, loaded: torch.Tensor, shard: int) -> None:
+            param.data[shard * OUT : (shard + 1) * OUT].copy_(loaded)
 
-class Small(torch.nn.Module):
-    # The checkpoint's first and second are the two shards of fused, as q/k/v of qkv_proj.
-    hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked={"first.": ("fused.", 0), "second.": ("fused.", 1)})
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.quant_method.apply(self, x)
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.fused = Fused()
-        self.scale = torch.nn.Parameter(torch.ones(2 * OUT), requires_grad=False)
+    class Small(torch.nn.Module):
+        # The checkpoint's first and second are the two shards of fused, as q/k/v of qkv_proj.
+        hf_to_vllm_mapper = WeightsMapper(orig_to_new_stacked={"first.": ("fused.", 0), "second.": ("fused.", 1)})
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fused(x) * self.scale
+        def __init__(self) -> None:
+            super().__init__()
+            self.fused = Fused()
+            self.scale = torch.nn.Parameter(torch.ones(2 * OUT), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fused(x) * self.scale
+
+    class Unmapped(Small):
+        hf_to_vllm_mapper = None  # type: ignore[assignment]
+
+    class OtherMethod(UnquantizedLinearMethod):
+        """Stands for a quantized or otherwise different linear method."""
+
+    return SimpleNamespace(Small=Small, Unmapped=Unmapped, OtherMethod=OtherMethod, record=record_metadata_for_reloading)
 
 
 def checkpoint(seed: int) -> dict[str, torch.Tensor]:
@@ -72,11 +83,11 @@ def reference(weights: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor
     return (x @ w.t()) * weights["scale"]
 
 
-def served(model: type[Small] = Small) -> Any:
+def served(vllm_model: SimpleNamespace, kind: str = "Small") -> Any:
     """A model as vLLM leaves it after loading version 0: its record for reloads taken, the
     linear weight packed (the parameter itself emptied)."""
-    m = model()
-    record_metadata_for_reloading(m)
+    m = getattr(vllm_model, kind)()
+    vllm_model.record(m)
     weights = checkpoint(0)
     for shard, name in enumerate(("first.weight", "second.weight")):
         m.fused.weight_loader(m.fused.weight, weights[name], shard)
@@ -86,8 +97,8 @@ def served(model: type[Small] = Small) -> Any:
     return m
 
 
-def test_a_version_built_ahead_computes_as_the_new_weights_once_swapped_and_not_before():
-    model = served()
+def test_a_version_built_ahead_computes_as_the_new_weights_once_swapped_and_not_before(vllm_model):
+    model = served(vllm_model)
     x = torch.randn(5, IN)
     old = model(x)
     torch.testing.assert_close(old, reference(checkpoint(0), x), rtol=1e-4, atol=1e-4)
@@ -99,28 +110,23 @@ def test_a_version_built_ahead_computes_as_the_new_weights_once_swapped_and_not_
     assert (built.tensors, built.bytes) == (3, sum(t.numel() * 4 for t in new.values()))
 
 
-class Unmapped(Small):
-    hf_to_vllm_mapper = None  # type: ignore[assignment]
-
-
-class OtherMethod(UnquantizedLinearMethod):
-    """Stands for a quantized or otherwise different linear method."""
-
 
 @pytest.mark.parametrize(
-    "case, model_class, weights, why",
+    "case, kind, weights, why",
     [
-        ("no name mapper", Unmapped, lambda w: w, "no hf_to_vllm_mapper"),
-        ("a name the model lacks", Small, lambda w: {**w, "third.weight": w["first.weight"]}, "names no parameter"),
-        ("a fused layer's shard missing", Small, lambda w: {k: v for k, v in w.items() if k != "second.weight"},
+        ("no name mapper", "Unmapped", lambda w: w, "no hf_to_vllm_mapper"),
+        ("a name the model lacks", "Small", lambda w: {**w, "third.weight": w["first.weight"]}, "names no parameter"),
+        ("a fused layer's shard missing", "Small", lambda w: {k: v for k, v in w.items() if k != "second.weight"},
          "unwritten"),
-        ("another linear method", Small, lambda w: w, "quant method OtherMethod"),
+        ("another linear method", "Small", lambda w: w, "quant method OtherMethod"),
     ],
 )  # fmt: skip
-def test_a_model_not_as_expected_is_refused_whole_and_left_serving_the_old_weights(case, model_class, weights, why):
-    model = served(model_class)
+def test_a_model_not_as_expected_is_refused_whole_and_left_serving_the_old_weights(
+    vllm_model, case, kind, weights, why
+):
+    model = served(vllm_model, kind)
     if case == "another linear method":
-        model.fused.quant_method.__class__ = OtherMethod
+        model.fused.quant_method.__class__ = vllm_model.OtherMethod
     x = torch.randn(3, IN)
     old, cpu_linear = model(x), model.fused.cpu_linear
     with pytest.raises(prepack.Unsupported, match=why):
@@ -166,8 +172,8 @@ def _update(worker: Worker, version: int) -> dict[str, Any]:
     return worker.forge_load_weights(request)
 
 
-def test_the_worker_swaps_a_version_packed_while_staging_and_reports_both_parts():
-    model, new = served(), checkpoint(1)
+def test_the_worker_swaps_a_version_packed_while_staging_and_reports_both_parts(vllm_model):
+    model, new = served(vllm_model), checkpoint(1)
     worker = Worker(model, new)
     x = torch.randn(4, IN)
     result = _update(worker, 1)
@@ -177,8 +183,8 @@ def test_the_worker_swaps_a_version_packed_while_staging_and_reports_both_parts(
     torch.testing.assert_close(model(x), reference(new, x), rtol=1e-4, atol=1e-4)
 
 
-def test_the_worker_loads_a_version_it_could_not_pack_through_vllms_reload():
-    model = served(Unmapped)
+def test_the_worker_loads_a_version_it_could_not_pack_through_vllms_reload(vllm_model):
+    model = served(vllm_model, "Unmapped")
     worker = Worker(model, checkpoint(1))
     result = _update(worker, 1)
     assert result["ok"] and not result["prepacked"], result
