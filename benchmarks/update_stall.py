@@ -1,7 +1,7 @@
 """Generation stall per weight update, by update policy, in a running vLLM server.
 
 Run: .venv/bin/python benchmarks/update_stall.py [--model smollm2-135m-instruct]
-     [--rounds 3] [--order concurrent|staged|both] [--staging on|off|both]
+     [--rounds 3] [--order concurrent|staged|both] [--staging on|off|both] [--prepack on|off|both]
      [--policies wait,abort,keep] [--streams 4] [--max-tokens 96] [--lora-rank 16] [--json]
 
 One server is started by the plugin's role (as ``forge run`` does, through the helpers of
@@ -35,7 +35,11 @@ transport keeps it for a late receiver), so the stall is the worker's read and l
 from the transport before the pause while the replica generates (``stage``: how long that
 took, as the generator saw it; not in the stall), and the pause holds the load alone;
 ``off``: they read it under the pause. ``both`` takes turns, update by update, so both
-see the same load. Also counted: requests resubmitted (``abort``) and completions labelled with two versions
+see the same load. ``--prepack`` (the generator's ``prepack_updates``, with staging on):
+``on``, the workers also build the new packed linear layers before the pause (``prepack``,
+part of ``stage``) and the load only swaps them in (``swap``); ``off``, the load is vLLM's
+reload of the staged tensors; ``both`` takes turns (the staging labels ``prepack`` and
+``on``). Also counted: requests resubmitted (``abort``) and completions labelled with two versions
 (``keep``). After the last update one completion is checked against transformers.
 
 ``--lora-rank R``: full weights against a LoRA adapter of rank R on every block projection
@@ -212,7 +216,13 @@ def one_update(
         "mode": "lora" if lora else "full",
         "version": version,
         "order": order,
-        "staging": "on" if gen.engine.stage_updates and not lora else "off",
+        "staging": ("prepack" if gen.engine.prepack_updates else "on") if gen.engine.stage_updates and not lora
+        else "off",
+        # Packing ahead: built before the pause (in the stage), swapped in under it.
+        "prepacked": all(w.get("prepacked", False) for w in workers),
+        "prepack_fallback": sorted({str(w["prepack_fallback"]) for w in workers if w.get("prepack_fallback")}),
+        "prepack_s": max(w.get("prepack_seconds", 0.0) for w in workers),
+        "swap_s": max(w.get("swap_seconds", 0.0) for w in workers),
         "bytes": max(w.get("bytes", 0) for w in workers),
         "stage_s": stage,
         "drain_s": pause[1] - started["update"],
@@ -277,6 +287,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="updates per policy and order")
     parser.add_argument("--order", choices=("concurrent", "staged", "both"), default="both")
     parser.add_argument("--staging", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--prepack", choices=("on", "off", "both"), default="on",
+                        help="with staging: build the packed layers before the pause too (prepack_updates)")  # fmt: skip
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated, of wait,abort,keep")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -295,7 +307,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = prompts_for(configs["full"], model_dir, 16)
     orders = ["concurrent", "staged"] if args.order == "both" else [args.order]
-    stagings = ["off", "on"] if args.staging == "both" else [args.staging]
+    staged = {"on": ["prepack"], "off": ["on"], "both": ["on", "prepack"]}[args.prepack]
+    stagings = {"on": staged, "off": ["off"], "both": ["off", *staged]}[args.staging]
     policies = [p for p in args.policies.split(",") if p]
     if not set(policies) <= set(POLICIES):
         parser.error(f"--policies: each of {', '.join(POLICIES)}")
@@ -348,7 +361,8 @@ def main() -> None:
                                 # After the last update's resubmissions went out (counted under its policy).
                                 turn(side)
                                 side.gen.updater.policy = side.traffic.policy = policy
-                                side.gen.engine.stage_updates = staging == "on"
+                                side.gen.engine.stage_updates = staging != "off"
+                                side.gen.engine.prepack_updates = staging == "prepack"
                                 result = one_update(side.gen, side.sender, side.model, side.version, order,
                                                     side.timed, side.lora)  # fmt: skip
                                 updates.append({"policy": policy, **result})
@@ -367,7 +381,7 @@ def main() -> None:
     load_after = os.getloadavg()
     modes = list(configs)
     keys = ("stage_s", "drain_s", "stall_s", "counts_s", "worker_wait_s", "worker_read_s", "worker_load_s", "rest_s",
-            "pause_call_s", "load_rpc_s", "resume_call_s", "export_s", "send_s")  # fmt: skip
+            "pause_call_s", "load_rpc_s", "resume_call_s", "export_s", "send_s", "prepack_s", "swap_s")  # fmt: skip
     groups = {
         f"{mode}/{policy}/{order}/{staging}": [
             u for u in updates
@@ -385,6 +399,8 @@ def main() -> None:
             "min_stall_s": min(u["stall_s"] for u in group),
             "updates": len(group),
             "mib": max(u["bytes"] for u in group) / 2**20,
+            "prepacked": sum(u["prepacked"] for u in group),
+            "prepack_fallbacks": sorted({f for u in group for f in u["prepack_fallback"]}),
         }
         for name, group in groups.items()
         if group
@@ -413,7 +429,7 @@ def main() -> None:
     )
     print(
         "mode/policy/order/staging     MiB   stage   drain   stall (min, max)      counts  w.wait  w.read  w.load"
-        "  rest (pause, rpc, resume)       export  send"
+        "  rest (pause, rpc, resume)       export  send  prepack  swap"
     )
     for name, m in summary.items():
         print(
@@ -421,8 +437,11 @@ def main() -> None:
             f"({m['min_stall_s']:5.2f}, {m['max_stall_s']:5.2f})  {m['counts_s']:6.2f}"
             f"  {m['worker_wait_s']:6.2f}  {m['worker_read_s']:6.2f}  {m['worker_load_s']:6.2f}  {m['rest_s']:6.2f}"
             f" ({m['pause_call_s']:5.3f}, {m['load_rpc_s']:5.3f}, {m['resume_call_s']:5.3f})"
-            f"  {m['export_s']:6.3f}  {m['send_s']:5.2f}"
+            f"  {m['export_s']:6.3f}  {m['send_s']:5.2f}  {m['prepack_s']:6.2f}  {m['swap_s']:5.2f}"
         )
+    for name, m in summary.items():
+        if m["prepack_fallbacks"]:
+            print(f"{name}: not packed ahead ({m['updates'] - m['prepacked']} updates): {m['prepack_fallbacks']}")
     print(f"resubmitted requests: {resubmitted}; completions labelled with two versions: {result['crossed']} "
           f"of {result['completions']}; logprob gap after the updates: {gaps}")  # fmt: skip
 

@@ -350,12 +350,24 @@ def test_seeded_sampling_repeats_whatever_the_batch_or_replica(cluster: Cluster)
 
 
 def test_served_logprobs_equal_the_trainers_after_each_of_three_updates(cluster: Cluster):
+    """Each of the three ways a version gets in: read and reloaded under the pause (1);
+    staged, its linear layers packed before the pause and swapped in (2, ``prepack_updates``);
+    staged and reloaded under the pause, after a swap (3)."""
     from forgerl.types import GenerationRequest, SamplingParams
 
     c = cluster
+    engine = c.generator.engine
     prompts = _prompts(c.tokenizer)
-    for version in (1, 2, 3):
-        _push(c, version)
+    for version, staging in ((1, None), (2, "prepack"), (3, "reload")):
+        engine.stage_updates, engine.prepack_updates = staging is not None, staging == "prepack"
+        try:
+            _push(c, version)
+        finally:
+            engine.stage_updates, engine.prepack_updates = False, True
+        loads = [w for ws in c.generator.updater.last_update["workers"].values() for w in ws]
+        assert loads and all(w["staged"] == (staging is not None) for w in loads), loads
+        # Packed ahead for real (a fallback to the reload would pass the checks below too).
+        assert all(w["prepacked"] == (staging == "prepack") and not w["prepack_fallback"] for w in loads), loads
         requests = [
             GenerationRequest(
                 f"v{version}-{j}-{t}", p, 4, SamplingParams(max_tokens=MAX_TOKENS, temperature=t)

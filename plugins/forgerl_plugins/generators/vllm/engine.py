@@ -6,7 +6,9 @@ speaks to one vLLM replica (every HTTP call, with the replica's key: :mod:`.clie
 * **staging** (option ``stage_updates``, full weights only): before the pause the workers
   read the version from the transport while the replica generates (``forge_stage_weights``
   starts a thread in each worker and is asked again every :data:`STAGE_POLL` s until the
-  read is done), so the pause holds the in-place load alone;
+  read is done), so the pause holds the in-place load alone; with ``prepack_updates`` (on
+  by default) a CPU server's workers also build the new packed layers before the pause,
+  and the load only swaps them in (:mod:`.prepack`);
 * **weight loads**: ``/pause`` in the update policy's mode (vLLM's own: ``wait``,
   ``abort``, ``keep``), then ``POST /collective_rpc`` into the worker extension
   (:mod:`.worker_extension`), which pulls the version from the run's transport inside
@@ -85,6 +87,7 @@ class VLLMEngine:
         self.send_seed = options.send_seed  # on the CPU build, see server.whole_prefill_args
         self.transport_timeout = context.transport_timeout
         self.stage_updates = options.stage_updates
+        self.prepack_updates = options.prepack_updates
         self.transport = transport
         self.adapter = context.adapter
         # The adapter's adapter_config.json (the workers need its rank and alpha, not the
@@ -211,6 +214,8 @@ class VLLMEngine:
             # The workers build the same transport from its description and connect
             # through the spec.
             request["source"] = "transport"
+            if self.stage_updates and self.prepack_updates:
+                request["prepack"] = True  # read by the stage (worker_extension.forge_stage_weights)
             request["transport"] = {"described": self.transport.describe(), "spec": self.transport.receiver_spec()}
         return request
 

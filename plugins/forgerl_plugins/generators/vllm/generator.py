@@ -72,6 +72,13 @@ class VLLMGenerator(ReplicaPool):
             "generates, and pause it only for the load (with the shm transport: one more copy of the weights in "
             "host memory during the update; full weights only, a LoRA adapter is read under the pause).",
         )
+        prepack_updates: bool = Field(
+            True,
+            description="With stage_updates on a CPU server: also build the new packed linear layers before the "
+            "pause, so that the pause only swaps them in (one more packed copy of the weights during the update; "
+            "a model whose vLLM internals are not the expected ones is loaded through vLLM's reload, said once in "
+            "the server's log).",
+        )
         startup_timeout: float = Field(
             300.0,
             gt=0,

@@ -26,15 +26,29 @@ generates (an RPC blocks the engine's loop only for as long as it runs, so the R
 starts the thread, and is asked again until the read is done); the load under the pause
 then takes the tensors from memory. The staged tensors are one more copy of the weights
 in host memory, from the stage until the load is done.
+
+**Packing ahead** (``"prepack": true`` in the request, with staging, on a CPU server):
+once read, the same thread builds the new packed linear layers beside the serving ones
+(:mod:`.prepack`), so that the load under the pause only swaps them in and copies the
+unpacked tensors in place, instead of vLLM's layer-by-layer reload. Where the model is
+not what that expects (:class:`.prepack.Unsupported`, said once in the worker's log) the
+load goes through the reload as without it. One more packed copy of the linear weights
+exists from the stage to the swap.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
+
+log = logging.getLogger(__name__)
+
+#: Why a version was not packed ahead, each said once in the worker's log.
+_FALLBACKS_LOGGED: set[str] = set()
 
 
 class _Counted:
@@ -64,18 +78,22 @@ class _Counted:
 class _Staging:
     """One version being read from the transport by a thread (:meth:`ForgeWorkerExtension.forge_stage_weights`)."""
 
-    def __init__(self, version: int, receiver: Any, timeout: float) -> None:
+    def __init__(self, version: int, receiver: Any, timeout: float, model: Any = None) -> None:
         self.version = version
         self.tensors: list[tuple[str, Any]] = []
         self.read_seconds = 0.0
         self.error: str | None = None
+        #: Built by :func:`.prepack.build` when ``model`` was given (packing ahead asked
+        #: for); else None, and ``fallback`` says why when it was asked for.
+        self.prepacked: Any = None
+        self.fallback: str | None = None
         self.done = threading.Event()
         self.thread = threading.Thread(
-            target=self._read, args=(receiver, timeout), name=f"forge-stage-{version}", daemon=True
+            target=self._read, args=(receiver, timeout, model), name=f"forge-stage-{version}", daemon=True
         )
         self.thread.start()
 
-    def _read(self, receiver: Any, timeout: float) -> None:
+    def _read(self, receiver: Any, timeout: float, model: Any) -> None:
         start = time.perf_counter()
         try:
             # The transport's own tensors: the shm receiver's are copies of its file, the
@@ -89,7 +107,22 @@ class _Staging:
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
             self.read_seconds = time.perf_counter() - start
-            self.done.set()
+        if self.error is None and model is not None:
+            self._prepack(model)
+        self.done.set()
+
+    def _prepack(self, model: Any) -> None:
+        from . import prepack
+
+        try:
+            self.prepacked = prepack.build(model, self.tensors)
+        except Exception as exc:  # noqa: BLE001 - the load falls back to vLLM's reload
+            self.fallback = str(exc) if isinstance(exc, prepack.Unsupported) else f"{type(exc).__name__}: {exc}"
+            if self.fallback not in _FALLBACKS_LOGGED:
+                _FALLBACKS_LOGGED.add(self.fallback)
+                log.warning("forgerl: weights not packed ahead, loaded through vLLM's reload: %s", self.fallback)
+            return
+        self.tensors = []  # built into the new layers: the read copy is no longer needed
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"ok": self.error is None, "version": self.version, "done": self.done.is_set()}
@@ -130,6 +163,9 @@ class ForgeWorkerExtension:
         counted = _Counted(())
         waited = 0.0
         stage_seconds: float | None = None  # the staged read, done before the pause
+        prepacked: Any = None  # the version built before the pause (.prepack), swapped in here
+        fallback: str | None = None  # why a version staged for packing ahead was not
+        swap_seconds = 0.0
         try:
             adapter = req.get("adapter")
             if adapter is not None:
@@ -140,17 +176,29 @@ class ForgeWorkerExtension:
             else:
                 staged = self._forge_take_staged(version)
                 if staged is not None:
+                    fallback = staged.fallback
+                    prepacked = staged.prepacked
                     counted, stage_seconds = _Counted(staged.tensors), staged.read_seconds
+                if prepacked is not None:
+                    counted.tensors, counted.bytes = prepacked.tensors, prepacked.bytes
+                    waited = time.perf_counter() - start
+                    swap_start = time.perf_counter()
+                    prepacked.swap()
+                    self._forge_after_swap()
+                    swap_seconds = time.perf_counter() - swap_start
                 else:
-                    receiver = self._forge_receiver(req)
-                    # The wait for the version (and its timeout) happens in receive(),
-                    # before a single tensor reaches the model.
-                    counted = _Counted(receiver.receive(version, timeout=float(req["timeout"])))
-                waited = time.perf_counter() - start
-                self.reload_weights(weights_iterator=counted, is_checkpoint_format=True)
-                if counted.tensors == 0:
-                    raise RuntimeError(f"weights version {version} held no tensors")
-            if adapter is None:  # an adapter leaves the base weights, the head among them, as they were
+                    if staged is None:
+                        receiver = self._forge_receiver(req)
+                        # The wait for the version (and its timeout) happens in receive(),
+                        # before a single tensor reaches the model.
+                        counted = _Counted(receiver.receive(version, timeout=float(req["timeout"])))
+                    waited = time.perf_counter() - start
+                    self.reload_weights(weights_iterator=counted, is_checkpoint_format=True)
+                    if counted.tensors == 0:
+                        raise RuntimeError(f"weights version {version} held no tensors")
+            if adapter is None and prepacked is None:
+                # An adapter leaves the base weights, the head among them, as they were;
+                # a prepacked version brought the head's new pack with it.
                 self._forge_refresh_tied_head()
         except Exception as exc:  # noqa: BLE001 - reported to the generator, which decides
             return {
@@ -175,6 +223,11 @@ class ForgeWorkerExtension:
             "load_seconds": seconds - waited - counted.read_seconds,
             "staged": stage_seconds is not None,
             "stage_seconds": stage_seconds or 0.0,
+            # Packing ahead: its build before the pause (part of the stage), the swap under it.
+            "prepacked": prepacked is not None,
+            "prepack_seconds": prepacked.seconds if prepacked is not None else 0.0,
+            "swap_seconds": swap_seconds,
+            "prepack_fallback": fallback,
             "rank": int(getattr(self, "rank", 0)),
         }
 
@@ -197,11 +250,21 @@ class ForgeWorkerExtension:
                 receiver = self._forge_receiver(req)
             except Exception as exc:  # noqa: BLE001 - reported; the load goes on without staging
                 return {"ok": False, "version": version, "done": True, "error": f"{type(exc).__name__}: {exc}"}
-            staging = self._forge_staging = _Staging(version, receiver, float(req["timeout"]))
+            model = self.model_runner.get_model() if req.get("prepack") else None
+            staging = self._forge_staging = _Staging(version, receiver, float(req["timeout"]), model)
         status = staging.status()
         if not status["ok"]:
             self._forge_staging = None
         return status
+
+    def _forge_after_swap(self) -> None:
+        """What vLLM's reload does after loading (its model runner's caches of values
+        computed from the old weights), for a version swapped in without it."""
+        runner = self.model_runner
+        for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
+            method = getattr(runner, reset, None)
+            if method is not None:
+                method()
 
     def _forge_take_staged(self, version: int) -> _Staging | None:
         """The staged read of ``version`` (waited for when still running), or None when
