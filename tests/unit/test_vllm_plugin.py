@@ -167,3 +167,22 @@ def test_the_backend_is_registered_with_its_roles():
     assert backend.implemented and backend.requires == ("vllm",) and backend.extra == "vllm"
     assert backend.factory is VLLMGenerator and backend.options is VLLMGenerator.Options
     assert backend.roles is VLLMGenerator.roles and backend.preflight is VLLMGenerator.preflight
+
+
+@pytest.mark.parametrize(
+    ("stage", "prepack", "eager", "asked"),
+    [(True, True, True, True), (True, True, False, False), (False, True, True, False), (True, False, True, False)],
+)
+def test_the_workers_pack_ahead_only_with_staging_on_an_eager_server(tmp_path, stage, prepack, eager, asked):
+    """A compiled model (enforce_eager off) may have traced the packed layers into its
+    graphs, where a swap under the pause would not reach: it is reloaded instead."""
+    from forgerl_plugins.generators.common.replica import Replica
+    from forgerl_plugins.generators.vllm.engine import VLLMEngine
+    from forgerl_plugins.transports.shm.transport import ShmTransport
+
+    options = VLLMGenerator.Options(stage_updates=stage, prepack_updates=prepack, enforce_eager=eager)
+    transport = ShmTransport(ShmTransport.Options(directory=str(tmp_path / "weights")), context=None)
+    engine = VLLMEngine(options, context=_ctx(tmp_path), transport=transport)
+    r = Replica(0, tmp_path / "log", tmp_path / "vllm-0.json", "vllm")
+    assert engine._load_request(r, 3).get("prepack", False) is asked
+    assert "prepack" not in engine._load_request(r, 0)  # the base model, from its folder

@@ -87,7 +87,9 @@ class VLLMEngine:
         self.send_seed = options.send_seed  # on the CPU build, see server.whole_prefill_args
         self.transport_timeout = context.transport_timeout
         self.stage_updates = options.stage_updates
-        self.prepack_updates = options.prepack_updates
+        # A compiled model (enforce_eager off) may have traced the layers' packed handlers
+        # into its graphs, where swapping them would not reach: it reloads instead.
+        self.prepack_updates = options.prepack_updates and options.enforce_eager
         self.transport = transport
         self.adapter = context.adapter
         # The adapter's adapter_config.json (the workers need its rank and alpha, not the

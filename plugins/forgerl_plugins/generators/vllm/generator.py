@@ -74,8 +74,8 @@ class VLLMGenerator(ReplicaPool):
         )
         prepack_updates: bool = Field(
             True,
-            description="With stage_updates on a CPU server: also build the new packed linear layers before the "
-            "pause, so that the pause only swaps them in (one more packed copy of the weights during the update; "
+            description="With stage_updates on a CPU server run with enforce_eager: also build the new packed linear "
+            "layers before the pause, so that the pause only swaps them in (one more packed copy of the weights during the update; "
             "a model whose vLLM internals are not the expected ones is loaded through vLLM's reload, said once in "
             "the server's log).",
         )

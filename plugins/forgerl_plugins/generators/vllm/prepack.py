@@ -31,6 +31,11 @@ class Unsupported(Exception):
     """This model, or this version, cannot be packed ahead: load it through vLLM's reload."""
 
 
+class NothingToPack(Unsupported):
+    """Not a CPU server: its layers compute from their own weights, which the reload
+    replaces in place (nothing is wrong, there is just nothing to gain)."""
+
+
 @dataclass
 class Prepacked:
     """A version built beside the serving one: nothing of the model has changed yet."""
@@ -90,7 +95,7 @@ def _internals() -> SimpleNamespace:
     except ImportError as exc:
         raise Unsupported(f"this vLLM lacks {exc.name or exc}") from exc
     if not current_platform.is_cpu():
-        raise Unsupported("not a CPU platform: its layers keep their weights, there is nothing to pack")
+        raise NothingToPack("not a CPU platform: its layers keep their weights, there is nothing to pack")
     return SimpleNamespace(
         dispatch=dispatch_cpu_unquantized_gemm,
         methods=(UnquantizedLinearMethod, UnquantizedEmbeddingMethod),

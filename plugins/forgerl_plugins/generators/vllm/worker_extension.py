@@ -120,7 +120,8 @@ class _Staging:
             self.fallback = str(exc) if isinstance(exc, prepack.Unsupported) else f"{type(exc).__name__}: {exc}"
             if self.fallback not in _FALLBACKS_LOGGED:
                 _FALLBACKS_LOGGED.add(self.fallback)
-                log.warning("forgerl: weights not packed ahead, loaded through vLLM's reload: %s", self.fallback)
+                level = logging.INFO if isinstance(exc, prepack.NothingToPack) else logging.WARNING
+                log.log(level, "forgerl: weights not packed ahead, loaded through vLLM's reload: %s", self.fallback)
             return
         self.tensors = []  # built into the new layers: the read copy is no longer needed
 
