@@ -190,7 +190,7 @@ class NcclReceiver(StoreReceiver):
                 for c in layout.chunks
             ]
             for i, (c, w) in enumerate(works):
-                groups.wait(w, op_deadline)
+                groups.wait(w, op_deadline, completes_when_done=not self._buffer.is_cuda)
                 if self._buffer.is_cuda:
                     # NCCL's wait() only orders streams; the checksum must see the bytes.
                     torch.cuda.current_stream(self._buffer.device).synchronize()
