@@ -244,8 +244,9 @@ def test_updates_are_not_held_back_and_batches_form_in_completion_order(tmp_path
 def test_a_group_that_finishes_too_late_is_dropped_or_masked_and_counted(tmp_path, mode):
     # p0 starts at version 0 and finishes at version 2, so it is trained at version 2 or 3:
     # its first two tokens are 2 or more versions old, over max_staleness 1. p0 also waits
-    # for p5 (b2-g1), so that their batch's order is fixed (CI once saw p0 finish first).
-    gen = GatedGenerator(hold={"b0-g0": 2}, after={"b0-g0": "b2-g1", "b3-g0": "b0-g0", "b3-g1": "b0-g0"})
+    # for p5 (b2-g1), so that their batch's order is fixed (CI once saw p0 finish first);
+    # for the same reason p7 waits for p6, which waits for p0 (a loaded run once saw p7 first).
+    gen = GatedGenerator(hold={"b0-g0": 2}, after={"b0-g0": "b2-g1", "b3-g0": "b0-g0", "b3-g1": "b3-g0"})
     run = Run(tmp_path, gen, steps=4, stale_samples=mode).run()
     assert run.summary["status"] == "completed"
     assert run.problems() == [["p1", "p2"], ["p3", "p4"], ["p5", "p0"], ["p6", "p7"]]
