@@ -94,6 +94,14 @@ class _Staging:
         self.thread.start()
 
     def _read(self, receiver: Any, timeout: float, model: Any) -> None:
+        try:
+            self._receive(receiver, timeout)
+            if self.error is None and model is not None:
+                self._prepack(model)
+        finally:
+            self.done.set()  # whatever happened: the load waiting on it must not wait for ever
+
+    def _receive(self, receiver: Any, timeout: float) -> None:
         start = time.perf_counter()
         try:
             # The transport's own tensors: the shm receiver's are copies of its file, the
@@ -107,9 +115,6 @@ class _Staging:
             self.error = f"{type(exc).__name__}: {exc}"
         finally:
             self.read_seconds = time.perf_counter() - start
-        if self.error is None and model is not None:
-            self._prepack(model)
-        self.done.set()
 
     def _prepack(self, model: Any) -> None:
         from . import prepack
