@@ -50,12 +50,17 @@ P = PROMPTS  # groups per batch
 class GatedGenerator(Generator):
     """Requests (one per group) that finish when told: ``hold[request_id]``: the version the
     generator must serve first; ``after[request_id]``: a request that must finish first;
-    ``held_by_test``: which requests wait for :meth:`release`."""
+    ``arrival[request_id]``: a request that must have arrived (so that its first tokens are
+    sampled at the version served then); ``held_by_test``: which requests wait for
+    :meth:`release`."""
 
     def __init__(self, hold: dict[str, int] | None = None, after: dict[str, str] | None = None,
-                 held_by_test: Callable[[str], bool] | None = None):  # fmt: skip
+                 held_by_test: Callable[[str], bool] | None = None,
+                 arrival: dict[str, str] | None = None):  # fmt: skip
         self.hold = dict(hold or {})
         self.after = dict(after or {})
+        self.arrival = dict(arrival or {})
+        self.arrived: set[str] = set()
         self.finished: set[str] = set()
         self.held_by_test = held_by_test or (lambda rid: False)
         self.cond = threading.Condition()
@@ -79,10 +84,14 @@ class GatedGenerator(Generator):
         rid = r.request_id
         with self.cond:
             first = self._version
+            self.arrived.add(rid)
             self.active.append(rid)
             self.max_active = max(self.max_active, len(self.active))
             self.cond.notify_all()
         try:
+            if rid in self.arrival:
+                other = self.arrival[rid]
+                await asyncio.to_thread(self._wait, lambda: other in self.arrived, f"{rid}: {other} to arrive")
             if rid in self.hold:
                 need = self.hold[rid]
                 await asyncio.to_thread(self._wait, lambda: self._version >= need, f"{rid}: version {need}")
@@ -222,9 +231,15 @@ def _flat(batches: list[list[str]]) -> list[str]:
 
 def test_updates_are_not_held_back_and_batches_form_in_completion_order(tmp_path):
     # The first group (p0) finishes only once version 1 is served: the versioned loop would
-    # wait for it before that update, forever. Here its batch-mates go on without it. (The
-    # third batch's groups start only once p0 is done, so that which batch p0 joins is fixed.)
-    gen = GatedGenerator(hold={"b0-g0": 1}, after={"b2-g0": "b0-g0", "b2-g1": "b0-g0"})
+    # wait for it before that update, forever. Here its batch-mates go on without it. Every
+    # order the test checks is forced, none hoped for: p2 finishes only once p3 has arrived
+    # (so p3 is sampled at version 0: a loaded CI run once sent p3 after version 1 was
+    # loaded), p3 after p2, p0 after p3, and the third batch after p0, p5 after p4.
+    gen = GatedGenerator(
+        hold={"b0-g0": 1},
+        arrival={"b1-g0": "b1-g1"},
+        after={"b1-g1": "b1-g0", "b0-g0": "b1-g1", "b2-g0": "b0-g0", "b2-g1": "b2-g0"},
+    )
     run = Run(tmp_path, gen, steps=3).run()
     assert run.summary["status"] == "completed" and run.summary["steps"] == 3
     assert gen.updates == [1, 2, 3]
