@@ -60,7 +60,11 @@ class NoiseTrainer:
 
 def _generator(inner: Any) -> Any:
     """``inner`` with the requests in flight counted at each update; the fourth request
-    is held (in flight, not yet sent) until the first update begins."""
+    is held (in flight, not yet sent) until the first update begins, and the first update
+    begins only once the fourth request has arrived (the producer admits the first four
+    groups at version 0 at once, but nothing else stops batch 0 from finishing and being
+    trained before the producer's thread gets round to the fourth: then the first update
+    might find no request in flight)."""
     from forgerl.interfaces import Generator
 
     class FirstUpdateInFlight(Generator):
@@ -70,6 +74,7 @@ def _generator(inner: Any) -> Any:
             self.active = 0
             self.in_flight_at_update: dict[int, int] = {}
             self.first_update = threading.Event()
+            self.fourth_arrived = threading.Event()
 
         async def generate(self, requests):
             with self.lock:
@@ -78,6 +83,7 @@ def _generator(inner: Any) -> Any:
                 self.active += 1
             try:
                 if call == 4:
+                    self.fourth_arrived.set()
                     began = await asyncio.to_thread(self.first_update.wait, scaled(300))
                     assert began, "the first update never began: the loop held it back"
                 return await inner.generate(requests)
@@ -86,6 +92,9 @@ def _generator(inner: Any) -> Any:
                     self.active -= 1
 
         def update_weights(self, version: int) -> None:
+            if version == 1:
+                arrived = self.fourth_arrived.wait(scaled(300))
+                assert arrived, "the fourth request never came: the producer stopped admitting"
             with self.lock:
                 self.in_flight_at_update[version] = self.active
             self.first_update.set()

@@ -52,14 +52,17 @@ class GatedGenerator(Generator):
     generator must serve first; ``after[request_id]``: a request that must finish first;
     ``arrival[request_id]``: a request that must have arrived (so that its first tokens are
     sampled at the version served then); ``held_by_test``: which requests wait for
-    :meth:`release`."""
+    :meth:`release`; ``loads_after[version]``: a request that must finish before that
+    version is loaded (so that all its tokens are sampled by the version before)."""
 
     def __init__(self, hold: dict[str, int] | None = None, after: dict[str, str] | None = None,
                  held_by_test: Callable[[str], bool] | None = None,
-                 arrival: dict[str, str] | None = None):  # fmt: skip
+                 arrival: dict[str, str] | None = None,
+                 loads_after: dict[int, str] | None = None):  # fmt: skip
         self.hold = dict(hold or {})
         self.after = dict(after or {})
         self.arrival = dict(arrival or {})
+        self.loads_after = dict(loads_after or {})
         self.arrived: set[str] = set()
         self.finished: set[str] = set()
         self.held_by_test = held_by_test or (lambda rid: False)
@@ -122,6 +125,9 @@ class GatedGenerator(Generator):
             self.cond.notify_all()
 
     def update_weights(self, version: int) -> None:
+        if version in self.loads_after:
+            first = self.loads_after[version]
+            self._wait(lambda: first in self.finished, f"version {version}: {first} to finish first")
         with self.cond:
             self.updates.append(version)
             self.in_flight_at_update[version] = list(self.active)
@@ -234,11 +240,15 @@ def test_updates_are_not_held_back_and_batches_form_in_completion_order(tmp_path
     # wait for it before that update, forever. Here its batch-mates go on without it. Every
     # order the test checks is forced, none hoped for: p2 finishes only once p3 has arrived
     # (so p3 is sampled at version 0: a loaded CI run once sent p3 after version 1 was
-    # loaded), p3 after p2, p0 after p3, and the third batch after p0, p5 after p4.
+    # loaded), p3 after p2, p0 after p3, and the third batch after p0, p5 after p4. Version
+    # 1 loads only once p3 has finished, so that p3 is sampled by version 0 to the end
+    # (nothing else stops p3's last tokens from coming after the update, once batch 0 is
+    # trained: then only its first two tokens would be one version old).
     gen = GatedGenerator(
         hold={"b0-g0": 1},
         arrival={"b1-g0": "b1-g1"},
         after={"b1-g1": "b1-g0", "b0-g0": "b1-g1", "b2-g0": "b0-g0", "b2-g1": "b2-g0"},
+        loads_after={1: "b1-g1"},
     )
     run = Run(tmp_path, gen, steps=3).run()
     assert run.summary["status"] == "completed" and run.summary["steps"] == 3
@@ -319,8 +329,11 @@ def test_the_in_flight_cap_is_reached_and_never_exceeded():
         gen.release("b0-g1")
         wait_until(lambda: state() == ("room", ["b0-g0", "b1-g0", "b1-g1"]), 30, "one more once one finished")
         gen.release("b0-g0")
-        # Group 4 belongs to batch 2, which needs version 1 (staleness 1): not yet.
+        # Group 4 belongs to batch 2, which needs version 1 (staleness 1): not yet. The
+        # producer reaches that gate as soon as p0's generation is done, which may be before
+        # p0 is scored and batch 0 formed: wait for both.
         wait_until(lambda: state() == ("version", ["b1-g0", "b1-g1"]), 30, "the staleness bound")
+        wait_until(lambda: 0 in buffer.ready, 30, "batch 0 formed once p0 is scored")
         assert [b.index for b in buffer.ready.values()] == [0]
         assert [e.problem.id for e in buffer.ready[0].episodes][::GROUP] == ["p1", "p0"], "completion order"
         buffer.set_version(1)

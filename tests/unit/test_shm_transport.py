@@ -19,7 +19,7 @@ from forgerl.interfaces import RunContext
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.shm import transport as shm
 from forgerl_plugins.transports.shm.transport import ShmTransport
-from tests.helpers.timing import scaled
+from tests.helpers.timing import scaled, wait_until
 
 
 def _transport(tmp_path: Path, **options) -> ShmTransport:
@@ -173,8 +173,13 @@ def test_reader_never_sees_a_partial_version(tmp_path):
     reader = threading.Thread(target=read_all)
     reader.start()
     for v in range(1, 11):
+        # The sender keeps 3 versions: version v removes v - 3, so the reader must have
+        # opened v - 3 first, whatever the machine's load (it was paced by a 20 ms sleep,
+        # and a reader held up for three of them found its version gone). Waiting for it
+        # to have read v - 2 still leaves it reading v - 1, or waiting for v while v is
+        # written: the writes it must never see half-done.
+        wait_until(lambda v=v: len(seen) >= v - 2 or errors, 30, f"the reader to read version {v - 2}")
         sender.send(WeightSet(v, {"w": torch.full((50_000,), float(v))}))
-        time.sleep(0.02)
     reader.join(scaled(20))
     assert not reader.is_alive(), f"the reader is still waiting; it saw {seen}"
     sender.close()

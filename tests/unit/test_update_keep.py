@@ -134,6 +134,24 @@ def test_a_failed_load_under_keep_records_no_crossing(tmp_path: Path, fail: str)
     assert engine.calls[-1] == ("resume", "keep") and not r.updating
 
 
+def test_a_replica_taken_out_while_paused_is_still_resumed(tmp_path: Path):
+    """Under keep a request of ours may time out on the frozen engine while the load runs,
+    and the pool takes the replica out for it: the update still resumes the server (the
+    watcher puts a server that answers /health back in service, and a paused one would
+    hold every request sent to it)."""
+
+    class TimedOutDuringLoad(RecordingEngine):
+        async def load(self, r: Replica, version: int) -> None:
+            await super().load(r, version)
+            r.take_out("request a: ReadTimeout")  # what the pool does for a failed request
+
+    engine = TimedOutDuringLoad({"a": {0: 7}})
+    r, error = run_update(tmp_path, engine, [Flight("a", 3)])
+    assert error is None and r.version == 4
+    assert engine.calls[-2:] == [("load", "4"), ("resume", "keep")], engine.calls
+    assert not r.up and not r.updating  # back in service once the watcher finds it healthy
+
+
 class DyingEngine(RecordingEngine):
     """Replica 1's server dies once it is paused, before ``dies_at`` ("counts": vLLM's
     sampled_so_far; "load"): it answers nothing from then on."""

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from forgerl_plugins.generators.vllm.worker_extension import ForgeWorkerExtension
+from tests.helpers.timing import wait_until
 
 DEADLINE = 30.0
 
@@ -98,6 +99,9 @@ def test_a_stage_left_over_from_another_version_is_never_loaded_nor_read_beside(
     receiver = HeldBackReceiver()
     worker = RecordingWorker(receiver)
     worker.forge_stage_weights(request(7))  # its update failed before the load; still reading
+    # The read runs in the stage's thread: 8 is asked only once 7's read waits on the
+    # transport (else the check below could find 7 not read yet, not 8 read beside it).
+    wait_until(lambda: receiver.reads == [7], DEADLINE, "the read of version 7 to start")
     refused = worker.forge_stage_weights(request(8))
     assert not refused["ok"] and "version 7" in refused["error"] and receiver.reads == [7]
     receiver.released.set()

@@ -131,6 +131,7 @@ class WeightUpdater:
 
         policy = policy or self.policy
         paused = False
+        lost = False  # this update found the server unreachable
         notice = UpdateNotice(r.endpoint, r.instance)  # its launcher must not take the pause for a hang
         try:
             # The read of the version before the pause (the engine's stage), so that the
@@ -147,12 +148,18 @@ class WeightUpdater:
             r.version = version
             log.debug("%s: replica %d loaded version %d", r.engine, r.index, version)
         except httpx.HTTPError as exc:
+            lost = True
             r.version = None  # it stopped answering mid-update: what it holds is unknown
             r.take_out(f"weight update: {type(exc).__name__}: {exc}")
             raise
         finally:
             try:
-                if paused and r.up:
+                # Not ``r.up``: something else may take the replica out while it is paused
+                # (one of our requests timing out on the frozen engine, a slow health check),
+                # and a server that answers again is put back in service by the watcher,
+                # still paused, holding every request sent to it. Only a server this update
+                # could not reach is left as it is (a dead one's resume would only fail).
+                if paused and not lost:
                     await self.engine.resume(r, policy)
             except httpx.HTTPError as exc:
                 r.take_out(f"resume after update: {type(exc).__name__}")
