@@ -47,6 +47,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
+#: For this long after asking for a version, look for the offer every 0.5 ms.
+FAST_LOOKS_SECONDS = 0.01
+
 
 class _ChannelBroken(Exception):
     pass
@@ -118,7 +121,13 @@ class NcclReceiver(StoreReceiver):
         offered = offer_key(nonce, seq)
         offer: bytes | str | None = None
         backoff = Backoff(self.options.poll_interval)
-        next_closed_check = 0.0
+        # The answer to a request usually comes within a millisecond or two (the sender
+        # sees the request at its next look, then offers): look every 0.5 ms for that
+        # long, instead of backing off to 4-8 ms sleeps that saw it up to 2 ms late.
+        # And the first look for a drop is a poll interval away: one round trip less
+        # before the version starts (it only matters when waiting long).
+        asked = time.monotonic()
+        next_closed_check = asked + self.options.poll_interval
         while not deadline.expired:
             if time.monotonic() >= next_closed_check:  # rarely: it only matters when waiting long
                 dropped = self._dropped(ctl, deadline)
@@ -135,7 +144,10 @@ class NcclReceiver(StoreReceiver):
                 offer = ctl.get(offered, deadline)
                 if offer is not None:
                     break
-            backoff.sleep(deadline)
+            if time.monotonic() - asked < FAST_LOOKS_SECONDS:
+                deadline.sleep(Backoff.FLOOR)
+            else:
+                backoff.sleep(deadline)
         if offer is None:
             # Withdraw the request, unless the sender took it in the meantime.
             got = ctl.compare_set(offered, "", WITHDRAWN, Deadline(MAX_QUERY))
@@ -184,12 +196,21 @@ class NcclReceiver(StoreReceiver):
         self.progress = (layout.version, 0, layout.nbytes)
         op_deadline = Deadline(op_timeout + 1.0)
         landed: list[int] = []
+        sums: list[int] | None = None
         try:
             works = [
                 (c, groups.broadcast(self._pg, self._buffer[c.start : c.end], 0, op_timeout))
                 for c in layout.chunks
             ]
             for i, (c, w) in enumerate(works):
+                if i == len(works) - 1 and not w.is_completed():
+                    # The sender's sums are usually in the store by now: read them while
+                    # the last chunk is on the wire, not after it (two round trips less
+                    # between the last byte and the acknowledgement).
+                    try:
+                        sums = self._look_for_sums(ctl, sums_at, len(layout.chunks), op_deadline)
+                    except STORE_ERRORS:
+                        pass  # read again below, where a store error counts as it always did
                 groups.wait(w, op_deadline, completes_when_done=not self._buffer.is_cuda)
                 if self._buffer.is_cuda:
                     # NCCL's wait() only orders streams; the checksum must see the bytes.
@@ -201,7 +222,8 @@ class NcclReceiver(StoreReceiver):
             raise _ChannelBroken(
                 f"transfer of version {layout.version} broke after {done} of {layout.nbytes} bytes: {short(exc)}"
             ) from exc
-        sums = self._sender_sums(ctl, sums_at, len(layout.chunks), op_deadline)
+        if sums is None:
+            sums = self._sender_sums(ctl, sums_at, len(layout.chunks), op_deadline)
         bad = [i for i, (got, want) in enumerate(zip(landed, sums)) if got != want]
         if bad:
             c = layout.chunks[bad[0]]
@@ -217,11 +239,8 @@ class NcclReceiver(StoreReceiver):
         chunk's broadcast has started, so they are usually there when the last one lands)."""
         backoff = Backoff(self.options.poll_interval)
         while True:
-            raw = ctl.get(key, deadline)
-            if raw is not None:
-                sums = [int(x) for x in json.loads(raw)]
-                if len(sums) != count:
-                    raise _ChannelBroken(f"the sender sent {len(sums)} checksums for {count} chunks")
+            sums = self._look_for_sums(ctl, key, count, deadline)
+            if sums is not None:
                 return sums
             dropped = self._dropped(ctl, deadline)
             if dropped is not None:
@@ -229,6 +248,16 @@ class NcclReceiver(StoreReceiver):
             if deadline.expired:
                 raise _ChannelBroken(f"the sender's checksums did not come within {deadline.seconds:g} s")
             backoff.sleep(deadline)
+
+    def _look_for_sums(self, ctl: Control, key: str, count: int, deadline: Deadline) -> list[int] | None:
+        """The sender's checksums if they are in the store now, else None."""
+        raw = ctl.get(key, deadline)
+        if raw is None:
+            return None
+        sums = [int(x) for x in json.loads(raw)]
+        if len(sums) != count:
+            raise _ChannelBroken(f"the sender sent {len(sums)} checksums for {count} chunks")
+        return sums
 
     def _abandon(self, reason: str) -> None:
         """Leave this channel: the next receive registers afresh."""

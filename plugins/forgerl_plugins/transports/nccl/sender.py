@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import TransportError, TransportTimeout
@@ -57,6 +57,20 @@ log = logging.getLogger(__name__)
 #: 32 MiB: +70 ms per side), and packing costs the sender about 0.1 ms per MiB: sending a
 #: tensor on its own pays from about 3 MiB on (docs/performance.md, "Weight transports").
 OWN_CHUNK_BYTES = 4 * 2**20
+
+
+def smallest_chunk_last(layout: Layout) -> Layout:
+    """``layout`` with its smallest chunk moved to the end of the chunk list (the order
+    both sides broadcast in; the receiver follows the published list). What a receiver
+    does after its last chunk lands (sum it, then acknowledge) is the tail every version
+    waits for beyond the wire: a 26 MiB last chunk cost 1-1.5 ms of summing there, a
+    2 MiB packed one 0.1 ms. Which bytes go in which chunk does not change."""
+    chunks = list(layout.chunks)
+    if len(chunks) < 2:
+        return layout
+    smallest = min(range(len(chunks)), key=lambda i: (chunks[i].nbytes, -i))  # the latest of equals
+    chunks.append(chunks.pop(smallest))
+    return replace(layout, chunks=tuple(chunks))
 
 
 @dataclass
@@ -116,11 +130,12 @@ class NcclSender(StoreSender):
         # No checksums here: the service thread sums each chunk while its broadcast is on the
         # wire and sends the sums after the last chunk (_deliver), instead of keeping every
         # byte from the wire for the time it takes to sum the version first.
-        layout = Layout.build(version, tensors, bucket, OWN_CHUNK_BYTES)
+        layout = smallest_chunk_last(Layout.build(version, tensors, bucket, OWN_CHUNK_BYTES))
+        current = Version(layout, [t for _, t in tensors])
         with self._cond:
-            self._ctl.set(META, layout.to_json(), deadline)
+            self._ctl.set(META, current.offer, deadline)
             self._ctl.set(LATEST, str(version), deadline)
-            self._current = Version(layout, [t for _, t in tensors])
+            self._current = current
             # Receivers that registered before this call are owed this version.
             self._handle_events(self._ctl, deadline)
             delivery = _Delivery(version, deadline, [m for m in self._members.values() if m.failed is None])
@@ -260,7 +275,7 @@ class NcclSender(StoreSender):
         layout, version = current.layout, current.version
         with self._cond:
             deadlines = {m.nonce: self._deadline_for(m, version) for m in batch}
-        offer = layout.to_json()
+        offer = current.offer
         active: list[tuple[_Member, int]] = []
         for m in batch:
             seq = m.want_seq
@@ -389,13 +404,22 @@ class NcclSender(StoreSender):
         for _, w in waiting:
             groups.on_done(w, wake)
         backoff = Backoff(self.options.poll_interval)
+        # A gloo work (CPU tensors) completes its future when it is done: the event alone
+        # wakes this wait (groups.finished), and the steps (a safety net, and the pace of
+        # the deadline and stall checks) can be long. Steps from 0.5 ms woke the sender
+        # 5-8 times per staging-buffer wait: 2.4 ms of its CPU per 500 MB version (1.2 ms
+        # now), taken from the transfer's threads on two cores (docs/performance.md).
+        by_future = all(m.backend == "gloo" for m, _ in waiting)
+        if by_future:
+            backoff = Backoff(0.05)
+            backoff.current = backoff.ceiling
         while waiting:
             wake.clear()  # before looking: a completion after the look wakes the wait below
             still = []
             for m, w in waiting:
                 if m.failed is not None:
                     continue
-                if w.is_completed():
+                if groups.finished(w, by_future):
                     try:
                         w.wait()  # returns at once; raises what the work raised
                         progress[m.nonce] = time.monotonic()

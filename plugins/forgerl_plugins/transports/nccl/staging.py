@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 from forgerl_plugins.transports.common.layout import Chunk, Layout, tensor_bytes
@@ -36,6 +37,11 @@ class Version:
     @property
     def version(self) -> int:
         return self.layout.version
+
+    @cached_property
+    def offer(self) -> str:
+        """The layout as JSON: the store's META value and every receiver's offer (made once)."""
+        return self.layout.to_json()
 
     def chunk_sum(self, index: int) -> int:
         if not self.sums:
