@@ -26,6 +26,7 @@ import pytest
 
 from forgerl.testing.transport_receiver import make_weights
 
+from ..helpers.listeners import own_listeners
 from ..helpers.timing import scaled, wait_until
 from .test_transport_conformance import OPTIONS, create, expected, start_receiver
 
@@ -50,30 +51,6 @@ def _stranger(spec: dict[str, Any]) -> Any:
 
     timeout = datetime.timedelta(seconds=scaled(10))
     return TCPStore(spec["host"], spec["port"], is_master=False, timeout=timeout)
-
-
-def _own_listeners() -> set[tuple[str, int]]:
-    """(address, port) of every TCP socket this process listens on."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    found = set()
-    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] != "0A" or fields[9] not in inodes:  # 0A: LISTEN
-                continue
-            hex_address, hex_port = fields[1].rsplit(":", 1)
-            raw = bytes.fromhex(hex_address)
-            # /proc prints each 32-bit word in host (little-endian) order.
-            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-            found.add((socket.inet_ntop(family, raw), int(hex_port, 16)))
-    return found
 
 
 def _other_local_address() -> str | None:
@@ -149,7 +126,7 @@ def test_store_and_groups_listen_on_the_run_interface_only(name: str, endpoints:
         receiver.wait("ready", timeout=scaled(60))
         _send(sender, 1)
         receiver.wait("received", 1, timeout=scaled(30))
-        listening = _own_listeners()
+        listening = own_listeners()
         assert ("127.0.0.1", spec["port"]) in listening, f"store {spec['port']} not on loopback: {listening}"
         if name == "nccl":  # the sender's gloo listeners as well (Mooncake binds its own: docs/security.md)
             wide = {(a, p) for a, p in listening if not (a.startswith("127.") or a == "::1")}

@@ -17,6 +17,7 @@ import torch
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import BroadcastEngineReceiver, FilesEngineReceiver
 from forgerl.types import WeightSet
+from tests.helpers.listeners import own_listeners
 from tests.helpers.timing import scaled
 
 
@@ -112,6 +113,11 @@ def test_nccl_broadcasts_each_bucket_to_an_engines_own_group():
     try:
         here.send((group, scaled(60)))
         receiver.connect(timeout=scaled(60))
+        # The group's store (hosted here as rank 0, unsigned: the engine's side is SGLang's
+        # code) listens on the run's interface only, not on every interface as torch's
+        # rendezvous would have it listen.
+        on_port = {a for a, p in own_listeners() if p == group["master_port"]}
+        assert on_port == {"127.0.0.1"}, f"the engine group's store listens on {sorted(on_port)}"
         weights = _weights(1)
         errors: list = []
 

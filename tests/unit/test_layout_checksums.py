@@ -89,7 +89,7 @@ def test_an_nccl_receiver_refuses_a_version_whose_sums_do_not_match(monkeypatch,
     from forgerl.testing.transport_receiver import make_weights
     from forgerl.types import WeightSet
     from forgerl_plugins.transports.nccl.transport import NcclTransport
-    from tests.helpers.timing import scaled
+    from tests.helpers.timing import scaled, wait_until
 
     real = Layout.chunk_sum
 
@@ -129,6 +129,18 @@ def test_an_nccl_receiver_refuses_a_version_whose_sums_do_not_match(monkeypatch,
                     assert torch.equal(got[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
             else:
                 assert not sent and not got and errors, (sent, list(got), errors)
+                # Until its receive gave up, the receiver registered again after each refusal
+                # and was offered version 1 again. A send goes to the registrations the sender
+                # holds when it starts; one that refused version 1 a moment before, unseen
+                # yet, would make send(2) fail naming w0 (seen under load). So version 2 is
+                # sent once the sender has seen every refusal: only the receiver's current
+                # registration (if any) is left.
+                def settled() -> bool:
+                    with sender._cond:
+                        live = [m.nonce for m in sender._members.values() if m.failed is None]
+                    return all(n == receiver._nonce for n in live)
+
+                wait_until(settled, 30, "the sender to drop every registration that refused version 1")
         assert "does not match the sender's checksum" in caplog.text
     finally:
         receiver.close()

@@ -100,22 +100,20 @@ class NcclBroadcastEngineReceiver(BroadcastEngineReceiver):
         return self.board.version
 
     def connect(self, timeout: float | None = None) -> None:
-        from torch.distributed.distributed_c10d import (
-            Backend,
-            PrefixStore,
-            _new_process_group_helper,
-            rendezvous,
-        )
+        from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper
+
+        from forgerl_plugins.transports.common.control import start_server
 
         seconds = self.timeout if timeout is None else timeout
         wait = timedelta(seconds=seconds)
         try:
-            store, rank, world = next(
-                rendezvous(f"tcp://{self.address}:{self.port}", 0, 1 + self.ranks, timeout=wait)
-            )
+            # The store the engine's ``rendezvous`` on tcp://address:port connects to, hosted
+            # here as rank 0. Not through ``rendezvous`` ourselves: its TCPStore would listen
+            # on every interface (docs/security.md: the run's interface only).
+            store = start_server(self.port, seconds, self.address)
             store.set_timeout(wait)
             made = _new_process_group_helper(
-                world, rank, [], Backend(self.backend), PrefixStore(self.name, store),
+                1 + self.ranks, 0, [], Backend(self.backend), PrefixStore(self.name, store),
                 group_name=self.name, timeout=wait,  # type: ignore[arg-type]
             )  # fmt: skip
         except Exception as exc:  # torch raises RuntimeError / DistStoreError on a timeout
