@@ -211,7 +211,10 @@ def test_a_paused_engine_is_excused_while_the_generators_notice_is_fresh(server,
     loop = asyncio.new_event_loop()
     runner = threading.Thread(target=loop.run_forever, daemon=True)
     runner.start()
-    notice = UpdateNotice(endpoint, "instance-a", lease=0.6)  # renewed every 0.2 s
+    # Renewed every lease / 3 by a thread of its own: a lease far longer than the looks
+    # (20 x 0.05 s), so that a loaded machine starving that thread for a moment cannot make
+    # the notice lapse mid-load. Its end is the notice's removal, seen at once.
+    notice = UpdateNotice(endpoint, "instance-a", lease=3.0)
     asyncio.run_coroutine_threadsafe(notice.start(), loop).result(10)
     excused: list[bool] = []
     ended: list[float] = []
