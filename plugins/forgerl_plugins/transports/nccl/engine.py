@@ -110,8 +110,7 @@ class NcclBroadcastEngineReceiver(BroadcastEngineReceiver):
             # The store the engine's ``rendezvous`` on tcp://address:port connects to, hosted
             # here as rank 0. Not through ``rendezvous`` ourselves: its TCPStore would listen
             # on every interface (docs/security.md: the run's interface only).
-            store = start_server(self.port, seconds, self.address)
-            store.set_timeout(wait)
+            store = start_server(self.port, seconds, self.address)  # its timeout: ``seconds``
             made = _new_process_group_helper(
                 1 + self.ranks, 0, [], Backend(self.backend), PrefixStore(self.name, store),
                 group_name=self.name, timeout=wait,  # type: ignore[arg-type]
