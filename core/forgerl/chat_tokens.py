@@ -91,6 +91,13 @@ class ChatTokens:
             messages.insert(0, {"role": "system", "content": text})
         return messages
 
+    @property
+    def assistant_close(self) -> str:
+        """What the template writes after an assistant message's content (ChatML:
+        ``<|im_end|>\\n``): a turn samples its start (up to the stop token), the rest is
+        put in front of the next observation (:meth:`turn_close`)."""
+        return self._assistant_suffix
+
     # ------------------------------------------------------------------ tokens
 
     def ids(self, text: str) -> list[int]:

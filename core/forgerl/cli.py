@@ -80,6 +80,8 @@ def cli(debug: bool) -> None:
     forge run                       the default demo (SmolLM2-135M on arithmetic, CPU)
     forge run --model tiny --steps 3
     forge run run.yaml --generator vllm --scheduler slurm
+    forge sft --data demos.jsonl --output runs/sft     supervised fine-tuning (docs/sft.md)
+    forge run --model runs/sft      RL from another run's weights
     forge plugins list              backends and whether they can run here
     forge report runs/A runs/B      plots of runs, overlaid, as one HTML page
     forge export RUN_DIR --output DIR   the trained model as a Hugging Face folder
@@ -116,15 +118,27 @@ def _flags(kwargs: dict[str, Any]) -> dict[str, Any]:
     return flags
 
 
+def _launch_options(f: _Command) -> _Command:
+    """Options shared by `forge run` and `forge sft`: how the run starts and is followed."""
+    opts = [
+        click.option("--resume", "resume_dir", type=click.Path(file_okay=False),
+                     help="Continue the run in this directory."),
+        click.option("--restart", "restart_dir", type=click.Path(file_okay=False),
+                     help="Train the run in this directory again from step 0 (it has no checkpoint); "
+                     "its finished metrics rows are kept aside."),
+        click.option("--dry-run", is_flag=True, help="Print what would be started or submitted; start nothing."),
+        click.option("--wait/--no-wait", default=None,
+                     help="Follow a submitted job to its end (default for local runs)."),
+        click.option("--quiet", "-q", is_flag=True, help="No progress lines or bar (the summary is still printed)."),
+    ]  # fmt: skip
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
 @cli.command()
 @_config_options
-@click.option("--resume", "resume_dir", type=click.Path(file_okay=False), help="Continue the run in this directory.")
-@click.option("--restart", "restart_dir", type=click.Path(file_okay=False),
-              help="Train the run in this directory again from step 0 (it has no checkpoint); "
-              "its finished metrics rows are kept aside.")
-@click.option("--dry-run", is_flag=True, help="Print what would be started or submitted; start nothing.")
-@click.option("--wait/--no-wait", default=None, help="Follow a submitted job to its end (default for local runs).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress lines or bar (the summary is still printed).")
+@_launch_options
 def run(
     config_file: str | None,
     sets: tuple[str, ...],
@@ -136,6 +150,55 @@ def run(
     **kwargs: Any,
 ) -> None:
     """Run (or submit) a post-training run."""
+    _launch(config_file, sets, resume_dir, restart_dir, dry_run, wait, quiet, kwargs)
+
+
+@cli.command()
+@_config_options
+@click.option("--data", multiple=True, metavar="FILE",
+              help="JSONL or Parquet file of demonstrations (repeatable): messages, prompt + completion, or text rows.")
+@click.option("--eval/--no-eval", "evaluate", default=None,
+              help="Evaluate on the task's held-out problems through the generator (default: with --task).")
+@_launch_options
+def sft(
+    config_file: str | None,
+    sets: tuple[str, ...],
+    data: tuple[str, ...],
+    evaluate: bool | None,
+    resume_dir: str | None,
+    restart_dir: str | None,
+    dry_run: bool,
+    wait: bool | None,
+    quiet: bool,
+    **kwargs: Any,
+) -> None:
+    """Supervised fine-tuning on demonstrations (docs/sft.md): a run like `forge run`'s, of
+    objective sft. --task NAME names the task whose held-out problems evaluate the model
+    (and whose worked answers are the demonstrations when no --data is given). Start RL
+    from the result with `forge run --model runs/NAME`."""
+    implied = ["objective=sft"]
+    if data:
+        implied.append(f"sft.data={json.dumps(list(data))}")
+    elif kwargs.get("task"):
+        implied.append("sft.task_demonstrations=true")
+    if evaluate is None and kwargs.get("task"):
+        evaluate = True
+    if evaluate is not None:
+        implied.append(f"sft.evaluate={'true' if evaluate else 'false'}")
+    # Before the user's own --set values, which may refine them.
+    _launch(config_file, (*implied, *sets), resume_dir, restart_dir, dry_run, wait, quiet, kwargs)
+
+
+def _launch(
+    config_file: str | None,
+    sets: tuple[str, ...],
+    resume_dir: str | None,
+    restart_dir: str | None,
+    dry_run: bool,
+    wait: bool | None,
+    quiet: bool,
+    kwargs: dict[str, Any],
+) -> None:
     from forgerl import api, runs
     from forgerl.config import build_config, read_yaml
 

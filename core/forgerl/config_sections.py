@@ -38,6 +38,7 @@ from forgerl.config_limits import (
     is_int,
 )
 from forgerl.options import OptionsModel
+from forgerl.sft.config import SFTConfig
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -292,6 +293,11 @@ class RunConfig(_Strict):
     """Everything that defines a run."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
+    objective: Literal["grpo", "sft"] = Field(
+        "grpo",
+        description="What the run trains for: grpo (reinforcement learning on the rewards of its own samples, "
+        "the algorithm section) or sft (supervised fine-tuning on demonstrations, the sft section; docs/sft.md).",
+    )
     task: TaskChoice = Field(default_factory=TaskChoice)
     generator: GeneratorChoice = Field(default_factory=GeneratorChoice)
     trainer: TrainerChoice = Field(default_factory=TrainerChoice)
@@ -305,6 +311,7 @@ class RunConfig(_Strict):
         description="Rewards, summed with their weights.",
     )
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -339,6 +346,25 @@ class RunConfig(_Strict):
             raise ValueError(
                 "loop.overlap continuous admits single-turn prompt groups only, not an environment's "
                 "trajectories: set loop.overlap=versioned, or leave environment.name out"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _sft_has_demonstrations(self) -> RunConfig:
+        if self.objective != "sft":
+            return self
+        sft = self.sft
+        if not sft.data and not sft.task_demonstrations:
+            raise ValueError(
+                "objective sft needs demonstrations: sft.data (JSONL or Parquet files), or "
+                "sft.task_demonstrations=true for the worked answers of a task that gives them (e.g. arithmetic)"
+            )
+        if sft.data and sft.task_demonstrations:
+            raise ValueError("give sft.data or sft.task_demonstrations, not both")
+        if self.algorithm.kl_coef > 0:
+            raise ValueError(
+                "algorithm.kl_coef is a term of the RL loss; objective sft trains on cross-entropy alone: "
+                "set algorithm.kl_coef=0"
             )
         return self
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from forgerl.errors import SchedulerError, TransportError
+from forgerl.errors import NotSupported, SchedulerError, TransportError
 from forgerl.types import (
     Completion,
     GenerationRequest,
@@ -163,6 +163,21 @@ class Task(abc.ABC):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:  # noqa: B027 - optional, like state_dict
         """Restore what :meth:`state_dict` returned."""
 
+    def demonstration(self, problem: Problem) -> str | list[dict[str, Any]] | None:
+        """A worked answer to ``problem`` (one of this task's), for supervised fine-tuning
+        (``sft.task_demonstrations``, docs/sft.md): the assistant's reply as a string, or
+        the messages that continue the problem's prompt (assistant turns, with
+        ``tool_calls`` and the ``tool`` messages answering them), or None for a problem it
+        cannot demonstrate (skipped). Optional: a run asks only a task whose class
+        overrides it (:meth:`gives_demonstrations`), on trainer rank 0, for problems drawn
+        with :meth:`next_problems`; what it returns is checked like a row of a data file."""
+        return None
+
+    @classmethod
+    def gives_demonstrations(cls) -> bool:
+        """Whether the class overrides :meth:`demonstration`."""
+        return cls.demonstration is not Task.demonstration
+
 
 class Generator(Closeable, abc.ABC):
     """Prompts → completions with token ids and per-token sampling logprobs.
@@ -214,11 +229,20 @@ class Trainer(Closeable, abc.ABC):
     loss's own forward pass computes the trainer's logprobs, so no separate pass is asked for.
     """
 
+    #: The objectives :meth:`train_step` trains (:attr:`TrainBatch.objective`): ``"grpo"``
+    #: for every trainer unless its class says more (the built-in ones add ``"sft"``).
+    #: ``forge run`` refuses, before launch, a run whose ``objective`` its trainer lacks.
+    objectives: ClassVar[frozenset[str]] = frozenset({"grpo"})
+    #: Whether :meth:`export_checkpoint` can write the policy of one of its checkpoints as
+    #: a Hugging Face model folder (``forge export``; a run named as another run's model).
+    exports_checkpoints: ClassVar[bool] = False
+
     @abc.abstractmethod
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimiser step on ``batch`` (each rank passes the same full batch; the
         trainer splits it across ranks and micro-batches). Returns metrics (same on all
-        ranks), including the algorithm's metrics."""
+        ranks), including the algorithm's metrics. ``batch.objective`` is one of
+        :attr:`objectives`."""
 
     @abc.abstractmethod
     def export_weights(self, version: int) -> WeightSet | None:
@@ -231,6 +255,18 @@ class Trainer(Closeable, abc.ABC):
     @abc.abstractmethod
     def load(self, path: Path) -> None:
         """Load what :meth:`save` wrote."""
+
+    @classmethod
+    def export_checkpoint(cls, state: Path, output: Path, *, options: Any, model_path: Path, dtype: str) -> None:
+        """Write the policy that ``state`` holds (a folder :meth:`save` wrote, read in this
+        one process, without building a trainer) as a plain Hugging Face model folder in
+        ``output`` (an existing, empty folder): config, safetensors weights and the
+        tokenizer of ``model_path``, the run's base model, in ``dtype``; a LoRA adapter
+        merged into the weights. ``options`` are the trainer options of the run that saved
+        it (validated). Called only when :attr:`exports_checkpoints` is True, when a run
+        names another run as its model (``--model runs/NAME``). Raises CheckpointUnusable
+        for a state it cannot read."""
+        raise NotSupported(f"the {cls.__name__} trainer cannot export its checkpoints as a model")
 
 
 class Reward(abc.ABC):  # noqa: B024 - score or ascore, checked when built (see below)

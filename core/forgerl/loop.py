@@ -185,7 +185,7 @@ class Loop:
         saved_step = self.step if resume_from is not None else None
         try:
             if self.step < steps:
-                if cfg.loop.eval_at_start and self.step == 0 and self.eval_start is None:
+                if self.evaluates() and cfg.loop.eval_at_start and self.step == 0 and self.eval_start is None:
                     with events.phase("evaluating the base model on the held-out problems", stage="eval",
                                       key=f"eval:{cfg.generator.name}:{cfg.model.name}", run_dir=self.run_dir):
                         row = self.evaluate()
@@ -199,7 +199,7 @@ class Loop:
                     raise Interrupted()
                 row, self.last_batch_task_state = self.train_one(buffer)
                 due_eval = cfg.loop.eval_every and self.step % cfg.loop.eval_every == 0
-                if due_eval or self.step == steps:
+                if self.evaluates() and (due_eval or self.step == steps):
                     row.update(self.evaluate())
                     self.eval_last = row["eval/accuracy"]
                 # The row goes to metrics.jsonl before the checkpoint. A run killed between
@@ -419,6 +419,11 @@ class Loop:
         return int(moved) if moved is not None else None
 
     # -------------------------------------------------------------------- eval
+
+    def evaluates(self) -> bool:
+        """Whether the run evaluates at all (an RL run always does; a supervised run only
+        with ``sft.evaluate``, :class:`forgerl.sft.loop.SFTLoop`)."""
+        return True
 
     def evaluate(self) -> dict[str, float]:
         """The held-out row (:mod:`forgerl.evaluation`), timed as the ``eval`` phase."""

@@ -52,24 +52,38 @@ def check_run(
 ) -> None:
     """Raise a one-line UserError for anything that would make the run fail to start."""
     from forgerl.kinds import SINGLE_BACKEND_FIELDS
+    from forgerl.sft import run as sft_run
 
     if fresh:
         runs.check_output_location(run_dir)
+    check_objective(config, registry)
     local_files = scheduler.shares_filesystem
     context = model_context_length(config, registry, local_files=local_files)
     max_tokens = config.loop.sampling.max_tokens
-    if context is not None and max_tokens >= context:
+    sampling = sft_run.uses_generator(config)
+    if context is not None and sampling and max_tokens >= context:
         raise ConfigError(
             f"loop.sampling.max_tokens ({max_tokens}) must be below the context length of model "
             f"{config.model.name!r} ({context} tokens): the prompt needs room too"
         )
-    check_adapter_served(config, registry)
+    if context is not None and config.objective == "sft" and config.sft.max_length > context:
+        raise ConfigError(
+            f"sft.max_length ({config.sft.max_length}) is beyond the context length of model {config.model.name!r} "
+            f"({context} tokens): set sft.max_length={context} or less"
+        )
+    if sampling:
+        check_adapter_served(config, registry)
+    sft_run.check_before_run(config, registry, local_files=local_files)
     if local_files:
         if not fresh:
             check_checkpoints(run_dir, keep=config.checkpoint.keep)
-        choices = [(kind, getattr(config, field)) for field, kind in SINGLE_BACKEND_FIELDS.items()]
-        choices += [("reward", reward) for reward in config.rewards]
-        if config.environment.name is not None:
+        # What the run does not build (a supervised run: no generator, maybe no task) is not checked.
+        built = {"generator": sampling, "transport": sampling, "task": sft_run.uses_task(config)}
+        choices = [(kind, getattr(config, field)) for field, kind in SINGLE_BACKEND_FIELDS.items()
+                   if built.get(field, True)]  # fmt: skip
+        if sampling:
+            choices += [("reward", reward) for reward in config.rewards]
+        if sampling and config.environment.name is not None:
             choices.append(("environment", config.environment))
         for kind, choice in choices:
             assert choice.name is not None, "an environment without a name is not a choice"
@@ -77,6 +91,19 @@ def check_run(
     check_job = getattr(scheduler, "check_job", None)
     if check_job is not None:
         check_job(job)
+
+
+def check_objective(config: RunConfig, registry: Registry) -> None:
+    """The trainer trains the run's objective (:attr:`forgerl.interfaces.Trainer.objectives`;
+    a trainer class that does not say trains ``grpo`` only)."""
+    name = config.trainer.name
+    trainer = registry.require("trainer", name).load_factory()
+    objectives = getattr(trainer, "objectives", frozenset({"grpo"}))
+    if config.objective not in objectives:
+        raise ConfigError(
+            f"objective {config.objective} is not one the {name} trainer trains ({', '.join(sorted(objectives))}): "
+            "use --trainer fsdp or torchtitan, or another objective"
+        )
 
 
 def check_adapter_served(config: RunConfig, registry: Registry) -> None:

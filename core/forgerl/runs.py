@@ -93,7 +93,8 @@ def existing_run_dir(path: str | Path) -> Path:
 
 
 #: What a checkpoint depends on: a resumed run may not change these (--set, --model, ...).
-RESUME_FIXED = ("model", "task", "trainer.name", "loop.seed")
+RESUME_FIXED = ("model", "objective", "task", "trainer.name", "loop.seed", "sft.data", "sft.task_demonstrations",
+                "sft.format", "sft.loss_on", "sft.max_length", "sft.overlong", "sft.shuffle")
 
 
 def check_resume_changes(saved: RunConfig, given: RunConfig, run_dir: str | Path) -> None:
@@ -278,9 +279,10 @@ def server_roles(
 def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
     """The JobSpec of a run: trainer ranks (primary; rank 0 drives the loop) plus any
     server roles the generator (e.g. vLLM replicas) and the rewards (e.g. a served reward
-    model) need."""
+    model) need; none of those for a supervised run that does not evaluate."""
     from forgerl.allocator import trainer_allocator_env
     from forgerl.interfaces import RunContext
+    from forgerl.sft.run import uses_generator
 
     roles: list[RoleSpec] = [
         RoleSpec(
@@ -293,7 +295,8 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
             env=trainer_allocator_env(_launch_env(config)),
         )
     ]
-    for role, _, _, where in server_roles(config, registry, RunContext.for_run(config, run_dir)):
+    served = server_roles(config, registry, RunContext.for_run(config, run_dir)) if uses_generator(config) else []
+    for role, _, _, where in served:
         roles = _add_role(roles, role, where)
     env = {"PYTHONUNBUFFERED": "1"}
     # OpenMP threads that spin while waiting turn a busy CPU into a 10x slowdown when a

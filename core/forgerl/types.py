@@ -180,6 +180,12 @@ class TrainBatch:
     ``trainer_version`` the version of the weights this step trains: a token's age is
     ``trainer_version - token_versions``. The loop fills both; a trainer that gets them
     reports the logprob gap by age (``logprob_gap/age_{a}``, :func:`forgerl.algorithms.policy_loss`).
+
+    ``objective`` says which loss the batch is for (the run config's ``objective``):
+    ``"grpo"``, the policy loss on the advantages, or ``"sft"``, the cross-entropy of the
+    tokens under ``loss_mask`` (:func:`forgerl.sft.loss.sft_loss`; advantages, behaviour
+    logprobs and versions are zeros then). A trainer trains only the objectives its class
+    lists in :attr:`forgerl.interfaces.Trainer.objectives`.
     """
 
     input_ids: torch.Tensor
@@ -191,6 +197,7 @@ class TrainBatch:
     num_groups: int = 0
     token_versions: torch.Tensor | None = None
     trainer_version: int | None = None
+    objective: str = "grpo"
 
     def token_ages(self) -> torch.Tensor | None:
         """``[B, T]``: how many versions older than the trained weights each token's

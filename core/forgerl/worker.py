@@ -134,26 +134,39 @@ def run_worker(run_dir: Path) -> int:
     from forgerl import events
     from forgerl.loop import Loop, install_stop_handlers
     from forgerl.rewarding import RewardSet
+    from forgerl.sft.run import uses_generator, uses_task
 
     driver = TrainerDriver(trainer, world)
     generator = sender = transport = rewards = None
+    task = None
     try:
         with _ends_run_if_start_fails(registry, run_dir, log):
-            task = registry.require("task", config.task.name).build(
-                config.task.options, seed=config.loop.seed
-            )
-            rewards = RewardSet.from_config(config, registry)
-            transport = registry.require("transport", config.transport.name).build(
-                config.transport.options, context=ctx
-            )
-            sender = transport.sender()
-            with events.phase(f"starting generator {config.generator.name}", stage="generator", run_dir=run_dir,
-                              key=f"generator:{config.generator.name}:{config.model.name}"):
-                generator = registry.require("generator", config.generator.name).build(
-                    config.generator.options, context=ctx, transport=transport
+            if uses_task(config):
+                task = registry.require("task", config.task.name).build(
+                    config.task.options, seed=config.loop.seed
                 )
+            # A supervised run that does not evaluate samples nothing: no generator.
+            if uses_generator(config):
+                rewards = RewardSet.from_config(config, registry)
+                transport = registry.require("transport", config.transport.name).build(
+                    config.transport.options, context=ctx
+                )
+                sender = transport.sender()
+                with events.phase(f"starting generator {config.generator.name}", stage="generator", run_dir=run_dir,
+                                  key=f"generator:{config.generator.name}:{config.model.name}"):
+                    generator = registry.require("generator", config.generator.name).build(
+                        config.generator.options, context=ctx, transport=transport
+                    )
             tokenizer = AutoTokenizer.from_pretrained(model_path)
-            loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer)
+            loop: Loop
+            if config.objective == "sft":
+                from forgerl.sft.run import build_loop
+
+                loop = build_loop(config, registry, ctx, driver, tokenizer, task=task, generator=generator,
+                                  rewards=rewards, sender=sender)  # fmt: skip
+            else:
+                assert generator is not None and task is not None, "an RL run builds its generator and task"
+                loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer)
             install_stop_handlers(loop)
         summary = loop.run()  # writes summary.json and calls forge_run_end itself
     finally:

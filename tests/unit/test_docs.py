@@ -268,10 +268,19 @@ def algorithm_metric_keys() -> set[str]:
     raise AssertionError("core/forgerl/algorithms/loss.py has no METRIC_KEYS")
 
 
+def sft_metric_keys() -> set[str]:
+    """``METRIC_KEYS`` of core/forgerl/sft/loss.py, read without importing torch."""
+    for node in ast.parse((REPO / "core" / "forgerl" / "sft" / "loss.py").read_text()).body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "METRIC_KEYS":
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("core/forgerl/sft/loss.py has no METRIC_KEYS")
+
+
 def fsdp_metric_keys() -> set[str]:
-    # The trainers' shared step (fsdp and torchtitan alike).
+    # The trainers' shared steps (fsdp and torchtitan alike): RL, SFT, and their common end.
     trainer = REPO / "plugins" / "forgerl_plugins" / "trainers" / "shared" / "base.py"
-    return subscript_keys(function(trainer, "train_step"), "metrics")
+    steps = ("train_step", "_sft_step", "_optimizer_step")
+    return set().union(*(subscript_keys(function(trainer, name), "metrics") for name in steps)) | sft_metric_keys()
 
 
 def documented_metric_keys() -> set[str]:

@@ -106,6 +106,15 @@ class ArithmeticTask(Task):
             )
         self.position = int(state["position"])
 
+    def demonstration(self, problem: Problem) -> str | None:
+        """A worked answer (for supervised fine-tuning): the sum written out, then the
+        result inside the tag the prompt asks for."""
+        meta = problem.metadata
+        if not {"a", "op", "b"} <= set(meta):
+            return None
+        tag = self.options.tag
+        return f"{meta['a']} {meta['op']} {meta['b']} = {problem.answer}, so the answer is <{tag}>{problem.answer}</{tag}>."
+
     # ------------------------------------------------------------- problems
 
     def problem_at(self, index: int) -> Problem:

@@ -18,11 +18,11 @@ from typing import Any
 
 from pydantic import Field
 
+from forgerl.epochs import EpochCursor
 from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.interfaces import Task
 from forgerl.options import OptionsModel
 from forgerl.types import Problem
-from forgerl_plugins.tasks.epochs import EpochCursor
 
 #: Seeds the choice of held-out rows (eval_fraction); fixed so every run seed holds out the same rows.
 EVAL_SEED = 20250101

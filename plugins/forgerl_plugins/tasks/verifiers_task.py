@@ -20,11 +20,11 @@ from typing import Any
 
 from pydantic import Field
 
+from forgerl.epochs import EpochCursor
 from forgerl.errors import ConfigError
 from forgerl.interfaces import Task
 from forgerl.types import Problem
 from forgerl_plugins.environments.verifiers_worker import VerifiersSource, check, worker_for
-from forgerl_plugins.tasks.epochs import EpochCursor
 
 #: Seeds the choice of held-out rows; fixed, so every run seed holds out the same rows.
 EVAL_SEED = 20250101

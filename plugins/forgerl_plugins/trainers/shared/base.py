@@ -26,7 +26,7 @@ import abc
 import contextlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from forgerl.errors import ConfigError
 from forgerl.interfaces import RunContext, Trainer
@@ -53,6 +53,10 @@ class ShardedTrainer(Trainer, abc.ABC):
     #: The name in messages ("the fsdp trainer needs ..."), and the one users select a
     #: subclass by (each sets its own; forgerl.backend_classes).
     name = "sharded"
+    #: The policy loss, and supervised fine-tuning (:meth:`_sft_step`).
+    objectives: ClassVar[frozenset[str]] = frozenset({"grpo", "sft"})
+    #: :meth:`export_checkpoint` writes a checkpoint as a Hugging Face folder (:mod:`.export`).
+    exports_checkpoints: ClassVar[bool] = True
 
     @staticmethod
     def local_preflight(options: ShardedTrainerOptions) -> None:
@@ -188,8 +192,10 @@ class ShardedTrainer(Trainer, abc.ABC):
         attention_mask: torch.Tensor,
         entropy: bool = False,
         positions: torch.Tensor | None = None,
+        temperature: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logprobs ``[b, L-1]`` of tokens 1..L-1 (position t-1's logits predict token t).
+        """Logprobs ``[b, L-1]`` of tokens 1..L-1 (position t-1's logits predict token t),
+        of the logits divided by ``temperature`` (default: the sampling temperature's).
 
         With ``positions`` (``[b, L-1]`` bool), only those are computed (the LM head runs
         on those hidden states alone, see :mod:`.head`); the others are 0.
@@ -206,8 +212,9 @@ class ShardedTrainer(Trainer, abc.ABC):
             targets = targets[select].unsqueeze(0)  # [1, N], the order of the hook's rows
         else:
             logits = logits[:, :-1]
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
+        temperature = self.temperature if temperature is None else temperature
+        if temperature != 1.0:
+            logits = logits / temperature
         chunk = self.options.logprob_chunk_size
         logprobs = selective_logprobs(logits, targets, chunk)
         ent = None
@@ -272,6 +279,10 @@ class ShardedTrainer(Trainer, abc.ABC):
         from forgerl.algorithms.loss import gap_age_key, policy_loss
 
         self._check_batch(batch)
+        if batch.objective not in self.objectives:
+            raise ValueError(f"the {self.name} trainer trains {sorted(self.objectives)}, not {batch.objective!r}")
+        if batch.objective == "sft":
+            return self._sft_step(batch)
         alg = self.algorithm
         shifted_mask = batch.loss_mask[:, 1:]
         count = global_count(shifted_mask, alg.loss_agg)
@@ -317,6 +328,44 @@ class ShardedTrainer(Trainer, abc.ABC):
                 torch.stack([(positions & (t["token_ages"] == a)).sum() for a in ages]).tolist(),
             ))
             acc.add(metrics, tokens=int(positions.sum()), weights=by_age)
+        metrics = self._optimizer_step(acc, shifted_mask)
+        metrics["loss"] = metrics.get("loss/policy", 0.0) + metrics.get("loss/kl", 0.0)
+        return metrics
+
+    def _sft_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimiser step on the cross-entropy of the tokens under the loss mask
+        (:func:`forgerl.sft.loss.sft_loss`): the logits as the model gives them (no
+        sampling temperature), no reference model, the mean over every loss token of the
+        batch (each micro-batch divides by the batch's count, so they add up)."""
+        from torch.profiler import record_function
+
+        from forgerl.sft.loss import sft_loss
+
+        shifted_mask = batch.loss_mask[:, 1:]
+        count = global_count(shifted_mask, "token_mean")
+        acc = MetricAccumulator()
+        for mb in self._micro_batches(batch):
+            t = self._micro_tensors(batch, mb)
+            positions = t["loss_mask"] != 0
+            with self._update_mode(), record_function("forge.forward"):
+                logprobs, entropy = self._forward_logprobs(
+                    self.model, t["input_ids"], t["attention_mask"], self.options.log_entropy, positions,
+                    temperature=1.0,
+                )
+            with record_function("forge.loss"):
+                loss, metrics = sft_loss(logprobs, t["loss_mask"], global_count=count, entropy=entropy)
+            with record_function("forge.backward"):
+                loss.backward()
+            acc.add(metrics, tokens=int(positions.sum()))
+        metrics = self._optimizer_step(acc, shifted_mask)
+        metrics["loss"] = metrics.get("loss/sft", 0.0)
+        return metrics
+
+    def _optimizer_step(self, acc: MetricAccumulator, shifted_mask: torch.Tensor) -> dict[str, float]:
+        """Clip, step and clear the gradients the micro-batches left; the step's metrics
+        (the accumulated ones over every rank, the gradient norm, the learning rate and
+        what was trained on)."""
+        from torch.profiler import record_function
 
         _, optimizer = self._live()
         with record_function("forge.clip_gradients"):
@@ -327,7 +376,6 @@ class ShardedTrainer(Trainer, abc.ABC):
 
         with record_function("forge.metrics"):
             metrics = acc.reduce(self.device, self.dp_group)
-        metrics["loss"] = metrics.get("loss/policy", 0.0) + metrics.get("loss/kl", 0.0)
         metrics["grad_norm"] = grad_norm
         metrics["lr"] = float(optimizer.param_groups[0]["lr"])
         metrics["train/tokens"] = float((shifted_mask != 0).sum())

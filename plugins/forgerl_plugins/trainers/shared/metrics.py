@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 #: Parts of the loss: each micro-batch's value is its share of the batch loss.
-SUM_KEYS = frozenset({"loss/policy", "loss/kl"})
+SUM_KEYS = frozenset({"loss/policy", "loss/kl", "loss/sft"})
 #: Maxima over tokens.
 MAX_KEYS = frozenset({"ratio/max", "logprob_gap/max"})
 

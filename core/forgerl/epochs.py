@@ -1,6 +1,6 @@
-"""Epochs over a fixed list of training problems: each epoch a fresh shuffle that depends
-on the run's seed and the epoch only, so a resumed run takes the same problems in the
-same order as one that never stopped."""
+"""Epochs over a fixed list of training items (a file task's problems, supervised
+demonstrations): each epoch a fresh shuffle that depends on the run's seed and the epoch
+only, so a resumed run takes the same items in the same order as one that never stopped."""
 
 from __future__ import annotations
 
