@@ -83,13 +83,18 @@ def plan(
     directory is then created and config.yaml written: a mistake found before that leaves
     nothing behind. ``restart`` (with ``resume_dir``) trains that run again from step 0:
     allowed only where it has no checkpoint; its finished metrics rows are set aside."""
-    from forgerl import preflight, resuming
+    from forgerl import preflight, resuming, run_model
 
     registry = registry or build_registry()
     config = resolve(config, registry, check_available=True)
     scheduler = registry.require("scheduler", config.scheduler.name).build(config.scheduler.options)
     if create:
         scheduler.check()  # e.g. no sbatch: fail before a run directory appears
+    notes: list[str] = []
+    if scheduler.shares_filesystem:
+        # Another run named as the model: the checkpoint it means now, for good (resume).
+        config, pinned = run_model.pin(config)
+        notes += [pinned] if pinned else []
     fresh = resume_dir is None
     run_dir = runs.planned_run_dir(config) if resume_dir is None else runs.existing_run_dir(resume_dir)
     if create or not fresh:
@@ -98,7 +103,6 @@ def plan(
     if not fresh:
         resuming.check(run_dir, config, restart=restart)
     preflight.check_run(config, registry, scheduler, job, run_dir=run_dir, fresh=fresh)
-    notes: list[str] = []
     if create:
         if fresh:
             created = runs.missing_dirs(run_dir)

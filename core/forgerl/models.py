@@ -1,8 +1,9 @@
 """Turning ``model.name`` into a local Hugging Face folder.
 
 A name is, in this order: a named model a plugin provides (``forge plugins list`` shows
-them; built or converted once into the cache directory), an existing local folder with a
-``config.json``, or a hub id ``owner/name``, fetched with huggingface_hub where the network
+them; built or converted once into the cache directory), another run (its run directory,
+``run:NAME`` or one of its checkpoint folders: its weights, :mod:`forgerl.run_model`), an
+existing local folder with a ``config.json``, or a hub id ``owner/name``, fetched with huggingface_hub where the network
 allows (``HF_HUB_OFFLINE=1`` uses only what the hub cache already holds). A bare word that
 is none of these is a typo, refused with the close named model, never asked of the hub.
 """
@@ -50,6 +51,12 @@ def resolve_model(model_config: ModelConfig, registry: Registry, cache_dir: Path
 
             raise ConfigError(format_validation_error(exc, prefix="model.options")) from None
         return backend.build(options, cache_dir=cache)
+
+    from forgerl import run_model
+
+    found = run_model.find(name)
+    if found is not None:  # another run's weights, written once as a folder in the cache
+        return run_model.resolve(found, registry, Path(cache_dir) if cache_dir is not None else default_cache_dir())
 
     local = Path(name).expanduser()
     if local.is_dir():

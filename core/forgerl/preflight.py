@@ -6,6 +6,7 @@ process starts (and not a traceback in a trainer log a minute later):
 
 * the output location: no run there yet, and a writable directory can be created;
 * the model: a named model's backend can build it here, into a usable cache directory; a
+  run named as the model has a usable checkpoint that its trainer can export; a
   local folder exists and has a config.json; any other name reads as a hub id
   ``owner/name`` (a bare word is a typo: the close named model is suggested);
   ``loop.sampling.max_tokens`` is below the model's context length;
@@ -136,6 +137,13 @@ def model_context_length(config: RunConfig, registry: Registry, *, local_files: 
         return length if _positive_int(length) else None
     if not local_files:
         return None
+    from forgerl import run_model
+
+    found = run_model.find(name)
+    if found is not None:  # another run's weights: its model's length, nothing exported yet
+        source = run_model.run_config(found)
+        run_model.exporting_trainer(found, source, registry)
+        return model_context_length(source, registry, local_files=local_files)
     try:
         is_local = Path(name).expanduser().exists() or _looks_like_path(name)
     except (OSError, ValueError) as exc:  # a name too long for a path, a NUL byte

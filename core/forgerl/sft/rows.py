@@ -126,6 +126,9 @@ def _format_of(row: Mapping[str, Any], where: str, fmt: Format) -> str:
 
 def _prompt_completion(row: Mapping[str, Any], where: str) -> Demonstration:
     prompt, completion = row["prompt"], row["completion"]
+    for field, value in (("prompt", prompt), ("completion", completion)):
+        if not isinstance(value, (str, list)):
+            raise DataError(f"{where}: {field}: a string or a list of messages, not {_kind(value)}")
     if isinstance(prompt, str) and isinstance(completion, str):
         _check_size(len(prompt) + len(completion), where)
         return Text(prompt, completion, False, where)

@@ -428,6 +428,17 @@ class ShardedTrainer(Trainer, abc.ABC):
         load_checkpoint(*self._live(), Path(path))
 
     @classmethod
+    def export_checkpoint(
+        cls, state: Path, output: Path, *, options: ShardedTrainerOptions, model_path: Path, dtype: str
+    ) -> None:
+        """The policy of a checkpoint's trainer state as a Hugging Face folder (a LoRA
+        adapter merged in): what ``forge export`` writes (:mod:`.export`)."""
+        from .export import read_model_state, write_model
+
+        write_model(cls.checkpoint_as_hf(read_model_state(Path(state)), model_path, options.lora), options.lora,
+                    model_path, dtype, Path(output))  # fmt: skip
+
+    @classmethod
     def checkpoint_as_hf(
         cls, state: dict[str, torch.Tensor], model_path: Path, lora: LoraOptions | None
     ) -> dict[str, torch.Tensor]:
