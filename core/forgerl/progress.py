@@ -80,6 +80,8 @@ def step_text(rows: list[dict[str, Any]], total: int, accuracy: float | None) ->
     reward = row.get("reward/mean")
     if isinstance(reward, (int, float)):
         parts.append(f"reward {reward:.3f}")
+    elif isinstance(row.get("loss/sft"), (int, float)):  # a supervised run has a loss, no reward
+        parts.append(f"loss {row['loss/sft']:.3f}")
     if accuracy is not None:
         parts.append(f"accuracy {accuracy:.3f}")
     per_step = seconds_per_step(rows[-11:])
@@ -260,9 +262,13 @@ def print_summary(run_dir: Path, status: JobStatus) -> None:
         before, after = summary.get("eval_accuracy_start"), summary.get("eval_accuracy_end")
         if before is not None or after is not None:
             print(f"  held-out accuracy: {_fmt(before)} -> {_fmt(after)}", file=out)
-        if "steps" in summary:
+        if "steps" in summary and summary.get("objective") == "sft":
+            kept = summary.get("demonstrations") or {}
+            print(f"  steps: {summary['steps']}   demonstrations: " + ", ".join(f"{v} {k.replace('_', ' ')}"
+                  for k, v in kept.items()), file=out)  # fmt: skip
+        elif "steps" in summary:
             print(f"  steps: {summary['steps']}   policy version: {summary.get('policy_version')}", file=out)
-        phases = summary.get("time", {})
+        phases = {k: v for k, v in summary.get("time", {}).items() if v or summary.get("objective") != "sft"}
         if phases:
             print("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()), file=out)
     print(f"  run directory: {run_dir}", file=out)

@@ -97,7 +97,7 @@ def test_a_single_turn_chat_prompt_is_the_rl_loops_prompt(tokenizer):
     assert ex is not None
     prompt = Tokenizing(tokenizer).prompt_ids(problem)
     assert ex.input_ids[: len(prompt)] == prompt and not any(ex.loss_mask[: len(prompt)])
-    completion = list(tokenizer(answer, add_special_tokens=False)["input_ids"]) + [tokenizer.eos_token_id]
+    completion = [*tokenizer(answer, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
     assert ex.input_ids[len(prompt):] == completion and all(ex.loss_mask[len(prompt):])
 
 
