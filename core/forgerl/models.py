@@ -56,7 +56,8 @@ def resolve_model(model_config: ModelConfig, registry: Registry, cache_dir: Path
 
     found = run_model.find(name)
     if found is not None:  # another run's weights, written once as a folder in the cache
-        return run_model.resolve(found, registry, Path(cache_dir) if cache_dir is not None else default_cache_dir())
+        cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        return run_model.resolve(found, registry, cache, resolve_model)
 
     local = Path(name).expanduser()
     if local.is_dir():

@@ -53,7 +53,8 @@ def check_run(
 ) -> None:
     """Raise a one-line UserError for anything that would make the run fail to start."""
     from forgerl.kinds import SINGLE_BACKEND_FIELDS
-    from forgerl.sft import run as sft_run
+    from forgerl.sft import needs
+    from forgerl.sft.preflight import check_before_run
 
     if fresh:
         runs.check_output_location(run_dir)
@@ -61,7 +62,7 @@ def check_run(
     local_files = scheduler.shares_filesystem
     context = model_context_length(config, registry, local_files=local_files)
     max_tokens = config.loop.sampling.max_tokens
-    sampling = sft_run.uses_generator(config)
+    sampling = needs.uses_generator(config)
     if context is not None and sampling and max_tokens >= context:
         raise ConfigError(
             f"loop.sampling.max_tokens ({max_tokens}) must be below the context length of model "
@@ -74,12 +75,12 @@ def check_run(
         )
     if sampling:
         check_adapter_served(config, registry)
-    sft_run.check_before_run(config, registry, local_files=local_files)
+    check_before_run(config, registry, local_files=local_files)
     if local_files:
         if not fresh:
             check_checkpoints(run_dir, keep=config.checkpoint.keep)
         # What the run does not build (a supervised run: no generator, maybe no task) is not checked.
-        built = {"generator": sampling, "transport": sampling, "task": sft_run.uses_task(config)}
+        built = {"generator": sampling, "transport": sampling, "task": needs.uses_task(config)}
         choices = [(kind, getattr(config, field)) for field, kind in SINGLE_BACKEND_FIELDS.items()
                    if built.get(field, True)]  # fmt: skip
         if sampling:

@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -128,12 +129,14 @@ def pin(config: RunConfig) -> tuple[RunConfig, str | None]:
     return pinned, f"model {config.model.name}: the weights of its step {found.step} ({found.folder})"
 
 
-def resolve(found: RunCheckpoint, registry: Registry, cache_dir: Path) -> Path:
+def resolve(
+    found: RunCheckpoint, registry: Registry, cache_dir: Path, resolve_model: Callable[..., Path]
+) -> Path:
     """The Hugging Face folder of ``found``'s weights in the cache, written on first use
-    (under a file lock: the run's processes resolve it at the same time)."""
+    (under a file lock: the run's processes resolve it at the same time). The run's own
+    model (a model, or another run) is resolved with ``resolve_model`` (that of
+    :mod:`forgerl.models`, which calls this)."""
     from filelock import FileLock
-
-    from forgerl.models import resolve_model
 
     config = run_config(found)
     trainer = exporting_trainer(found, config, registry)

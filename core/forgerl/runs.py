@@ -282,7 +282,7 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
     model) need; none of those for a supervised run that does not evaluate."""
     from forgerl.allocator import trainer_allocator_env
     from forgerl.interfaces import RunContext
-    from forgerl.sft.run import uses_generator
+    from forgerl.sft.needs import uses_generator
 
     roles: list[RoleSpec] = [
         RoleSpec(

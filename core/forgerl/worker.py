@@ -134,7 +134,7 @@ def run_worker(run_dir: Path) -> int:
     from forgerl import events
     from forgerl.loop import Loop, install_stop_handlers
     from forgerl.rewarding import RewardSet
-    from forgerl.sft.run import uses_generator, uses_task
+    from forgerl.sft.needs import uses_generator, uses_task
 
     driver = TrainerDriver(trainer, world)
     generator = sender = transport = rewards = None

@@ -257,6 +257,17 @@ def loop_metric_keys() -> set[str]:
     assert components, "core/forgerl/rewarding.py: no reward component keys found"
     if any(k.startswith("reward/") and "<>" in k for k in keys):
         keys |= {"reward/" + c for c in components}
+    return keys | sft_loop_metric_keys()
+
+
+def sft_loop_metric_keys() -> set[str]:
+    """Every key a supervised run's loop (core/forgerl/sft/loop.py) puts in a row, with
+    where it is in its data (core/forgerl/sft/data.py)."""
+    sft = REPO / "core" / "forgerl" / "sft"
+    keys = dict_literal_keys(function(sft / "loop.py", "train_one"))
+    for node in ast.walk(ast.parse((sft / "data.py").read_text())):
+        if isinstance(node, ast.FunctionDef) and node.name == "progress":  # each source's
+            keys |= dict_literal_keys(node)
     return keys
 
 

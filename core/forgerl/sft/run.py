@@ -1,17 +1,11 @@
-"""A supervised run's parts: which processes it needs, the checks before launch, and its
-loop on trainer rank 0 (:func:`build_loop`, called by :mod:`forgerl.worker`).
-
-A supervised run is a trainer-only job unless it evaluates (``sft.evaluate``): then it
-has a generator (with its server roles, a transport, the rewards) exactly as an RL run
-of the same config would, and the same job shape on every scheduler."""
+"""A supervised run's loop on trainer rank 0 (:func:`build_loop`, called by
+:mod:`forgerl.worker`): its demonstrations loaded and rendered, then :class:`SFTLoop`."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-from forgerl.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.config import RunConfig
@@ -22,37 +16,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from forgerl.spmd import TrainerDriver
 
 log = logging.getLogger("forgerl.sft")
-
-
-def uses_generator(config: RunConfig) -> bool:
-    """Whether the run samples (RL) or evaluates through a generator: only then does it
-    start generator servers, a transport and the rewards."""
-    return config.objective != "sft" or config.sft.evaluate
-
-
-def uses_task(config: RunConfig) -> bool:
-    """Whether the run builds its task: for problems, held-out problems or demonstrations."""
-    return uses_generator(config) or config.sft.task_demonstrations
-
-
-def check_before_run(config: RunConfig, registry: Registry, *, local_files: bool) -> None:
-    """Before launch (:func:`forgerl.preflight.check_run`): the task gives demonstrations
-    where they are asked of it, and the data files are there and hold demonstrations
-    (where the run's processes see this machine's files)."""
-    if config.objective != "sft":
-        return
-    if config.sft.task_demonstrations:
-        task = registry.require("task", config.task.name).load_factory()
-        gives = getattr(task, "gives_demonstrations", None)
-        if not (callable(gives) and gives()):
-            raise ConfigError(
-                f"sft.task_demonstrations: task {config.task.name!r} gives no demonstrations (its class does not "
-                "implement demonstration()); give sft.data files instead, or a task that does (arithmetic)"
-            )
-    if local_files and config.sft.data:
-        from forgerl.sft.data import check_files
-
-        check_files(config.sft)
 
 
 def load_demonstrations(config: RunConfig, task: Task | None, tokenizer: Any, run_dir: Path) -> Demonstrations:
