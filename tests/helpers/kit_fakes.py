@@ -119,6 +119,9 @@ class GoodTask(Task):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.position = int(state["position"])
 
+    def demonstration(self, problem: Problem) -> str:
+        return f"<answer>{problem.answer}</answer>"
+
 
 class ShortBatches(GoodTask):
     name = "kit_short_batches"
@@ -191,6 +194,25 @@ class StateDictDraws(GoodTask):
         return {"position": self.position}
 
 
+class AnswersOutOfTurn(GoodTask):
+    """Its demonstrations answer a tool call nobody made."""
+
+    name = "kit_answers_out_of_turn"
+
+    def problem(self, i: int) -> Problem:
+        return Problem(id=f"p{i}", prompt=[{"role": "user", "content": f"What is {i} + 1?"}], answer=str(i + 1))
+
+    def demonstration(self, problem: Problem) -> list[dict[str, str]]:  # type: ignore[override]
+        return [{"role": "tool", "content": problem.answer}, {"role": "assistant", "content": problem.answer}]
+
+
+class NeverDemonstrates(GoodTask):
+    name = "kit_never_demonstrates"
+
+    def demonstration(self, problem: Problem) -> None:  # type: ignore[override]
+        return None
+
+
 _REWARDS = (
     GoodReward,
     NanOnEmpty,
@@ -213,6 +235,8 @@ _TASKS = (
     ForgetsPosition,
     StateNotJson,
     StateDictDraws,
+    AnswersOutOfTurn,
+    NeverDemonstrates,
 )
 
 

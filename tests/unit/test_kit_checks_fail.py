@@ -87,6 +87,9 @@ def test_an_unknown_reward_fails_naming_the_fix():
         ("kit_forgets_position", "test_resumes_exactly_from_its_state", "after 3 problems, a new instance"),
         ("kit_state_not_json", "test_resumes_exactly_from_its_state", "not JSON-serialisable"),
         ("kit_state_dict_draws", "test_resumes_exactly_from_its_state", "changed without drawing"),
+        ("kit_answers_out_of_turn", "test_demonstrations_are_rows_a_run_can_train_on",
+         r"completion\[0\]: a tool message answers a call"),
+        ("kit_never_demonstrates", "test_demonstrations_are_rows_a_run_can_train_on", "returned None for 20 problems"),
     ],
 )
 def test_each_task_check_fails_on_a_task_that_breaks_it(backend, check, message):

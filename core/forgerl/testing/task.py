@@ -16,6 +16,10 @@ What it checks (each a test of :class:`TaskContract`):
 - a resumed run continues exactly: ``state_dict()`` is JSON-serialisable (checkpoints store
   it as JSON), does not itself move the stream (the run calls it after every batch), and a
   new instance that loads it (after a JSON round trip) yields what the original yields next.
+- a task that gives demonstrations (overrides ``demonstration``, for supervised
+  fine-tuning) gives, for problems of its stream, rows a run can train on: a string reply
+  or assistant messages that continue the prompt (checked as a data file's row is,
+  :func:`forgerl.sft.rows.parse_row`), or None; and not None for every one.
 
 A subclass names the backend (``backend``), its options as a config holds them
 (``options``; an autouse fixture of the subclass may set it per test, e.g. to a file under
@@ -112,6 +116,28 @@ class TaskContract:
                 f"after {drawn} problems, a new instance that loaded state_dict() {state!r:.200} yields "
                 f"{_ids(got)}, the original {_ids(following)}"
             )
+
+    def test_demonstrations_are_rows_a_run_can_train_on(self) -> None:
+        from forgerl.errors import ConfigError
+        from forgerl.sft.rows import parse_row
+
+        task = self.build()
+        if not type(task).gives_demonstrations():
+            return  # the optional part of the interface: nothing to check
+        given = 0
+        for p in task.next_problems(20):
+            answer = task.demonstration(p)
+            if answer is None:
+                continue
+            assert isinstance(answer, (str, list)), (
+                f"demonstration({p.id!r}) returned a {type(answer).__name__}: a string, a list of messages or None"
+            )
+            try:
+                parse_row({"prompt": p.prompt, "completion": answer}, f"demonstration({p.id!r})")
+            except ConfigError as exc:
+                raise AssertionError(f"a run cannot train on it: {exc}") from None
+            given += 1
+        assert given, "demonstration() returned None for 20 problems of the stream: a run would find nothing to train on"
 
 
 def check_problems(problems: Sequence[Any], where: str) -> None:
