@@ -104,18 +104,24 @@ def test_a_killed_lora_sft_run_resumes_as_if_never_stopped(tmp_path: Path, demos
         assert deterministic(a) == pytest.approx(deterministic(b), rel=1e-6, abs=1e-7), a["step"]
 
 
-def test_task_demonstrations_evaluated_through_the_generator(tmp_path: Path) -> None:
+@pytest.mark.parametrize("source", ["task demonstrations", "calculator conversations"])
+def test_held_out_accuracy_through_the_generator(tmp_path: Path, demos: Path, source: str) -> None:
+    """The task's worked answers evaluated on its held-out problems (one completion each),
+    or tool conversations evaluated through the calculator environment's trajectories."""
     out = tmp_path / "run"
-    proc = forge("sft", "--task", "arithmetic", *TINY, "--generator", "hf", "--steps", "2", "--output", str(out),
-                 "--set", "sft.batch_size=4", "--set", "loop.eval_size=4", "--set", "loop.sampling.max_tokens=8",
-                 "--set", "trainer.options.lr=1e-3")  # fmt: skip
+    data = [] if source == "task demonstrations" else ["--data", str(demos), "--environment", "calculator",
+                                                       "--set", "environment.max_total_tokens=64"]  # fmt: skip
+    proc = forge("sft", "--task", "arithmetic", *data, *TINY, "--generator", "hf", "--steps", "2", "--output",
+                 str(out), "--set", "sft.batch_size=4", "--set", "loop.eval_size=4",
+                 "--set", "loop.sampling.max_tokens=8", "--set", "trainer.options.lr=1e-3")  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = rows_of(out)
     assert [r["step"] for r in rows] == [1, 2] and "eval/accuracy" in rows[-1] and "eval/accuracy" not in rows[0]
+    assert rows[-1]["eval/samples"] == 4
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_accuracy_start"] is not None and summary["eval_accuracy_end"] is not None
     assert summary["policy_version"] == 2, "the generator evaluated the weights of the last step"
-    assert summary["demonstrations"]["kept"] == 8
+    assert summary["demonstrations"]["kept"] == (8 if source == "task demonstrations" else len(ROWS))
 
 
 def test_sft_then_rl_by_naming_the_run(tmp_path: Path, demos: Path, tiny_model_dir: Path) -> None:
