@@ -178,7 +178,9 @@ def sft(
     from the result with `forge run --model runs/NAME`."""
     implied = ["objective=sft"]
     if data:
-        implied.append(f"sft.data={json.dumps(list(data))}")
+        # A file here is named absolutely: the run's processes may start elsewhere.
+        named = [str(Path(d).resolve()) if Path(d).is_file() else d for d in data]
+        implied.append(f"sft.data={json.dumps(named)}")
     elif kwargs.get("task"):
         implied.append("sft.task_demonstrations=true")
     if evaluate is None and kwargs.get("task"):
