@@ -237,12 +237,8 @@ def _call(value: Any, where: str, at: str, names: set[str]) -> tuple[ToolCall, s
     if not isinstance(name, str) or not name or len(name) > MAX_TOOL_NAME:
         raise DataError(f"{where}: {at}.function.name: a tool name of 1 to {MAX_TOOL_NAME} characters, not {_short(name)}")
     _known_tool(name, names, where, f"{at}.function.name")
-    arguments = function.get("arguments", {})
-    if isinstance(arguments, str):  # the OpenAI wire format sends them as a JSON string
-        try:
-            arguments = json.loads(arguments)
-        except (ValueError, RecursionError):
-            raise DataError(f"{where}: {at}.function.arguments: a string that is not JSON") from None
+    # The OpenAI wire format sends the arguments as a JSON string.
+    arguments = _unquoted(function.get("arguments", {}), where, f"{at}.function.arguments")
     if not isinstance(arguments, dict):
         raise DataError(f"{where}: {at}.function.arguments: a JSON object, not {_kind(arguments)}")
     try:
@@ -310,6 +306,16 @@ def _content(value: Any, where: str, at: str, *, empty_ok: bool = False) -> str:
     raise DataError(f"{where}: {at}: a string, not {_kind(value)}")
 
 
+def _unquoted(value: Any, where: str, field: str) -> Any:
+    """``value``, or what it holds when it is a string of JSON."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except (ValueError, RecursionError):
+        raise DataError(f"{where}: {field}: a string that is not JSON") from None
+
+
 def _string(value: Any, where: str, field: str) -> str:
     if not isinstance(value, str):
         raise DataError(f"{where}: {field}: a string, not {_kind(value)}")
@@ -319,11 +325,7 @@ def _string(value: Any, where: str, field: str) -> str:
 def _tools(value: Any, where: str) -> list[dict[str, Any]]:
     if value is None:
         return []
-    if isinstance(value, str):  # Parquet files often keep the schemas as one JSON string
-        try:
-            value = json.loads(value)
-        except (ValueError, RecursionError):
-            raise DataError(f"{where}: tools: a string that is not JSON") from None
+    value = _unquoted(value, where, "tools")  # Parquet files often keep the schemas as one JSON string
     if not isinstance(value, list):
         raise DataError(f"{where}: tools: a list of tool schemas, not {_kind(value)}")
     if len(value) > MAX_TOOLS:
