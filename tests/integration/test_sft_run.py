@@ -70,6 +70,9 @@ def test_a_tiny_sft_run_trains_without_a_generator(tmp_path: Path, demos: Path) 
     assert [p["role"] for p in job["processes"]] == ["trainer"], "a run that does not evaluate starts no generator"
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-000004"
     assert "loss " in proc.stderr, "progress shows the loss of a supervised run"
+    report = forge("report", str(out))
+    assert report.returncode == 0, report.stderr[-2000:]
+    assert "loss/sft" in (out / "report.html").read_text(), "forge report plots the supervised loss"
 
 
 def test_a_killed_lora_sft_run_resumes_as_if_never_stopped(tmp_path: Path, demos: Path) -> None:
