@@ -83,6 +83,15 @@ class KeepsItsProcessGroup(FSDPTrainer):
         super().close()
 
 
+class SftAtSamplingTemperature(FSDPTrainer):
+    """Takes the supervised loss at the sampling temperature, as the RL loss's logprobs are."""
+
+    name = "kit_sft_at_sampling_temperature"
+
+    def _forward_logprobs(self, model, input_ids, attention_mask, entropy=False, positions=None, temperature=None):
+        return super()._forward_logprobs(model, input_ids, attention_mask, entropy, positions)
+
+
 @hookimpl
 def forge_trainers():
     return [
@@ -93,4 +102,5 @@ def forge_trainers():
         DriftsEveryStep,
         ForgetsTheOptimizer,
         KeepsItsProcessGroup,
+        SftAtSamplingTemperature,
     ]

@@ -41,6 +41,8 @@ def scheduler_kit(name: str, **attrs):
          r"after the resumed step .* away from the uninterrupted run's: save and load the optimiser's state"),
         ("kit_keeps_its_process_group", "test_close_releases_processes_threads_and_the_process_group",
          "left the default torch.distributed process group"),
+        ("kit_sft_at_sampling_temperature", "test_sft_loss_is_transformers_cross_entropy",
+         r"the sft loss is .*, transformers' cross-entropy of the same labels"),
     ],
 )
 def test_each_trainer_check_fails_on_a_trainer_that_breaks_it(backend, check, message, tiny_model_dir, tmp_path):

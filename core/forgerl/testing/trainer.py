@@ -22,6 +22,10 @@ What it checks (each a test of :class:`TrainerContract`):
   weights, and the next step gives the same metrics and weights as without the break;
 - a KL term (``algorithm.kl_coef > 0``) is honoured (``kl/ref`` is reported) or refused
   when the trainer is built, with a one-line :class:`~forgerl.errors.UserError`;
+- a trainer that lists ``sft`` in its ``objectives`` trains a batch of that objective on
+  the cross-entropy transformers computes for labels ``-100`` outside the loss mask (its
+  ``loss``, within ``sft_tolerance``), at the plain logits whatever the sampling
+  temperature (supervised fine-tuning, docs/sft.md);
 - ``close()`` (twice: it is idempotent) leaves no threads or child processes it started
   and no default ``torch.distributed`` process group it created;
 - with :attr:`TrainerContract.two_ranks`, two ranks in their own processes (a gloo group
@@ -104,6 +108,8 @@ class TrainerContract:
     rank_tolerance: ClassVar[float] = 1e-3
     #: Most difference allowed between a resumed step and the original (0: bit-exact).
     resume_tolerance: ClassVar[float] = 0.0
+    #: Most |trainer's sft loss - transformers' cross-entropy| allowed (fp32).
+    sft_tolerance: ClassVar[float] = 1e-5
     #: Seconds (scaled) each test may run before it fails instead of hanging the suite.
     hard_limits: ClassVar[Mapping[str, float]] = {"test_two_ranks_take_the_same_step_as_one": 420}
     default_hard_limit: ClassVar[float] = 180
@@ -220,6 +226,33 @@ class TrainerContract:
             f"the trainer's logprobs are {gap:.3g} away from log_softmax(logits / T) of a plain transformers "
             f"forward pass at T = {self.temperature} (tolerance {self.logprob_tolerance}): the run would train "
             "on logprobs its generator did not sample with"
+        )
+
+    def test_sft_loss_is_transformers_cross_entropy(self, model_dir: Path, tmp_path: Path) -> None:
+        import dataclasses
+
+        import torch
+
+        record = backend_under_test("trainer", self.backend, self.plugins, required=self.required)
+        if "sft" not in getattr(record.load_factory(), "objectives", frozenset({"grpo"})):
+            return  # a trainer that does not train the objective is refused before a run starts
+        raw = make_batch(model_dir, rows=4, seed=8)
+        batch = dataclasses.replace(raw, objective="sft", advantages=torch.zeros(raw.size))
+        ids = torch.where(batch.attention_mask != 0, batch.input_ids, 0)
+        labels = torch.where(batch.loss_mask != 0, ids, -100)
+        with torch.no_grad():
+            expected = float(reference_model(model_dir)(input_ids=ids, attention_mask=batch.attention_mask,
+                                                        labels=labels).loss)  # fmt: skip
+        trainer = self.build(model_dir, tmp_path)
+        try:
+            loss = trainer.train_step(batch).get("loss")
+        finally:
+            trainer.close()
+        assert loss is not None, "train_step on an sft batch reports no loss"
+        assert abs(loss - expected) <= self.sft_tolerance, (
+            f"the sft loss is {loss:.7g}, transformers' cross-entropy of the same labels {expected:.7g} (tolerance "
+            f"{self.sft_tolerance}): the mean negative log-likelihood of the loss-mask tokens over the whole batch, "
+            "at the plain logits (no sampling temperature)"
         )
 
     def test_zero_advantages_leave_the_weights_alone(self, model_dir: Path, tmp_path: Path) -> None:
