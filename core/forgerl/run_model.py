@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 from forgerl.errors import ConfigError, NotSupported
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.config import RunConfig
-    from forgerl.plugins import Registry
+    from forgerl.configuration.config import RunConfig
+    from forgerl.registry.plugins import Registry
 
 PREFIX = "run:"
 #: Written last into an exported folder: it is complete, and from which checkpoint.
@@ -54,7 +54,7 @@ class RunCheckpoint:
 def find(name: str) -> RunCheckpoint | None:
     """The checkpoint ``name`` refers to, or None when it names no run (a model, a model
     folder, a hub id). ConfigError for a run that has no usable checkpoint."""
-    from forgerl import runs
+    from forgerl.rundirs import runs
 
     if name.startswith(PREFIX):
         ref = name[len(PREFIX):]
@@ -77,7 +77,7 @@ def find(name: str) -> RunCheckpoint | None:
 
 
 def _is_run(path: Path) -> bool:
-    from forgerl import runs
+    from forgerl.rundirs import runs
 
     try:
         return (path / runs.CONFIG_FILE).is_file()
@@ -86,7 +86,7 @@ def _is_run(path: Path) -> bool:
 
 
 def _newest(run_dir: Path, name: str) -> RunCheckpoint:
-    from forgerl import checkpoint
+    from forgerl.checkpoints import checkpoint
 
     folder = checkpoint.latest(run_dir)  # CheckpointUnusable when it has some and none is usable
     if folder is None:
@@ -99,8 +99,8 @@ def _newest(run_dir: Path, name: str) -> RunCheckpoint:
 
 def run_config(found: RunCheckpoint) -> RunConfig:
     """The config of the run that saved ``found``."""
-    from forgerl import runs
-    from forgerl.config import read_yaml, validate_config
+    from forgerl.configuration.config import read_yaml, validate_config
+    from forgerl.rundirs import runs
 
     path = found.run_dir / runs.CONFIG_FILE
     return validate_config(read_yaml(path), source=str(path))
@@ -135,7 +135,7 @@ def resolve(
     """The Hugging Face folder of ``found``'s weights in the cache, written on first use
     (under a file lock: the run's processes resolve it at the same time). The run's own
     model (a model, or another run) is resolved with ``resolve_model`` (that of
-    :mod:`forgerl.models`, which calls this)."""
+    :mod:`forgerl.rundirs.models`, which calls this)."""
     from filelock import FileLock
 
     config = run_config(found)
@@ -148,7 +148,7 @@ def resolve(
         return target
     if manifest is None:
         raise ConfigError(f"model {str(found.folder)!r}: that checkpoint no longer exists (nor its export in {root})")
-    from forgerl import checkpoint
+    from forgerl.checkpoints import checkpoint
 
     checkpoint.load(found.folder)  # CheckpointUnusable (one line) for a damaged one
     if found.run_dir in _resolving:
@@ -188,7 +188,7 @@ def _complete(folder: Path, manifest: str | None) -> bool:
 
 
 def _manifest_digest(folder: Path) -> str | None:
-    from forgerl import checkpoint
+    from forgerl.checkpoints import checkpoint
 
     try:
         return hashlib.sha256((folder / checkpoint.MANIFEST).read_bytes()).hexdigest()

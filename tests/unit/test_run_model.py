@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from forgerl import checkpoint
-from forgerl.checkpoint_format import Snapshot
+from forgerl.checkpoints import checkpoint
+from forgerl.checkpoints.checkpoint_format import Snapshot
 from forgerl.errors import ConfigError
 from forgerl.run_model import find
 
@@ -21,7 +21,7 @@ def make_run(root: Path, steps: tuple[int, ...]) -> Path:
     for step in steps:
         state = {"step": step, "policy_version": 0, "task_state": {}, "next_rollout_index": step,
                  "time_totals": {}, "eval_start": None, "eval_last": None}  # fmt: skip
-        from forgerl.checkpoint_format import capture_rng
+        from forgerl.checkpoints.checkpoint_format import capture_rng
 
         rng, arrays = capture_rng()
         checkpoint.save(root, step, Snapshot({**state, "rng": rng}, [], arrays), lambda p: (p / "w").write_text("x"),

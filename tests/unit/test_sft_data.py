@@ -215,7 +215,7 @@ def test_forge_sft_refuses_a_hostile_file_before_anything_starts(tmp_path):
 
 
 def test_sft_without_demonstrations_is_refused_by_the_config():
-    from forgerl.config import build_config
+    from forgerl.configuration.config import build_config
     from forgerl.errors import ConfigError
 
     with pytest.raises(ConfigError, match="objective sft needs demonstrations"):

@@ -10,10 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from forgerl.config import build_config
-from forgerl.plugins import build_registry
-from forgerl.resolve import resolve
-from forgerl.runs import build_job
+from forgerl.configuration.config import build_config
+from forgerl.registry.plugins import build_registry
+from forgerl.registry.resolve import resolve
+from forgerl.rundirs.runs import build_job
 from tests.helpers.timing import scaled
 
 SFT = ["objective=sft", "sft.data=[demos.jsonl]"]

@@ -14,11 +14,11 @@ import pytest
 pytest.importorskip("transformers")
 
 from forgerl.environment import tool_schemas
-from forgerl.rollout import Tokenizing
+from forgerl.rollouts.rollout import Tokenizing
+from forgerl.rollouts.trajectory import Limits, TrajectoryRunner
 from forgerl.sft.render import Renderer
 from forgerl.sft.rows import Chat, parse_row
 from forgerl.testing.environment_support import ScriptedGenerator
-from forgerl.trajectory import Limits, TrajectoryRunner
 from forgerl.types import Problem, SamplingParams
 from forgerl_plugins.environments.calculator import CalculatorEnvironment
 from forgerl_plugins.tasks.arithmetic import ArithmeticTask

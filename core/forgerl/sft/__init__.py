@@ -4,7 +4,7 @@
 - :mod:`.rows` and :mod:`.files`: demonstrations read from JSONL or Parquet (or given by a
   task) and checked, every problem one line naming the file, the row and the field;
 - :mod:`.render`: demonstrations as token ids and a loss mask, rendered as environments
-  render trajectories (:mod:`forgerl.chat_tokens`);
+  render trajectories (:mod:`forgerl.rollouts.chat_tokens`);
 - :mod:`.data`: the resumable stream of examples a run trains on;
 - :mod:`.batch` and :mod:`.loss`: the batch a trainer gets, and the cross-entropy it
   minimises;

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
-from forgerl.config_limits import MAX_SAMPLES_PER_STEP, MAX_TOKENS
+from forgerl.configuration.limits import MAX_SAMPLES_PER_STEP, MAX_TOKENS
 from forgerl.options import OptionsModel
 
 #: Files one run may train on (a typo in a glob should not open a million files).

@@ -1,4 +1,4 @@
-"""The supervised loop: the RL loop's frame (:class:`forgerl.loop.Loop`: checkpoints at
+"""The supervised loop: the RL loop's frame (:class:`forgerl.runloop.loop.Loop`: checkpoints at
 step boundaries, metrics rows, SIGTERM handling, summary, hooks), with demonstrations in
 place of rollouts.
 
@@ -20,18 +20,18 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from forgerl import checkpoint as ckpt
+from forgerl.checkpoints import checkpoint as ckpt
 from forgerl.interfaces import Task
-from forgerl.loop import Loop
+from forgerl.runloop.loop import Loop
 from forgerl.sft.batch import collate
 from forgerl.sft.data import Demonstrations
 from forgerl.types import Problem
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
     from forgerl.interfaces import Generator, RunContext
-    from forgerl.plugins import Registry
-    from forgerl.spmd import TrainerDriver
+    from forgerl.registry.plugins import Registry
+    from forgerl.runloop.spmd import TrainerDriver
 
 
 class DemonstrationTask(Task):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.config_sections import RunConfig
+    from forgerl.configuration.sections import RunConfig
 
 
 def uses_generator(config: RunConfig) -> bool:

@@ -1,5 +1,5 @@
 """What ``forge run`` checks of a supervised run before anything is created
-(:func:`forgerl.preflight.check_run` calls :func:`check_before_run`)."""
+(:func:`forgerl.runloop.preflight.check_run` calls :func:`check_before_run`)."""
 
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ from typing import TYPE_CHECKING
 from forgerl.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.config_sections import RunConfig
-    from forgerl.plugins import Registry
+    from forgerl.configuration.sections import RunConfig
+    from forgerl.registry.plugins import Registry
 
 
 def check_before_run(config: RunConfig, registry: Registry, *, local_files: bool) -> None:
-    """Before launch (:func:`forgerl.preflight.check_run`): the task gives demonstrations
+    """Before launch (:func:`forgerl.runloop.preflight.check_run`): the task gives demonstrations
     where they are asked of it, and the data files are there and hold demonstrations
     (where the run's processes see this machine's files)."""
     if config.objective != "sft":

@@ -1,17 +1,17 @@
 """Demonstrations rendered to token ids and a loss mask, the way rollouts are.
 
-A chat is rendered as an environment renders a trajectory (:mod:`forgerl.chat_tokens`),
+A chat is rendered as an environment renders a trajectory (:mod:`forgerl.rollouts.chat_tokens`),
 never as one call of the chat template over the whole conversation: the prompt is the
 template's rendering of the leading messages with the generation prompt (tools offered
 as the template or the system prompt offers them), each assistant turn is the tokens of
 its text (tool calls written as a model writes them, :func:`forgerl.sft.rows.call_text`)
 followed by the end of turn a model samples (the template's close up to its first special
 token, ``<|im_end|>`` in ChatML), and the messages between two assistant turns (tool
-answers, user turns) are :meth:`~forgerl.chat_tokens.ChatTokens.observation_ids`: the rest
+answers, user turns) are :meth:`~forgerl.rollouts.chat_tokens.ChatTokens.observation_ids`: the rest
 of the template's close, those messages, the next assistant header. So the tokens SFT
 trains on are, token for token, those of a trajectory in which the model wrote the
 demonstration's turns; and a single-turn chat prompt is what the RL loop sends its
-generator (:class:`forgerl.rollout.Tokenizing`).
+generator (:class:`forgerl.rollouts.rollout.Tokenizing`).
 
 The loss mask is 1 on the assistant's tokens (``sft.loss_on: assistant``) or on every
 token (``all``; a text row always). Position ``t`` of the mask says whether token ``t``
@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from forgerl.chat_tokens import ChatTokens
+from forgerl.rollouts.chat_tokens import ChatTokens
 from forgerl.sft.rows import Chat, Demonstration, Text
 
 Outcome = Literal["kept", "truncated", "too_long", "nothing_to_train"]
@@ -129,7 +129,7 @@ class Renderer:
         if demo.whole:
             ids = list(tok(demo.completion, add_special_tokens=True)["input_ids"]) + eos
             return ids, [1] * len(ids)
-        # A string prompt is tokenised as the RL loop tokenises one (forgerl.rollout.Tokenizing).
+        # A string prompt is tokenised as the RL loop tokenises one (forgerl.rollouts.rollout.Tokenizing).
         prompt = list(tok(demo.prompt, add_special_tokens=True)["input_ids"])
         completion = list(tok(demo.completion, add_special_tokens=False)["input_ids"]) + eos
         every = int(self.loss_on == "all")

@@ -8,12 +8,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
     from forgerl.interfaces import Generator, RunContext, Task
-    from forgerl.plugins import Registry
+    from forgerl.registry.plugins import Registry
+    from forgerl.runloop.spmd import TrainerDriver
     from forgerl.sft.data import Demonstrations
     from forgerl.sft.loop import SFTLoop
-    from forgerl.spmd import TrainerDriver
 
 log = logging.getLogger("forgerl.sft")
 
