@@ -249,6 +249,14 @@ class Reward(abc.ABC):  # noqa: B024 - score or ascore, checked when built (see 
     async def ascore(self, sample: RewardInput) -> float | RewardResult:
         return await asyncio.to_thread(self.score, sample)
 
+    async def until_ready(self) -> None:
+        """Awaited before each sample's timeout starts, in the trainer's process (not for
+        rewards the core runs in worker processes): return once the reward can score. A
+        reward served by a server that is being restarted waits here for it, so that the
+        samples meanwhile are not failed by ``loop.reward_timeout``; it must bound the wait
+        itself, and raises to fail the sample. Default: at once."""
+        return None
+
     @classmethod
     def implements_scoring(cls) -> bool:
         """Whether the class overrides :meth:`score` or :meth:`ascore`."""

@@ -177,6 +177,8 @@ class RewardSet:
             # The pool enforces the timeout (it must kill the worker) and always answers.
             return await asyncio.wrap_future(self.pool.submit(self._pooled[index], sample))
         try:
+            # Waiting for a served reward's server to come back is not the sample's time.
+            await named.reward.until_ready()
             if _blocking(named.reward):
                 finished, raw = await self._in_thread(named.reward.score, sample)
             else:

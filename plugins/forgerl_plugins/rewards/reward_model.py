@@ -189,6 +189,12 @@ class RewardModelReward(Reward):
 
     # ------------------------------------------------------------------ scoring
 
+    async def until_ready(self) -> None:
+        """Served: while the server is out of service (being restarted), wait for it, as
+        long as a restart may take (:meth:`.reward_model_client.ServedClassifier.wait_in_service`)."""
+        if self.client is not None:
+            await self.client.wait_in_service()
+
     async def ascore(self, sample: RewardInput) -> float:
         loop = asyncio.get_running_loop()
         queue = self._queues.get(loop)

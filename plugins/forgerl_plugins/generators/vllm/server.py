@@ -238,8 +238,13 @@ class EngineProbe:
         self.spacing = spacing
         self.seen: float | None = None  # the counters at the last probe
         self.answered_at: float | None = None  # when a one-token completion last answered
+        #: Whether the last probe that passed heard from the engine (its counters moved, or
+        #: a completion answered), not only fell within the spacing: the launcher counts
+        #: those answers for the clients (forgerl_plugins.serving.service).
+        self.answered = False
 
     def __call__(self, timeout: float) -> bool:
+        self.answered = True
         made = tokens_processed(self.url, self.api_key, timeout)
         if made is not None:
             progressed = self.seen is not None and made > self.seen
@@ -247,6 +252,7 @@ class EngineProbe:
             if progressed:
                 return True
         if self.answered_at is not None and time.monotonic() - self.answered_at < self.spacing:
+            self.answered = False
             return True
         answered = one_token(self.url, self.api_key, timeout)
         if answered:
