@@ -446,6 +446,11 @@ def file_and_flag_cases() -> list[Case]:
              env={"FORGE_CACHE_DIR": "{root}/no-such/cache"}),
         Case("cache-dir-inside-a-file", RUN, {"cache": "x"}, ("FORGE_CACHE_DIR", "/cache' is a file"),
              env={"FORGE_CACHE_DIR": "{root}/cache/models"}),
+        # Folders access(2) calls writable (to root) on file systems that refuse every mkdir.
+        Case("cache-dir-under-proc", RUN, needles=("FORGE_CACHE_DIR", "'/proc/forge-cache'"),
+             env={"FORGE_CACHE_DIR": "/proc/forge-cache"}),
+        Case("cache-dir-under-sysfs", RUN, needles=("FORGE_CACHE_DIR", "'/sys/forge-cache'"),
+             env={"FORGE_CACHE_DIR": "/sys/forge-cache"}),
         Case("remote-reward-auth-env-unset", [*RUN, *REMOTE, "--set", "rewards.0.options.auth_env=FORGE_TEST_NO_TOKEN"],
              needles=("'FORGE_TEST_NO_TOKEN'", "auth_env", "not set"), env={"FORGE_TEST_NO_TOKEN": None}),
         Case("remote-reward-auth-env-empty", [*RUN, *REMOTE, "--set", "rewards.0.options.auth_env=FORGE_TEST_NO_TOKEN"],
