@@ -65,10 +65,13 @@ CONTRACT: dict[str, Call] = {
     "scheduler": Call("factory", (), "Scheduler"),
     "model": Call("factory", (("cache_dir", "Path"),), "Path", "a local Hugging Face folder"),
     "environment": Call("factory", (), "Environment", "once per trajectory"),
+    "teacher": Call("factory", (_CONTEXT,), "Teacher", "on trainer rank 0"),
     "generator roles": _ROLES,
     "reward roles": _ROLES,
+    "teacher roles": _ROLES,
     "generator serve": _SERVE,
     "reward serve": _SERVE,
+    "teacher serve": _SERVE,
 }
 
 #: The call each kind's factory must accept, as error messages and docs write it.

@@ -96,6 +96,11 @@ class RewardError(ForgeError):
     """A reward function failed; the loop scores that sample as failed and goes on."""
 
 
+class TeacherError(ForgeError):
+    """A distillation teacher could not score (its server failed, an answer was not one);
+    the loop leaves the samples it failed out of the step and goes on."""
+
+
 class RunWriteError(UserError):
     """A file of the run (config.yaml, metrics.jsonl, submission.json, a job file) could not
     be written: the disk is full, a quota is reached, the file system is read-only, or the

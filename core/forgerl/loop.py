@@ -29,6 +29,8 @@ from forgerl import events, problem_source, runs
 from forgerl.batching import prepare_batch, tokens_by_age
 from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.config import RunConfig
+from forgerl.distill.batch import distill_batch
+from forgerl.distill.scoring import TeacherScorer
 from forgerl.env_rollouts import EnvironmentRollouts
 from forgerl.errors import CheckpointError, CheckpointUnusable, ConfigError
 from forgerl.evaluation import evaluate_samples, evaluate_trajectories, mean
@@ -68,6 +70,7 @@ class Loop:
         rewards: Any,
         sender: Any,
         tokenizer: Any,
+        teacher: TeacherScorer | None = None,
     ):
         self.config = config
         self.registry = registry
@@ -80,6 +83,8 @@ class Loop:
         self.task = task
         self.rewards = rewards
         self.sender = sender
+        #: ``objective: distill``: scores each step's samples (None: the rewards' GRPO).
+        self.teacher = teacher
         self.tokenizing = Tokenizing(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.step = 0  # completed steps
@@ -305,14 +310,13 @@ class Loop:
         # False) are never stale: nothing newer exists to sample.
         min_version = self.policy_version - S if self.receives_weights else None
         stale = filter_stale(rollouts.episodes, min_version=min_version, mode=cfg.loop.stale_samples)
-        prepared = prepare_batch(
-            stale.kept,
-            cfg.algorithm,
-            max_tokens=self.max_completion_tokens(),
-            pad_id=self.pad_id,
-            trainer_version=self.policy_version,
-            min_version=min_version,
-        )
+        shape = {"max_tokens": self.max_completion_tokens(), "pad_id": self.pad_id,
+                 "trainer_version": self.policy_version, "min_version": min_version}  # fmt: skip
+        distilled: dict[str, float] = {}
+        if self.teacher is not None:  # objective: distill (the one place the objective decides)
+            prepared, distilled = distill_batch(stale.kept, cfg.algorithm, cfg.distill, self.teacher, **shape)
+        else:
+            prepared = prepare_batch(stale.kept, cfg.algorithm, **shape)
         ages = tokens_by_age(prepared.batch) if prepared.batch is not None else {}
         t = time.perf_counter()
         train_metrics: dict[str, float] = {}
@@ -370,6 +374,7 @@ class Loop:
         train_tokens = float(prepared.batch.attention_mask.sum()) if prepared.batch is not None else 0.0
         row["throughput/train_tokens_per_s"] = train_tokens / max(train_s, 1e-9)
         row.update(rollouts.extra)  # env/* with an environment; nothing otherwise
+        row.update(distilled)  # distill/* and time/teacher under objective: distill
         row.update(train_metrics)
         return row, rollouts.task_state
 

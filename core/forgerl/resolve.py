@@ -35,6 +35,8 @@ def resolve(config: RunConfig, registry: Registry, *, check_available: bool = Fa
     choices += [("reward", f"rewards.{i}", r) for i, r in enumerate(config.rewards)]
     if config.environment.name is not None:
         choices.append(("environment", "environment", config.environment))
+    if config.objective == "distill":
+        choices.append(("teacher", "distill.teacher", config.distill.teacher))
     for kind, field, choice in choices:
         assert choice.name is not None, "an environment without a name is not a choice"
         backend = registry.get(kind, choice.name)
