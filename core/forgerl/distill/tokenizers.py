@@ -12,8 +12,10 @@ folder); one that does not cannot be checked, which ``forge run`` says as a warn
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -49,9 +51,10 @@ def check_teacher_tokenizer(config: RunConfig, registry: Registry) -> None:
         log.warning("%s", said)
         announce(said, stage="teacher", state="warning")
         return
-    teacher_dir = Path(find(backend.validate_options(choice.options)))
-    student_dir = resolve_model(config.model, registry)
-    difference = tokenizer_difference(student_dir, teacher_dir)
+    with _quiet():  # building a named model draws progress bars: `forge run` says one line
+        teacher_dir = Path(find(backend.validate_options(choice.options)))
+        student_dir = resolve_model(config.model, registry)
+        difference = tokenizer_difference(student_dir, teacher_dir)
     if difference is not None:
         raise ConfigError(
             f"distill.teacher: the teacher's tokenizer ({teacher_dir}) is not the student's ({config.model.name}: "
@@ -88,6 +91,20 @@ def tokenizer_difference(student: Path, teacher: Path) -> str | None:
         differing = sorted((special_a ^ special_b) - pad)
         return f"different special tokens (e.g. {differing[0]!r} is special in one only)"
     return None
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """transformers' progress bars off for the duration (as they were after)."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()
 
 
 def _same_files(a: Path, b: Path) -> bool:
