@@ -20,13 +20,15 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 from forgerl import checkpoint as ckpt
 from forgerl import events, problem_source, runs
-from forgerl.batching import prepare_batch, tokens_by_age
+from forgerl.batching import Prepared, prepare_batch, tokens_by_age
 from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.config import RunConfig
 from forgerl.distill.batch import distill_batch
@@ -310,13 +312,17 @@ class Loop:
         # False) are never stale: nothing newer exists to sample.
         min_version = self.policy_version - S if self.receives_weights else None
         stale = filter_stale(rollouts.episodes, min_version=min_version, mode=cfg.loop.stale_samples)
-        shape = {"max_tokens": self.max_completion_tokens(), "pad_id": self.pad_id,
-                 "trainer_version": self.policy_version, "min_version": min_version}  # fmt: skip
-        distilled: dict[str, float] = {}
+        prepare: Callable[..., Prepared] = prepare_batch
         if self.teacher is not None:  # objective: distill (the one place the objective decides)
-            prepared, distilled = distill_batch(stale.kept, cfg.algorithm, cfg.distill, self.teacher, **shape)
-        else:
-            prepared = prepare_batch(stale.kept, cfg.algorithm, **shape)
+            prepare = partial(distill_batch, distill=cfg.distill, scorer=self.teacher)
+        prepared = prepare(
+            stale.kept,
+            cfg.algorithm,
+            max_tokens=self.max_completion_tokens(),
+            pad_id=self.pad_id,
+            trainer_version=self.policy_version,
+            min_version=min_version,
+        )
         ages = tokens_by_age(prepared.batch) if prepared.batch is not None else {}
         t = time.perf_counter()
         train_metrics: dict[str, float] = {}
@@ -374,7 +380,7 @@ class Loop:
         train_tokens = float(prepared.batch.attention_mask.sum()) if prepared.batch is not None else 0.0
         row["throughput/train_tokens_per_s"] = train_tokens / max(train_s, 1e-9)
         row.update(rollouts.extra)  # env/* with an environment; nothing otherwise
-        row.update(distilled)  # distill/* and time/teacher under objective: distill
+        row.update(prepared.metrics)  # distill/* and time/teacher under objective: distill
         row.update(train_metrics)
         return row, rollouts.task_state
 

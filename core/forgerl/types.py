@@ -172,8 +172,11 @@ class TrainBatch:
     Shapes: ``input_ids``/``attention_mask``/``loss_mask``/``behaviour_logprobs`` are
     ``[B, T]`` (prompt followed by completion, right-padded); ``loss_mask`` is 1 on
     completion tokens that count in the loss; ``behaviour_logprobs`` holds the sampler's
-    logprob of token ``t`` at position ``t`` (0 elsewhere); ``advantages`` is ``[B]``.
-    ``policy_versions`` is ``[B]``, the version of each row's oldest token.
+    logprob of token ``t`` at position ``t`` (0 elsewhere). ``advantages`` is ``[B]`` (one
+    per row: GRPO's) or ``[B, T]`` (one per token, at the token's position like
+    ``behaviour_logprobs``: on-policy distillation's, :mod:`forgerl.distill`); a trainer
+    honours both (the trainer kit checks it). ``policy_versions`` is ``[B]``, the version of
+    each row's oldest token.
 
     ``token_versions`` (``[B, T]``, optional) is the version that sampled token ``t`` at
     position ``t`` (outside the completion: the row's ``policy_versions``), and

@@ -158,13 +158,14 @@ def test_a_trajectory_is_scored_whole_and_only_its_sampled_tokens_get_advantages
     assert teacher_requests([trajectory]) == [TeacherRequest((1, 2, 20, 21, 30, 31, 22), 2)], (
         "the teacher sees the whole trajectory, environment tokens included"
     )
-    prepared, metrics = batch_of([trajectory, plain], Fake())
+    prepared = batch_of([trajectory, plain], Fake())
     adv = prepared.batch.advantages
     assert adv.shape == prepared.batch.input_ids.shape, "per-token advantages [B, T]"
     # A_t = log p_teacher - log p_student = -token/100 - logprob, at sampled tokens only.
     expected_row0 = [0, 0, -0.20 + 1.0, -0.21 + 0.5, 0, 0, -0.22 + 2.0]
     assert adv[0].tolist() == pytest.approx(expected_row0)
     assert adv[1, :4].tolist() == pytest.approx([0, 0, -0.40 + 0.1, -0.41 + 0.2])
+    metrics = prepared.metrics
     assert metrics["distill/scored_tokens"] == 5 and metrics["distill/failed"] == 0
     # The fake's top-1 is token+1: never the sampled token.
     assert metrics["distill/agreement"] == 0.0
@@ -174,9 +175,9 @@ def test_a_trajectory_is_scored_whole_and_only_its_sampled_tokens_get_advantages
 def test_a_sample_the_teacher_failed_trains_on_nothing_and_the_others_as_usual():
     good = episode(0, [1, 2], [20, 21], [-1.0, -1.0], 1.0)
     poisoned = episode(0, [1, 2], [POISON, 21], [-1.0, -1.0], 0.0)
-    prepared, metrics = batch_of([good, poisoned], Fake())
+    prepared = batch_of([good, poisoned], Fake())
     batch = prepared.batch
-    assert metrics["distill/failed"] == 1
+    assert prepared.metrics["distill/failed"] == 1
     assert batch.loss_mask[1].sum() == 0 and (batch.advantages[1] == 0).all(), "the failed sample left the loss"
     assert batch.loss_mask[0].sum() == 2 and (batch.advantages[0, 2:4] != 0).all()
 
@@ -187,7 +188,7 @@ def test_groups_with_equal_rewards_are_kept_and_rewards_mix_by_their_weight():
     b = episode(0, [1, 2], [21], [-1.0], 1.0)
     c = episode(1, [1, 2], [22], [-1.0], 1.0)
     d = episode(1, [1, 2], [23], [-1.0], 0.0)
-    prepared, _ = batch_of([a, b, c, d], Fake(), reward_weight=2.0)
+    prepared = batch_of([a, b, c, d], Fake(), reward_weight=2.0)
     assert prepared.batch.size == 4 and prepared.filtered_groups == 0
     adv = prepared.batch.advantages[:, 2].tolist()
     group = [0.0, 0.0, 1 / 2**0.5, -1 / 2**0.5]  # group-relative: mean 0.5, std (unbiased) 0.707

@@ -253,11 +253,20 @@ def loop_metric_keys() -> set[str]:
     loop = REPO / "core" / "forgerl" / "loop.py"
     train_one, evaluate = function(loop, "train_one"), function(REPO / "core" / "forgerl" / "evaluation.py", "_row")
     keys = dict_literal_keys(train_one) | subscript_keys(train_one, "row") | dict_literal_keys(evaluate)
+    keys |= distill_metric_keys()  # the row's objective part (prepared.metrics) under objective: distill
     components = subscript_keys(function(REPO / "core" / "forgerl" / "rewarding.py", "_combine"), "components")
     assert components, "core/forgerl/rewarding.py: no reward component keys found"
     if any(k.startswith("reward/") and "<>" in k for k in keys):
         keys |= {"reward/" + c for c in components}
     return keys
+
+
+def distill_metric_keys() -> set[str]:
+    """``METRIC_KEYS`` of core/forgerl/distill/batch.py, read without importing torch."""
+    for node in ast.parse((REPO / "core" / "forgerl" / "distill" / "batch.py").read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "METRIC_KEYS":
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("core/forgerl/distill/batch.py has no METRIC_KEYS")
 
 
 def algorithm_metric_keys() -> set[str]:

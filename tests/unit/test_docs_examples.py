@@ -493,7 +493,7 @@ def test_trainer_tutorial_passes_the_trainer_kit_as_its_conformance_test_says(mi
         capture_output=True, text=True, timeout=scaled(400), env=child_env(mini_src), cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "9 passed" in done.stdout, done.stdout[-3000:]
+    assert "11 passed" in done.stdout, done.stdout[-3000:]
 
 
 def test_a_run_on_the_three_tutorial_backends(mini_src: Path, tmp_path: Path):

@@ -60,9 +60,10 @@ def distill_batch(
     pad_id: int,
     trainer_version: int | None = None,
     min_version: int | None = None,
-) -> tuple[Prepared, dict[str, float]]:
-    """The step's batch with per-token advantages, and the step's ``distill/*`` metrics
-    (see the module docstring). Samples with no completion tokens are not sent."""
+) -> Prepared:
+    """The step's batch with per-token advantages, its ``distill/*`` metrics in
+    ``metrics`` (see the module docstring); what :func:`forgerl.batching.prepare_batch` is
+    to GRPO. Samples with no completion tokens are not sent."""
     episodes = list(episodes)
     to_score = [i for i, e in enumerate(episodes) if e.completion.token_ids and e.prompt_token_ids]
     teacher_round = scorer.score(teacher_requests([episodes[i] for i in to_score]))
@@ -71,11 +72,10 @@ def distill_batch(
     prepared = prepare_batch(
         episodes, kept, max_tokens=max_tokens, pad_id=pad_id, trainer_version=trainer_version, min_version=min_version
     )
-    metrics = {"time/teacher": teacher_round.seconds, "distill/failed": float(teacher_round.failed)}
-    if prepared.batch is None:
-        return prepared, metrics
-    metrics.update(_apply(prepared, episodes, to_score, teacher_round, distill))
-    return prepared, metrics
+    prepared.metrics = {"time/teacher": teacher_round.seconds, "distill/failed": float(teacher_round.failed)}
+    if prepared.batch is not None:
+        prepared.metrics.update(_apply(prepared, episodes, to_score, teacher_round, distill))
+    return prepared
 
 
 def _apply(
@@ -91,7 +91,7 @@ def _apply(
 
     batch = prepared.batch
     assert batch is not None, "called with a batch"
-    assert prepared.episodes == episodes, "no sample was filtered out of a distillation batch"
+    assert len(prepared.episodes) == len(episodes), "no sample was filtered out of a distillation batch"
     teacher = torch.zeros_like(batch.behaviour_logprobs)
     top1 = torch.full(batch.input_ids.shape, -1, dtype=torch.long)
     scored = torch.zeros(batch.size, dtype=torch.bool)

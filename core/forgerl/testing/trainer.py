@@ -291,6 +291,7 @@ class TrainerContract:
         per_token = -advantages * torch.exp(logprobs - logprobs.detach())
         reference = aggregate_loss(per_token, mask, algorithm.loss_agg, algorithm.loss_norm_constant)
         reference.backward()
+        expected = float(reference.detach())
         expected_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
         trainer = self.build(model_dir, tmp_path)
         try:
@@ -299,8 +300,8 @@ class TrainerContract:
             trainer.close()
         got = metrics.get("loss/policy")
         assert got is not None, "train_step reports no loss/policy"
-        assert abs(got - float(reference)) <= 1e-3, (
-            f"with per-token advantages loss/policy is {got:.6g}, expected {float(reference):.6g} (minus the "
+        assert abs(got - expected) <= 1e-3, (
+            f"with per-token advantages loss/policy is {got:.6g}, expected {expected:.6g} (minus the "
             f"{algorithm.loss_agg} of each loss token's advantage at ratio 1): TrainBatch.advantages[:, t] is the "
             "advantage of token input_ids[:, t], as behaviour_logprobs[:, t] is its logprob"
         )
