@@ -169,7 +169,7 @@ def test_a_trajectory_is_scored_whole_and_only_its_sampled_tokens_get_advantages
     assert metrics["distill/scored_tokens"] == 5 and metrics["distill/failed"] == 0
     # The fake's top-1 is token+1: never the sampled token.
     assert metrics["distill/agreement"] == 0.0
-    assert metrics["distill/reverse_kl"] == pytest.approx(-sum(expected_row0[2:] + [-0.30, -0.21]) / 5)
+    assert metrics["distill/reverse_kl"] == pytest.approx(-sum([*expected_row0[2:], -0.30, -0.21]) / 5)
 
 
 def test_a_sample_the_teacher_failed_trains_on_nothing_and_the_others_as_usual():

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from forgerl.distill.tokenizers import tokenizer_difference  # noqa: E402
+from forgerl.distill.tokenizers import tokenizer_difference
 
 RUN = ["run", "--model", "tiny", "--generator", "hf", "--reward", "format", "--steps", "1", "--quiet",
        "--set", "objective=distill", "--set", "distill.teacher.options.model=tiny"]
