@@ -99,12 +99,12 @@ def _quiet() -> Iterator[None]:
     from transformers.utils import logging as hf_logging
 
     was = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
     try:
         yield
     finally:
         if was:
-            hf_logging.enable_progress_bar()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
 
 
 def _same_files(a: Path, b: Path) -> bool:

@@ -23,7 +23,6 @@ server. Like the generators' launchers, this module imports neither vLLM nor tor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import urllib.error
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from forgerl import events
 from forgerl_plugins.serving import launcher, vllm_server
+from forgerl_plugins.serving import roles as roles_
 from forgerl_plugins.serving.vllm_server import is_cpu_build
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,8 +59,7 @@ def role_name(options: RewardModelReward.Options) -> str:
         "engine_args": options.engine_args,
         "max_restarts": options.max_restarts,
     }
-    digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    return f"reward-model-{digest}"
+    return roles_.role_name("reward-model", shaping)
 
 
 def endpoint_file(run_dir: Path, role: str, replica: int = 0) -> Path:
@@ -74,20 +73,10 @@ def log_file(run_dir: Path, role: str, replica: int = 0) -> Path:
 
 def roles(options: RewardModelReward.Options, *, context: RunContext) -> list[RoleSpec]:
     """One vLLM pooling server when ``server: vllm``; none otherwise."""
-    from forgerl.runs import server_role_command
-    from forgerl.types import Resources, RoleSpec
-
     if options.server != "vllm":
         return []
-    name = role_name(options)
-    return [
-        RoleSpec(
-            name=name,
-            command=server_role_command(context.run_dir, name),
-            resources=Resources(cpus=1, gpus=0 if is_cpu_build() else options.tensor_parallel_size),
-            max_restarts=options.max_restarts,
-        )
-    ]
+    return [roles_.served_role(role_name(options), context, tensor_parallel_size=options.tensor_parallel_size,
+                               max_restarts=options.max_restarts)]
 
 
 # ------------------------------------------------------------------- the vLLM command

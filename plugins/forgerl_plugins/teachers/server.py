@@ -19,7 +19,6 @@ launchers, this module imports neither vLLM nor torch.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import urllib.error
@@ -28,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from forgerl import events
 from forgerl_plugins.serving import launcher, vllm_server
+from forgerl_plugins.serving import roles as roles_
 from forgerl_plugins.serving.vllm_server import is_cpu_build
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -57,8 +57,7 @@ def role_name(options: ModelTeacher.Options) -> str:
         "engine_args": options.engine_args,
         "max_restarts": options.max_restarts,
     }
-    digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    return f"teacher-{digest}"
+    return roles_.role_name("teacher", shaping)
 
 
 def endpoint_file(run_dir: Path, role: str, replica: int = 0) -> Path:
@@ -72,20 +71,10 @@ def log_file(run_dir: Path, role: str, replica: int = 0) -> Path:
 
 def roles(options: ModelTeacher.Options, *, context: RunContext) -> list[RoleSpec]:
     """One vLLM server when ``server: vllm``; none otherwise."""
-    from forgerl.runs import server_role_command
-    from forgerl.types import Resources, RoleSpec
-
     if options.server != "vllm":
         return []
-    name = role_name(options)
-    return [
-        RoleSpec(
-            name=name,
-            command=server_role_command(context.run_dir, name),
-            resources=Resources(cpus=1, gpus=0 if is_cpu_build() else options.tensor_parallel_size),
-            max_restarts=options.max_restarts,
-        )
-    ]
+    return [roles_.served_role(role_name(options), context, tensor_parallel_size=options.tensor_parallel_size,
+                               max_restarts=options.max_restarts)]
 
 
 def server_command(options: ModelTeacher.Options, folder: Path, port: int) -> list[str]:
