@@ -25,10 +25,10 @@ from forgerl.distill.teacher import TeacherRequest, TeacherScores
 from forgerl.errors import TeacherError
 from forgerl_plugins.serving.role_client import RoleEndpoint
 
-from .server import ENDPOINT_DIR, SERVED_MODEL_NAME, role_name
+from .server import ENDPOINT_DIR, SERVED_MODEL_NAME, completion_body, role_name
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .model import ModelTeacher
+    from .options import Options
 
 WHO, WHAT = "teacher", "the teacher's server"
 
@@ -36,7 +36,7 @@ WHO, WHAT = "teacher", "the teacher's server"
 class ServedTeacher:
     """``score(requests) -> scores`` through a server's ``/v1/completions`` (blocking)."""
 
-    def __init__(self, options: ModelTeacher.Options) -> None:
+    def __init__(self, options: Options) -> None:
         timeout = options.request_timeout
         if options.url is not None:
             self.server = RoleEndpoint.at_url(
@@ -58,17 +58,6 @@ class ServedTeacher:
             body["model"] = self.server.model
         answer = self.server.post(self.path, body)
         return parse_answer(answer, requests)
-
-
-def completion_body(prompts: list[list[int]]) -> dict[str, Any]:
-    """The request that asks for the prompt logprobs of ``prompts`` (token-id lists)."""
-    return {
-        "prompt": prompts,
-        "max_tokens": 1,
-        "temperature": 1.0,
-        "prompt_logprobs": 1,
-        "return_token_ids": True,
-    }
 
 
 def parse_answer(answer: Any, requests: list[TeacherRequest]) -> list[TeacherScores]:

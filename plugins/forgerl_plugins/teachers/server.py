@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
     from forgerl.types import RoleSpec
 
-    from .model import ModelTeacher
+    from .options import Options
 
 ENDPOINT_DIR = "teachers"
 SERVED_MODEL_NAME = "forge-teacher"
@@ -44,7 +44,7 @@ HEALTH_INTERVAL = 2.0
 LIVENESS_TIMEOUT = 60.0
 
 
-def role_name(options: ModelTeacher.Options) -> str:
+def role_name(options: Options) -> str:
     """The role serving these options' model; equal options give equal names."""
     shaping = {
         "model": options.model,
@@ -69,7 +69,7 @@ def log_file(run_dir: Path, role: str, replica: int = 0) -> Path:
     return launcher.log_file(run_dir, role, replica)
 
 
-def roles(options: ModelTeacher.Options, *, context: RunContext) -> list[RoleSpec]:
+def roles(options: Options, *, context: RunContext) -> list[RoleSpec]:
     """One vLLM server when ``server: vllm``; none otherwise."""
     if options.server != "vllm":
         return []
@@ -77,7 +77,7 @@ def roles(options: ModelTeacher.Options, *, context: RunContext) -> list[RoleSpe
                                max_restarts=options.max_restarts)]
 
 
-def server_command(options: ModelTeacher.Options, folder: Path, port: int) -> list[str]:
+def server_command(options: Options, folder: Path, port: int) -> list[str]:
     args = vllm_server.api_server_command(
         str(folder), SERVED_MODEL_NAME, options.host, port, options.dtype or "auto", options.tensor_parallel_size
     )
@@ -87,9 +87,9 @@ def server_command(options: ModelTeacher.Options, folder: Path, port: int) -> li
     return args + vllm_server.engine_arg_flags(options.engine_args)  # last: the user's own say wins
 
 
-def serve(options: ModelTeacher.Options, *, context: RunContext, role: str, replica: int) -> int:
+def serve(options: Options, *, context: RunContext, role: str, replica: int) -> int:
     """Run replica ``replica`` of ``role`` (the launcher, until its server ends); the exit status."""
-    from .model import teacher_folder
+    from .options import teacher_folder
 
     run_dir = context.run_dir
     # The previous instance's file points at a dead server.
@@ -123,8 +123,6 @@ def serve(options: ModelTeacher.Options, *, context: RunContext, role: str, repl
 def first_scoring(url: str, api_key: str, timeout: float = 120.0) -> dict[str, Any] | str | None:
     """None when one prompt-logprobs request works, else what went wrong: a model that
     loads but cannot score fails here, not at the first step."""
-    from .client import completion_body
-
     body = {"model": SERVED_MODEL_NAME, **completion_body([[0, 1]])}
     try:
         answer = launcher.post_json(url + "/v1/completions", body, api_key, timeout)
@@ -137,3 +135,14 @@ def first_scoring(url: str, api_key: str, timeout: float = 120.0) -> dict[str, A
         return f"HTTP {exc.code} from /v1/completions: {detail or exc.reason}"
     except (urllib.error.URLError, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
         return f"{type(exc).__name__}: {exc}"
+
+
+def completion_body(prompts: list[list[int]]) -> dict[str, Any]:
+    """The request that asks for the prompt logprobs of ``prompts`` (token-id lists)."""
+    return {
+        "prompt": prompts,
+        "max_tokens": 1,
+        "temperature": 1.0,
+        "prompt_logprobs": 1,
+        "return_token_ids": True,
+    }
