@@ -178,7 +178,11 @@ def _build_teacher(config: Any, registry: Registry, ctx: Any) -> Any:
         return None
     from forgerl import events
     from forgerl.distill.scoring import TeacherScorer
+    from forgerl.distill.tokenizers import check_teacher_tokenizer
 
+    # Again here: `forge run` checks before launch only where it sees the run's files (not
+    # on a Kubernetes cluster); equal tokenizer files make it a byte comparison.
+    check_teacher_tokenizer(config, registry)
     choice = config.distill.teacher
     with events.phase(f"starting teacher {choice.name}", stage="teacher", run_dir=ctx.run_dir,
                       key=f"teacher:{choice.name}"):  # fmt: skip
