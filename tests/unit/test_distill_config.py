@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.config import build_config
+from forgerl.configuration.config import build_config
 from forgerl.errors import ConfigError, UserError
-from forgerl.plugins import build_registry
-from forgerl.resolve import resolve
+from forgerl.registry.plugins import build_registry
+from forgerl.registry.resolve import resolve
 
 TEACHER = ["objective=distill", "distill.teacher.options.model=tiny"]
 
@@ -20,7 +20,7 @@ def config(*sets: str):
 
 
 def roles(cfg) -> list[str]:
-    from forgerl import runs
+    from forgerl.rundirs import runs
 
     return [r.name for r in runs.build_job(cfg, build_registry(), Path("/nonexistent/run")).roles]
 

@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from forgerl.algorithms import AlgorithmConfig  # noqa: E402
-from forgerl.config_sections import DistillConfig  # noqa: E402
+from forgerl.configuration.sections import DistillConfig  # noqa: E402
 from forgerl.distill import Teacher, TeacherRequest, TeacherScores  # noqa: E402
 from forgerl.distill.batch import distill_batch, teacher_requests  # noqa: E402
 from forgerl.distill.scoring import TeacherScorer  # noqa: E402

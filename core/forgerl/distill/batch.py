@@ -1,12 +1,12 @@
 """A step's TrainBatch under ``objective: distill``: the teacher's scores of the step's
 samples turned into per-token advantages (``TrainBatch.advantages`` ``[B, T]``).
 
-Called by the loop (:meth:`forgerl.loop.Loop.train_one`) on the samples it is about to
+Called by the loop (:meth:`forgerl.runloop.loop.Loop.train_one`) on the samples it is about to
 train on (stale ones already dropped, so the teacher never scores what is not trained on):
 
 1. each sample goes to the teacher as its prompt and completion token ids; a trajectory's
    environment tokens go too (context), but get no advantage (the loss mask is 0 there);
-2. the batch is built as for GRPO (:func:`forgerl.batching.prepare_batch`: padding, the
+2. the batch is built as for GRPO (:func:`forgerl.runloop.batching.prepare_batch`: padding, the
    loss mask, the group-relative reward advantages), but no zero-variance group is
    filtered out: a group whose rewards are all equal still has the teacher's signal;
 3. a sample the teacher failed to score is left out of the loss (its loss mask is cleared:
@@ -21,12 +21,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from forgerl.batching import Prepared, prepare_batch
 from forgerl.distill.teacher import TeacherRequest
+from forgerl.runloop.batching import Prepared, prepare_batch
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.algorithms import AlgorithmConfig
-    from forgerl.config_sections import DistillConfig
+    from forgerl.configuration.sections import DistillConfig
     from forgerl.distill.scoring import TeacherRound, TeacherScorer
     from forgerl.types import Episode
 
@@ -62,7 +62,7 @@ def distill_batch(
     min_version: int | None = None,
 ) -> Prepared:
     """The step's batch with per-token advantages, its ``distill/*`` metrics in
-    ``metrics`` (see the module docstring); what :func:`forgerl.batching.prepare_batch` is
+    ``metrics`` (see the module docstring); what :func:`forgerl.runloop.batching.prepare_batch` is
     to GRPO. Samples with no completion tokens are not sent."""
     episodes = list(episodes)
     to_score = [i for i, e in enumerate(episodes) if e.completion.token_ids and e.prompt_token_ids]

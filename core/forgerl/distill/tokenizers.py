@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 from forgerl.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.config import RunConfig
-    from forgerl.plugins import Registry
+    from forgerl.configuration.config import RunConfig
+    from forgerl.registry.plugins import Registry
 
 log = logging.getLogger("forgerl.distill")
 
@@ -38,7 +38,7 @@ def check_teacher_tokenizer(config: RunConfig, registry: Registry) -> None:
     """ConfigError (one line) when the teacher of ``config`` does not share the student's
     tokenizer. Builds a named model (student or teacher) if it is not built yet."""
     from forgerl.events import announce
-    from forgerl.models import resolve_model
+    from forgerl.rundirs.models import resolve_model
 
     choice = config.distill.teacher
     backend = registry.require("teacher", choice.name)

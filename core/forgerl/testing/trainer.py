@@ -272,7 +272,7 @@ class TrainerContract:
         import torch
 
         from forgerl.algorithms.loss import aggregate_loss
-        from forgerl.config import RunConfig
+        from forgerl.configuration.config import RunConfig
 
         batch = self.batch(model_dir, seed=12)
         gen = torch.Generator().manual_seed(12)

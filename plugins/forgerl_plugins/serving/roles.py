@@ -29,7 +29,7 @@ def served_role(name: str, context: RunContext, *, tensor_parallel_size: int, ma
     """One replica of ``python -m forgerl.server_role ... --role NAME``: a core, and
     ``tensor_parallel_size`` GPUs unless vLLM is its CPU build; restarted up to
     ``max_restarts`` times when it dies."""
-    from forgerl.runs import server_role_command
+    from forgerl.rundirs.runs import server_role_command
     from forgerl.types import Resources, RoleSpec
 
     return RoleSpec(
