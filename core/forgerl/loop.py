@@ -30,7 +30,7 @@ from forgerl.batching import prepare_batch, tokens_by_age
 from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.config import RunConfig
 from forgerl.env_rollouts import EnvironmentRollouts
-from forgerl.errors import CheckpointError, CheckpointUnusable, ConfigError
+from forgerl.errors import CheckpointError, CheckpointUnusable, ConfigError, RewardError
 from forgerl.evaluation import evaluate_samples, evaluate_trajectories, mean
 from forgerl.generator_idle import IdleClock, WatchedGenerator
 from forgerl.interfaces import Generator, RunContext, Task
@@ -41,7 +41,7 @@ from forgerl.problem_source import ProblemSource
 from forgerl.rollout import RolloutBatch, RolloutBuffer, RolloutProducer, Tokenizing
 from forgerl.spmd import TrainerDriver
 from forgerl.staleness import age_counts, filter_stale, oldest_version
-from forgerl.types import Problem, SamplingParams
+from forgerl.types import Problem, SamplingParams, reserved_component_error
 
 log = logging.getLogger("forgerl.loop")
 
@@ -342,6 +342,8 @@ class Loop:
             "reward/failed": rollouts.rewards_failed,
         }
         for name in sorted({n for e in eps for n in e.reward_components}):
+            if f"reward/{name}" in row:  # refused where components are made; a Loop's own rewards object may not
+                raise RewardError(f"a reward component is named {name!r}: {reserved_component_error(name)}")
             row[f"reward/{name}"] = mean(e.reward_components.get(name, 0.0) for e in eps)
         staleness = [self.policy_version - 1 - oldest_version(e.completion) for e in eps]
         row.update(
