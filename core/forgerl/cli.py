@@ -282,9 +282,16 @@ def config_group() -> None:
 def config_show(config_file: str | None, sets: tuple[str, ...], **kwargs: Any) -> None:
     """Print the resolved config (defaults < file < flags < --set), backend options filled in."""
     from forgerl import api
+    from forgerl.resolve import rewards_unused
 
-    config = api.load_config(config_file, sets=sets, flags=_flags(kwargs), registry=_registry())
-    click.echo(config.to_yaml(), nl=False)
+    registry = _registry()
+    config = api.load_config(config_file, sets=sets, flags=_flags(kwargs), registry=registry)
+    text = config.to_yaml()
+    unused = rewards_unused(config, registry)
+    if unused is not None:
+        # A YAML comment: the output still loads as the same config.
+        text = text.replace("\nrewards:\n", f"\n# rewards: not used in this run: {unused}\nrewards:\n", 1)
+    click.echo(text, nl=False)
 
 
 @config_group.command("schema")

@@ -623,4 +623,4 @@ def test_environment_tutorial_passes_the_environment_kit_as_its_conformance_test
         capture_output=True, text=True, timeout=scaled(180), env=env, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "13 passed" in done.stdout, done.stdout[-3000:]
+    assert "14 passed" in done.stdout, done.stdout[-3000:]
