@@ -624,3 +624,19 @@ def test_environment_tutorial_passes_the_environment_kit_as_its_conformance_test
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
     assert "14 passed" in done.stdout, done.stdout[-3000:]
+
+
+def test_the_verifiers_config_of_environments_md_gives_the_task_and_the_environment_one_source():
+    """The YAML anchor in docs/environments.md puts environment, args and pythonpath in both
+    the task's options and the environment's (each backend reads its own), as the config
+    loader reads it."""
+    from forgerl.config import RunConfig
+    from forgerl.config_sources import load_yaml
+
+    [block] = [b for b in re.findall(r"```yaml\n(.*?)```", (DOCS / "environments.md").read_text(), flags=re.S)
+               if "&my-env" in b]  # fmt: skip
+    data = load_yaml(block)
+    source = {"environment": "my-env", "args": {"difficulty": "easy"}, "pythonpath": ["envs/my-env"]}
+    assert data["task"]["options"] == source
+    assert data["environment"]["options"] == {**source, "timeout": 300}
+    RunConfig.model_validate(data)
