@@ -51,7 +51,7 @@ def test_python_environment_instances_built_at_once_share_one_sandbox():
     kit's state check, which now plays every trajectory at once)."""
     import threading
 
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     record = build_registry().require("environment", "python")
     options = record.validate_options({"timeout": 2.75})  # options no other test builds a sandbox for

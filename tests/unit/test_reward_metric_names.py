@@ -19,18 +19,18 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from forgerl.agent_runner import check_outcome
-from forgerl.config import RunConfig
+from forgerl.configuration.config import RunConfig
 from forgerl.environment import Environment, Step
 from forgerl.errors import ConfigError, RewardError
 from forgerl.hookspecs import hookimpl
 from forgerl.interfaces import Generator, Reward, RunContext
-from forgerl.loop import Loop
-from forgerl.plugins import build_registry
-from forgerl.rewarding import RewardSet
-from forgerl.spmd import TrainerDriver
+from forgerl.registry.plugins import build_registry
+from forgerl.rewards.rewarding import RewardSet
+from forgerl.rollouts.agent_runner import check_outcome
+from forgerl.rollouts.trajectory import GarbageError, check_step
+from forgerl.runloop.loop import Loop
+from forgerl.runloop.spmd import TrainerDriver
 from forgerl.testing.environment_support import kit_tokenizer
-from forgerl.trajectory import GarbageError, check_step
 from forgerl.types import Completion, RewardResult
 from tests.helpers.timing import scaled
 from tests.unit.test_loop_fixed_weights import (
