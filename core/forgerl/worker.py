@@ -76,9 +76,13 @@ def exit_now(code: int) -> NoReturn:
 
 
 def run_worker(run_dir: Path) -> int:
-    from forgerl import runs
+    from forgerl import events, runs
+    from forgerl.deprecation import ForgeDeprecationWarning
     from forgerl.plugins import build_registry
 
+    if os.environ.get("RANK", "0") == "0":
+        # A plugin's use of a deprecated name goes to this rank's log: say it where the user looks.
+        events.forward_warnings(ForgeDeprecationWarning, run_dir=run_dir)
     registry = build_registry()
     config = runs.load_config(run_dir, registry)
     rank = int(os.environ.get("RANK", "0"))
@@ -90,8 +94,6 @@ def run_worker(run_dir: Path) -> int:
     )
     log = logging.getLogger("forgerl.worker")
     if rank == 0:
-        from forgerl import events
-
         events.announce(f"started (pid {os.getpid()}); importing torch", stage="worker", run_dir=run_dir)
 
     import torch
@@ -131,7 +133,6 @@ def run_worker(run_dir: Path) -> int:
 
     from transformers import AutoTokenizer
 
-    from forgerl import events
     from forgerl.loop import Loop, install_stop_handlers
     from forgerl.rewarding import RewardSet
 
