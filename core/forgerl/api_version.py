@@ -79,8 +79,6 @@ def satisfies(requirement: str, version: str = PLUGIN_API_VERSION) -> bool:
 def requirement_problem(plugin: Any) -> str | None:
     """None when ``plugin`` (a module or object) states no requirement or one this forgerl
     meets; else why it cannot be loaded, as the rest of a line that starts with its name."""
-    from forgerl import __version__
-
     required = getattr(plugin, REQUIREMENT_ATTRIBUTE, None)
     if required is None:
         return None
@@ -96,7 +94,18 @@ def requirement_problem(plugin: Any) -> str | None:
     if met:
         return None
     return (
-        f"requires the forgerl plugin API {required} but this forgerl ({__version__}) provides "
+        f"requires the forgerl plugin API {required} but this forgerl{_installed()} provides "
         f"{PLUGIN_API_VERSION}: install a release of the plugin for plugin API {PLUGIN_API_VERSION} "
         "or a forgerl that provides what it requires (CHANGELOG.md lists what changed)"
     )
+
+
+def _installed() -> str:
+    """`` (0.2.0)``: the installed distribution's version, read from its metadata (the
+    package's ``__version__`` would make this module import the package that imports it)."""
+    from importlib import metadata
+
+    try:
+        return f" ({metadata.version('forgerl')})"
+    except metadata.PackageNotFoundError:
+        return ""

@@ -93,21 +93,23 @@ class RunContext:
     def config(self) -> RunConfig:
         """Deprecated: the run's config (what plugins read before the context carried the
         run's facts). Kept for one release, with a warning naming the plugin."""
-        from forgerl.deprecation import SINCE, removed, warn_deprecated
-
         if self._config is None:
-            raise removed(
-                "RunContext.config",
-                reason=f"deprecated since {SINCE} and unset in a context not built by RunContext.for_run",
-            )
+            # __getattr__ says why, in one line (an AttributeError here always reaches it).
+            raise AttributeError("config")
+        from forgerl.deprecation import warn_deprecated
+
         warn_deprecated("RunContext.config")
         return self._config
 
     def __getattr__(self, name: str) -> Any:
-        # Only for names normal lookup did not find: a removed one is refused in one line.
-        if name == "extras":
-            from forgerl.deprecation import removed
+        # Only for names normal lookup did not find: a removed one is refused in one line
+        # (a PluginAPIError, itself an AttributeError: getattr(ctx, name, default) still works).
+        from forgerl.deprecation import SINCE, removed
 
+        if name == "config":
+            reason = f"deprecated since {SINCE} and unset in a context not built by RunContext.for_run"
+            raise removed("RunContext.config", reason=reason)
+        if name == "extras":
             raise removed("RunContext.extras")
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 

@@ -74,7 +74,7 @@ def surface() -> dict[str, Any]:
         except ImportError:
             continue
         modules[module_name] = {
-            name: describe(getattr(module, name)) for name in sorted(_public_names(module, names))
+            name: describe(getattr(module, name), name) for name in sorted(_public_names(module, names))
         }
     return {"modules": modules, "hooks": _hooks(), "contract": _contract()}
 
@@ -91,18 +91,23 @@ def _public_names(module: Any, names: tuple[str, ...] | None) -> list[str]:
         if not name.startswith("_") and name != "TYPE_CHECKING"
         and getattr(value, "__module__", module.__name__) == module.__name__
         and not inspect.ismodule(value)
-        and (callable(value) or isinstance(value, (str, int, float, tuple, frozenset)) and name.isupper())
+        and (callable(value) or (isinstance(value, (str, int, float, tuple, frozenset)) and name.isupper()))
     ]
 
 
-def describe(value: Any) -> str | dict[str, Any]:
+#: Names whose value changes with every release: their type is the promise, not their value.
+_VERSIONS = {"__version__", "PLUGIN_API_VERSION"}
+
+
+def describe(value: Any, name: str = "") -> str | dict[str, Any]:
     """One name of the surface: a class as a dict of its members, anything else as a line."""
     if isinstance(value, type):
         return _class(value)
-    if callable(value):
+    if inspect.isroutine(value):
         return _callable(value)
-    if isinstance(value, (str, int, float, bool, tuple, frozenset)):
+    if isinstance(value, (str, int, float, bool, tuple, frozenset)) and name not in _VERSIONS:
         return f"= {value!r}"
+    # An object (pluggy's hookimpl marker, a version): its type, not its library's signature.
     return f": {type(value).__name__}"
 
 
@@ -277,9 +282,10 @@ def unaccounted(difference: Difference, changelog: str) -> list[str]:
     release = newest_release(changelog)
     missing = []
     for path in [*difference.removed, *difference.changed]:
-        name = path.split(": ")[-1].removeprefix("hook ")
-        short = ".".join(name.split(".")[-2:])
-        if short not in release and name.split(".")[-1] not in release:
+        parts = path.split(": ")[-1].removeprefix("hook ").split(".")
+        if parts[-1] in ("bases", "__init__"):
+            parts = parts[:-1]  # a class's own entries: the class is what the changelog names
+        if ".".join(parts[-2:]) not in release and parts[-1] not in release:
             missing.append(path)
     return missing
 
