@@ -113,7 +113,7 @@ _LEGACY_PROTOCOLS: dict[str, type] = {}
 
 
 def __getattr__(name: str) -> Any:
-    """The per-kind Protocols of plugin API 0 (``TransportFactory``, ...), kept for one
+    """The per-kind Protocols forgerl 0.1.0 had (``TransportFactory``, ...), kept for one
     release with a warning: a plugin that imports one for its annotations still loads."""
     from forgerl.deprecation import DEPRECATED, warn_deprecated
 

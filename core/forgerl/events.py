@@ -69,7 +69,10 @@ def forward_warnings(category: type[Warning], *, run_dir: str | Path | None = No
     plugin's use of a deprecated name, :mod:`forgerl.deprecation`): it may happen deep in
     a trainer rank, whose stderr goes to a log file, and ``forge run`` prints events.
     Python's warning filters still decide what is shown, so a warning repeated at the same
-    place is announced once."""
+    place is announced once. Calling it again for the same category and run changes nothing."""
+    key = (category, str(run_dir))
+    if getattr(warnings.showwarning, "forge_forwards", None) == key:
+        return
     shown_before, forwarded = warnings.showwarning, category
 
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
@@ -78,6 +81,7 @@ def forward_warnings(category: type[Warning], *, run_dir: str | Path | None = No
             announce(str(message), run_dir=run_dir, stage="warning", state="warning")
         shown_before(message, category, filename, lineno, file, line)
 
+    show.forge_forwards = key  # type: ignore[attr-defined]
     warnings.showwarning = show
 
 

@@ -130,6 +130,25 @@ def test_the_contract_protocols_of_earlier_plugins_still_import_with_a_warning()
         forgerl.contract.NoSuchName  # noqa: B018 - the read is the test
 
 
+def test_a_runs_processes_copy_deprecation_warnings_into_its_events(tmp_path: Path, monkeypatch):
+    """What makes `forge run` print a warning raised in a trainer rank: the rank copies each
+    deprecation warning it shows into the run's events (once, however often it is set up),
+    and nothing else."""
+    from forgerl import events
+
+    shown: list[str] = []  # what the process shows as before (the rank's log)
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *where: shown.append(str(message)))
+    events.forward_warnings(ForgeDeprecationWarning, run_dir=tmp_path)
+    events.forward_warnings(ForgeDeprecationWarning, run_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.warn("plugin 'x' (x 1.0) uses RunContext.config", ForgeDeprecationWarning, stacklevel=1)
+        warnings.warn("not a deprecation", UserWarning, stacklevel=1)
+    rows = [json.loads(line) for line in (tmp_path / events.EVENTS_FILE).read_text().splitlines()]
+    assert [(r["message"], r["state"]) for r in rows] == [("plugin 'x' (x 1.0) uses RunContext.config", "warning")]
+    assert shown == ["plugin 'x' (x 1.0) uses RunContext.config", "not a deprecation"]
+
+
 @pytest.mark.integration
 def test_a_run_with_the_old_transport_completes_and_says_what_to_change(tmp_path: Path):
     """The 2026-12-06 plugin in a real run (the hf generator receives every version through
