@@ -55,10 +55,10 @@ PUBLIC: dict[str, tuple[str, ...] | None] = {
     "forgerl.testing.generator_support": ("tiny_model",),
     "forgerl.algorithms": ("policy_loss",),
     "forgerl.algorithms.config": ("AlgorithmConfig",),
-    "forgerl.config_sections": ("SamplingConfig",),
+    "forgerl.configuration.sections": ("SamplingConfig",),
     "forgerl.adapters": ("LoraOptions",),
-    "forgerl.runs": ("server_role_command",),
-    "forgerl.backend_classes": ("record_for_class",),
+    "forgerl.rundirs.runs": ("server_role_command",),
+    "forgerl.registry.backend_classes": ("record_for_class",),
 }
 
 #: Attributes every pydantic model and enum has: not the plugin's business here.

@@ -43,7 +43,7 @@ def old_site(site: Path):
 
 
 def run_context(tmp_path: Path, **config):
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
     from forgerl.interfaces import RunContext
 
     return RunContext.for_run(RunConfig.model_validate(config), tmp_path)
@@ -53,7 +53,7 @@ def test_the_old_transport_builds_in_a_run_and_warns_naming_the_replacement(old_
     """Built in a run (a context from RunContext.for_run), the old transport reads the run's
     config as it did, and the warning names the plugin, the module, the old name and the
     fact that replaces it; the value it reads is the run's."""
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     registry = build_registry(strict=True)
     assert registry.owner("transport", "files").label == LABEL
@@ -93,7 +93,7 @@ def test_the_old_transport_in_a_context_without_a_run_config_is_refused_in_one_l
     line naming it, the old name and the replacement (exit status 2 at the command line),
     not an AttributeError with a traceback."""
     from forgerl.interfaces import RunContext
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     record = build_registry(strict=True).require("transport", "files")
     with pytest.raises(PluginAPIError) as refused:

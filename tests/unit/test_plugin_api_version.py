@@ -17,7 +17,7 @@ import pytest
 
 from forgerl.api_version import PLUGIN_API_VERSION, satisfies
 from forgerl.errors import BrokenPlugin, UnknownBackend
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 
 from ..helpers.timing import scaled
 from .fakedist import make_dist
