@@ -18,9 +18,9 @@ from typing import Any
 @contextlib.contextmanager
 def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tuple[Any, Any]]:
     """Yields ``(generator, transport sender)`` for servers started from ``config``."""
-    from forgerl import runs
     from forgerl.interfaces import RunContext
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
+    from forgerl.rundirs import runs
     from forgerl.types import JobSpec
     from forgerl_plugins.generators.vllm.generator import VLLMGenerator
     from forgerl_plugins.generators.vllm.server import roles
@@ -63,16 +63,16 @@ def plugin_servers(config: Any, run_dir: Path, model_dir: Path) -> Iterator[tupl
 
 
 def resolved_config(model: str, sets: list[str], transport: str = "shm") -> Any:
-    from forgerl.config import build_config
-    from forgerl.plugins import build_registry
-    from forgerl.resolve import resolve
+    from forgerl.configuration.config import build_config
+    from forgerl.registry.plugins import build_registry
+    from forgerl.registry.resolve import resolve
 
     flags = {"model": model, "generator": "vllm", "transport": transport}
     return resolve(build_config(flags=flags, sets=sets), build_registry())
 
 
 def model_folder(config: Any) -> Path:
-    from forgerl.models import resolve_model
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
+    from forgerl.rundirs.models import resolve_model
 
     return resolve_model(config.model, build_registry())

@@ -25,7 +25,7 @@ COMMANDS = {
     "forge config show": ["config", "show"],
 }
 #: Listed with an empty cache folder each time (as after an upgrade): every backend class
-#: is imported and the index of their identities written (forgerl.backend_index).
+#: is imported and the index of their identities written (forgerl.registry.backend_index).
 COLD = "forge plugins list (no index)"
 
 

@@ -18,7 +18,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 from forgerl.types import Problem, RewardInput
 
 PROBLEM = Problem(

@@ -113,7 +113,7 @@ LENGTHS = {"natural": False}  # vllm: whether eos ends a turn (set per row)
 
 def instrument_batcher() -> None:
     """Every trajectory's turn request is timed from the moment it is asked for."""
-    from forgerl import trajectory
+    from forgerl.rollouts import trajectory
 
     base = trajectory.RequestBatcher
 
@@ -129,7 +129,7 @@ CONTINUOUS = {"on": False}  # mode continuous: each turn request goes to the gen
 
 
 def continuous_batcher() -> None:
-    from forgerl import trajectory
+    from forgerl.rollouts import trajectory
 
     base = trajectory.RequestBatcher
 
@@ -149,7 +149,7 @@ def continuous_batcher() -> None:
 def hf_generator(args: argparse.Namespace, tmp: Path) -> Iterator[tuple[Any, Path]]:
     import torch
 
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
     from forgerl.interfaces import RunContext
     from forgerl_plugins.generators.hf.generator import HFGenerator
     from forgerl_plugins.models.tiny import TinyModel, build_tiny_model
@@ -230,7 +230,7 @@ def run_rows(args: argparse.Namespace, gen: Any, model: Path) -> None:
     from transformers import AutoTokenizer
 
     from forgerl.environment import Environment, Step
-    from forgerl.trajectory import Limits, TrajectoryRunner
+    from forgerl.rollouts.trajectory import Limits, TrajectoryRunner
     from forgerl.types import Problem, SamplingParams
 
     turns = args.turns

@@ -31,11 +31,11 @@ def main() -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from forgerl import runs
     from forgerl.interfaces import RunContext
-    from forgerl.models import resolve_model
-    from forgerl.plugins import build_registry
-    from forgerl.trajectory import Limits, TrajectoryRunner
+    from forgerl.registry.plugins import build_registry
+    from forgerl.rollouts.trajectory import Limits, TrajectoryRunner
+    from forgerl.rundirs import runs
+    from forgerl.rundirs.models import resolve_model
     from forgerl.types import SamplingParams
     from forgerl_plugins.environments.guess import GuessEnvironment
     from forgerl_plugins.generators.hf.generator import HFGenerator

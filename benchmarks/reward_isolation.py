@@ -14,8 +14,8 @@ from __future__ import annotations
 import statistics
 import time
 
-from forgerl.reward_workers import RewardRecipe
-from forgerl.rewarding import NamedReward, RewardSet
+from forgerl.rewards.reward_workers import RewardRecipe
+from forgerl.rewards.rewarding import NamedReward, RewardSet
 from forgerl.types import Problem, RewardInput
 from forgerl_plugins.rewards.format import FormatReward
 from forgerl_plugins.rewards.math_answer import MathAnswerReward

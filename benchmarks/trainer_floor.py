@@ -59,10 +59,10 @@ def model_folder(name: str, tmp: Path) -> Path:
         from forgerl_plugins.models.tiny import TinyModel, build_tiny_model
 
         return build_tiny_model(TinyModel.Options(), cache_dir=tmp)
-    from forgerl.config import build_config
-    from forgerl.models import resolve_model
-    from forgerl.plugins import build_registry
-    from forgerl.resolve import resolve
+    from forgerl.configuration.config import build_config
+    from forgerl.registry.plugins import build_registry
+    from forgerl.registry.resolve import resolve
+    from forgerl.rundirs.models import resolve_model
 
     config = resolve(build_config(flags={"model": name}, sets=[]), build_registry())
     return resolve_model(config.model, build_registry())
@@ -115,7 +115,7 @@ def grpo_batch(model_dir: Path, completions_per_prompt: int = 4, max_completion:
 
 
 def run_context(model_dir: Path, run_dir: Path):
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
     from forgerl.interfaces import RunContext
 
     config = RunConfig.model_validate({"loop": {"seed": 0, "sampling": {"temperature": TEMPERATURE}}})

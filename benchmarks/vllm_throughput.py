@@ -34,8 +34,8 @@ from _vllm_servers import model_folder, plugin_servers, resolved_config
 def prompts_for(config, model_dir: Path, count: int) -> list[list[int]]:
     from transformers import AutoTokenizer
 
-    from forgerl.plugins import build_registry
-    from forgerl.rollout import Tokenizing
+    from forgerl.registry.plugins import build_registry
+    from forgerl.rollouts.rollout import Tokenizing
 
     task = build_registry().require("task", config.task.name).build(config.task.options, seed=0)
     tokenizing = Tokenizing(AutoTokenizer.from_pretrained(model_dir))

@@ -180,7 +180,7 @@ def ensure_trl_venv(say) -> Path:
 
 def model_folder() -> Path:
     """The SmolLM2-135M-Instruct folder forgerl itself trains (converted once, then cached)."""
-    from forgerl.models import default_cache_dir
+    from forgerl.rundirs.models import default_cache_dir
     from forgerl_plugins.models.smollm2 import convert_smollm2
 
     folder = convert_smollm2(None, cache_dir=default_cache_dir())
@@ -195,7 +195,7 @@ def build_problems(setting: dict, model: Path) -> dict[str, list]:
     the prompt token ids forgerl sends to its generator."""
     from transformers import AutoTokenizer
 
-    from forgerl.rollout import Tokenizing
+    from forgerl.rollouts.rollout import Tokenizing
     from forgerl_plugins.tasks.arithmetic import ArithmeticTask
 
     task = ArithmeticTask(ArithmeticTask.Options(min_value=setting["min_value"], max_value=setting["max_value"]),

@@ -30,9 +30,9 @@ __all__ = [
 ]
 
 _LAZY = {
-    "build_registry": ("forgerl.plugins", "build_registry"),
-    "Registry": ("forgerl.plugins", "Registry"),
-    "RunConfig": ("forgerl.config", "RunConfig"),
+    "build_registry": ("forgerl.registry.plugins", "build_registry"),
+    "Registry": ("forgerl.registry.plugins", "Registry"),
+    "RunConfig": ("forgerl.configuration.config", "RunConfig"),
     "load_config": ("forgerl.api", "load_config"),
     "run": ("forgerl.api", "run"),
     "submit": ("forgerl.api", "submit"),
@@ -41,9 +41,9 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.api import load_config, run, submit
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
     from forgerl.errors import ForgeError
-    from forgerl.plugins import Registry, build_registry
+    from forgerl.registry.plugins import Registry, build_registry
 
 
 def __getattr__(name: str) -> Any:

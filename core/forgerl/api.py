@@ -11,12 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forgerl import runs
-from forgerl.config import RunConfig, build_config
+from forgerl.configuration.config import RunConfig, build_config
 from forgerl.errors import JobNotFound
 from forgerl.interfaces import Scheduler
-from forgerl.plugins import Registry, build_registry
-from forgerl.resolve import resolve
+from forgerl.registry.plugins import Registry, build_registry
+from forgerl.registry.resolve import resolve
+from forgerl.rundirs import runs
 from forgerl.types import JobHandle, JobSpec, JobStatus
 
 
@@ -79,11 +79,11 @@ def plan(
     restart: bool = False,
 ) -> Plan:
     """Resolve backends (they must be available here), choose the run directory, build the
-    job and run the pre-flight checks (:mod:`forgerl.preflight`). With ``create`` the run
+    job and run the pre-flight checks (:mod:`forgerl.runloop.preflight`). With ``create`` the run
     directory is then created and config.yaml written: a mistake found before that leaves
     nothing behind. ``restart`` (with ``resume_dir``) trains that run again from step 0:
     allowed only where it has no checkpoint; its finished metrics rows are set aside."""
-    from forgerl import preflight, resuming
+    from forgerl.runloop import preflight, resuming
 
     registry = registry or build_registry()
     config = resolve(config, registry, check_available=True)
@@ -164,7 +164,7 @@ def job_scheduler(
     backend = registry.require("scheduler", scheduler_name)
     options = None  # the scheduler's defaults
     if path.is_dir():
-        from forgerl.config import read_yaml, validate_config
+        from forgerl.configuration.config import read_yaml, validate_config
 
         # A config that cannot be read is an error (one line naming the file), never
         # silently replaced by defaults that would ask the wrong place.

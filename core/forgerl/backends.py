@@ -1,6 +1,6 @@
 """Backend records: what the registry keeps of each backend selectable by name.
 
-A plugin registers a backend as one class (:mod:`forgerl.backend_classes`), from which the
+A plugin registers a backend as one class (:mod:`forgerl.registry.backend_classes`), from which the
 registry makes its record; a record written by hand (the earlier shape) names a factory
 and an options model, either as ``"module:attr"``, imported only when used.
 
@@ -233,7 +233,7 @@ class GeneratorBackend(Backend):
     to the engine's worker processes). ``roles`` (optional): server processes the scheduler
     starts beside the trainer (e.g. vLLM replicas); in-process generators have none.
     ``serve`` runs one replica of such a role, in the process the role's command
-    (:func:`forgerl.runs.server_role_command`) starts."""
+    (:func:`forgerl.rundirs.runs.server_role_command`) starts."""
 
     kind: ClassVar[str] = "generator"
     roles: Callable[..., Any] | str | None = None

@@ -18,15 +18,15 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from forgerl import __version__
-from forgerl.env import debug_enabled
+from forgerl.configuration.env import debug_enabled
+from forgerl.configuration.kinds import FLAGS, REGISTRATION_HOOKS
 from forgerl.errors import ForgeError, NotSupported
-from forgerl.kinds import FLAGS, REGISTRATION_HOOKS
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.backends import Backend
     from forgerl.interfaces import Scheduler
-    from forgerl.plugin_info import PluginInfo
-    from forgerl.plugins import Registry
+    from forgerl.registry.plugin_info import PluginInfo
+    from forgerl.registry.plugins import Registry
 
 _Command = TypeVar("_Command", bound=Callable[..., Any])
 
@@ -41,7 +41,7 @@ class _State:
 def _registry() -> Registry:
     """The plugin registry, built once per command (plugins load once, hooks trace once)."""
     if _State.registry is None:
-        from forgerl.plugins import build_registry
+        from forgerl.registry.plugins import build_registry
 
         _State.registry = build_registry(collect=False)  # backends are collected when a command needs them
     return _State.registry
@@ -136,8 +136,9 @@ def run(
     **kwargs: Any,
 ) -> None:
     """Run (or submit) a post-training run."""
-    from forgerl import api, runs
-    from forgerl.config import build_config, read_yaml
+    from forgerl import api
+    from forgerl.configuration.config import build_config, read_yaml
+    from forgerl.rundirs import runs
 
     if restart_dir is not None:
         if resume_dir is not None:
@@ -165,7 +166,7 @@ def run(
         click.echo(plan.render())
         return
     from forgerl.events import events_size
-    from forgerl.progress import follow_run, job_text
+    from forgerl.runloop.progress import follow_run, job_text
 
     progress = plan.config.logging.progress and not quiet
     events_from = events_size(plan.run_dir)
@@ -294,7 +295,7 @@ def config_show(config_file: str | None, sets: tuple[str, ...], **kwargs: Any) -
 )
 def config_schema(markdown: bool, builtin_only: bool) -> None:
     """Print the JSON schema of the run config, every installed backend's options included."""
-    from forgerl import configdoc
+    from forgerl.registry import configdoc
 
     if markdown:
         click.echo(configdoc.render_markdown(_registry(), third_party=not builtin_only), nl=False)

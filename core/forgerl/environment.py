@@ -1,7 +1,7 @@
 """The Environment interface: multi-turn, tool-using rollouts.
 
 One instance per trajectory. The run calls, each on a worker thread under a deadline
-(``environment.turn_timeout``, :mod:`forgerl.bounded`):
+(``environment.turn_timeout``, :mod:`forgerl.rollouts.bounded`):
 
 - :meth:`Environment.reset` once, with the task's problem: the first chat messages;
 - :meth:`Environment.step` after every assistant turn, with the turn's text: a

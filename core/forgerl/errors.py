@@ -100,7 +100,7 @@ class RunWriteError(UserError):
     """A file of the run (config.yaml, metrics.jsonl, submission.json, a job file) could not
     be written: the disk is full, a quota is reached, the file system is read-only, or the
     folder is not writable. Nothing half-written is left behind; the message names the file,
-    the cause and what to do (:mod:`forgerl.diskerrors`)."""
+    the cause and what to do (:mod:`forgerl.rundirs.diskerrors`)."""
 
 
 class CheckpointError(ForgeError):

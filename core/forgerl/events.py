@@ -3,7 +3,7 @@
 Any process of a run — the trainer, a generator's server launcher, a plugin — says what it
 is doing with :func:`announce`, or times a stretch of work with :func:`phase`; each event
 is one JSON line appended to ``<run_dir>/events.jsonl``. ``forge run`` follows that file
-and prints the events (:mod:`forgerl.progress`), so a user sees "converting the model",
+and prints the events (:mod:`forgerl.runloop.progress`), so a user sees "converting the model",
 "starting vLLM replica 0 (log: ...)", "waiting for /health" from the first second, in a
 terminal and in a Slurm or CI log alike.
 
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from forgerl.runs import append_line
+from forgerl.rundirs.runs import append_line
 
 EVENTS_FILE = "events.jsonl"
 TIMINGS_FILE = "timings.json"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from forgerl.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.plugins import Registry
+    from forgerl.registry.plugins import Registry
 
 #: Seconds between looks at whether every server is up.
 READY_POLL = 1.0

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # pragma: no cover
         TrainerBackend,
         TransportBackend,
     )
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
 
 PROJECT = "forgerl"
 hookspec = pluggy.HookspecMarker(PROJECT)

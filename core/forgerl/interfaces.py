@@ -40,8 +40,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from forgerl.adapters import LoraOptions
     from forgerl.algorithms.config import AlgorithmConfig
-    from forgerl.config import RunConfig
-    from forgerl.config_sections import SamplingConfig
+    from forgerl.configuration.config import RunConfig
+    from forgerl.configuration.sections import SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class RunContext:
     ``seed`` is the run's seed, ``dtype`` the model's (``float32`` | ``bfloat16``),
     ``transport_timeout`` the seconds a weight transfer may take, ``temperature`` the
     sampling temperature (the trainer's logprobs are taken at it), ``sampling`` the run's
-    sampling settings (:class:`~forgerl.config_sections.SamplingConfig`: a generator that
+    sampling settings (:class:`~forgerl.configuration.sections.SamplingConfig`: a generator that
     cannot honour one refuses it when built), ``algorithm`` the loss settings
     (:class:`~forgerl.algorithms.config.AlgorithmConfig`, for trainers) and ``max_staleness``
     how many policy versions a sample may lag (0: generation and training take turns, so a
@@ -396,7 +396,7 @@ class Transport(Closeable, abc.ABC):
         its receiving side from it, then connects with :meth:`receiver_spec`): the backend's
         name and its validated options, in a typed, versioned description
         (``{"format": "forgerl.transport", "version": 1, "name", "options"}``), which
-        :meth:`forgerl.plugins.Registry.transport_from` builds. The registry records it when
+        :meth:`forgerl.registry.plugins.Registry.transport_from` builds. The registry records it when
         it builds the transport; one built by hand describes itself from its class's ``name``
         and its ``options`` model, when it has both."""
         description = getattr(self, "_forge_description", None)

@@ -2,9 +2,9 @@
 
 A generator or reward that needs servers beside the trainer (vLLM replicas, a served
 reward model) declares them as roles (``roles(options, *, context)``, each command made by
-:func:`forgerl.runs.server_role_command`). The scheduler starts every replica of a role
+:func:`forgerl.rundirs.runs.server_role_command`). The scheduler starts every replica of a role
 with this command and ``FORGE_REPLICA`` set. It loads the run's config once
-(:func:`forgerl.runs.load_config`: every backend's options validated into its model),
+(:func:`forgerl.rundirs.runs.load_config`: every backend's options validated into its model),
 finds the backend whose ``roles`` declares ``NAME`` (the generator, or one of the rewards;
 rewards that share a server share its role), builds the run's :class:`RunContext` and
 calls the backend's ``serve(options, *, context, role, replica)``, whose return value is
@@ -23,7 +23,7 @@ import os
 import sys
 from pathlib import Path
 
-from forgerl.env import debug_enabled
+from forgerl.configuration.env import debug_enabled
 from forgerl.errors import ConfigError, ForgeError
 
 
@@ -47,10 +47,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def serve_role(run_dir: Path, role: str, replica: int) -> int:
     """Run replica ``replica`` of server role ``role`` of the run in ``run_dir``; its exit status."""
-    from forgerl import events, runs
+    from forgerl import events
     from forgerl.interfaces import RunContext
-    from forgerl.models import resolve_model
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
+    from forgerl.rundirs import runs
+    from forgerl.rundirs.models import resolve_model
 
     registry = build_registry()
     config = runs.load_config(run_dir, registry)

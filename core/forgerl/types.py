@@ -76,7 +76,7 @@ class Completion:
     vllm generator's update policy ``keep``) carries ``versions[i]``, the version that
     sampled token ``i``, and ``policy_version`` the oldest of them (``mask`` stays None).
 
-    A multi-turn trajectory (:mod:`forgerl.trajectory`) is one Completion holding every
+    A multi-turn trajectory (:mod:`forgerl.rollouts.trajectory`) is one Completion holding every
     token after the first prompt: ``mask[i]`` is 1 for a sampled token, 0 for an
     environment token (never in the loss; its logprob is 0), ``versions[i]`` the policy
     version that sampled token ``i`` (environment tokens carry their turn's), and

@@ -21,13 +21,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from forgerl.env import debug_enabled
+from forgerl.configuration.env import debug_enabled
 from forgerl.errors import ForgeError
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import Trainer
-    from forgerl.plugins import Registry
-    from forgerl.spmd import TrainerDriver
+    from forgerl.registry.plugins import Registry
+    from forgerl.runloop.spmd import TrainerDriver
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,8 +76,8 @@ def exit_now(code: int) -> NoReturn:
 
 
 def run_worker(run_dir: Path) -> int:
-    from forgerl import runs
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
+    from forgerl.rundirs import runs
 
     registry = build_registry()
     config = runs.load_config(run_dir, registry)
@@ -101,8 +101,8 @@ def run_worker(run_dir: Path) -> int:
     torch.manual_seed(config.loop.seed)
 
     from forgerl.interfaces import RunContext
-    from forgerl.models import resolve_model
-    from forgerl.spmd import TrainerDriver
+    from forgerl.rundirs.models import resolve_model
+    from forgerl.runloop.spmd import TrainerDriver
 
     # On rank 0, a run that fails before its loop starts (a backend whose module does not
     # import, a model that cannot be built) still ends like any run: summary.json says
@@ -132,8 +132,8 @@ def run_worker(run_dir: Path) -> int:
     from transformers import AutoTokenizer
 
     from forgerl import events
-    from forgerl.loop import Loop, install_stop_handlers
-    from forgerl.rewarding import RewardSet
+    from forgerl.rewards.rewarding import RewardSet
+    from forgerl.runloop.loop import Loop, install_stop_handlers
 
     driver = TrainerDriver(trainer, world)
     generator = sender = transport = rewards = None
@@ -188,7 +188,7 @@ def _ends_run_if_start_fails(registry: Registry, run_dir: Path, log: logging.Log
     except BaseException as exc:
         status = "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed"
         summary = _start_failure_summary(run_dir, status, exc)
-        from forgerl import runs
+        from forgerl.rundirs import runs
 
         try:
             runs.atomic_write_text(run_dir / runs.SUMMARY_FILE, json.dumps(summary, indent=2))
@@ -202,8 +202,8 @@ def _ends_run_if_start_fails(registry: Registry, run_dir: Path, log: logging.Log
 
 
 def _start_failure_summary(run_dir: Path, status: str, exc: BaseException) -> dict[str, Any]:
-    """The keys of :meth:`forgerl.loop.Loop.summary`, plus ``error`` (one line)."""
-    from forgerl import runs
+    """The keys of :meth:`forgerl.runloop.loop.Loop.summary`, plus ``error`` (one line)."""
+    from forgerl.rundirs import runs
 
     try:
         before = json.loads((run_dir / runs.SUMMARY_FILE).read_text())
@@ -229,7 +229,7 @@ def _follow_rank0(trainer: Trainer, log: logging.Logger) -> None:
     to report and act on: it writes the step's metrics and stops the run, or tries an
     earlier checkpoint. So keep following instead of dying with a second error."""
     from forgerl.errors import CheckpointError
-    from forgerl.spmd import follow
+    from forgerl.runloop.spmd import follow
 
     while True:
         try:

@@ -105,7 +105,7 @@ def test_unknown_dtype_in_a_layout_is_refused() -> None:
 
 
 def test_backends_are_registered_with_options() -> None:
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     registry = build_registry()
     nccl = registry.require("transport", "nccl")

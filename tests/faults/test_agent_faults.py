@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.agent_runner import AgentRunner
-from forgerl.env_rollouts import FAILURES_FILE, EnvironmentRollouts
-from forgerl.trajectory import Limits
+from forgerl.rollouts.agent_runner import AgentRunner
+from forgerl.rollouts.env_rollouts import FAILURES_FILE, EnvironmentRollouts
+from forgerl.rollouts.trajectory import Limits
 from forgerl.types import Problem, RewardResult, SamplingParams
 from forgerl_plugins.environments.agent import AgentProgram
 from tests.helpers import agents

@@ -619,7 +619,7 @@ def test_any_non_utf8_config(prefix: bytes, bad: bytes, suffix: bytes, command: 
                                 "trainer.options.", "scheduler.options."]),
        name=st.from_regex(r"[a-z][a-z_]{0,15}", fullmatch=True))
 def test_any_unknown_key(section: str, name: str) -> None:
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
 
     known = set(RunConfig.model_json_schema(mode="validation")["$defs"].keys()) | _known_keys()
     if name in known:
@@ -632,14 +632,14 @@ def test_any_unknown_key(section: str, name: str) -> None:
 @functools.lru_cache(maxsize=1)
 def _known_keys() -> frozenset[str]:
     """Every key name any section or first-party options block accepts."""
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     names: set[str] = set()
     registry = build_registry()
     for kind in registry.kinds:
         for backend in registry.backends(kind).values():
             names |= set(backend.options_model.model_fields)
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
 
     stack: list[Any] = [RunConfig]
     while stack:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.env_rollouts import FAILURES_FILE, EnvironmentRollouts
 from forgerl.environment import Environment, Step
 from forgerl.interfaces import Generator
-from forgerl.trajectory import Limits, TrajectoryRunner
+from forgerl.rollouts.env_rollouts import FAILURES_FILE, EnvironmentRollouts
+from forgerl.rollouts.trajectory import Limits, TrajectoryRunner
 from forgerl.types import Completion, Problem, RewardResult, SamplingParams
 from tests.helpers.timing import scaled
 
@@ -193,7 +193,7 @@ def test_a_hung_environment_does_not_hold_the_others(tokenizer, tmp_path):
 
     async def go():
         gen = Fixed(tokenizer)
-        from forgerl.trajectory import RequestBatcher
+        from forgerl.rollouts.trajectory import RequestBatcher
 
         batcher = RequestBatcher(gen)
         hung = asyncio.ensure_future(rollouts.runner.run(batcher, Problem("bad", "q"), "rb", 1))
@@ -224,7 +224,7 @@ def test_a_failing_generator_fails_the_batch_not_just_a_trajectory(tokenizer, tm
 
 
 def test_abandoned_calls_are_counted_until_they_return():
-    from forgerl.bounded import CallTimeout, abandoned_threads, call_bounded
+    from forgerl.rollouts.bounded import CallTimeout, abandoned_threads, call_bounded
 
     before = abandoned_threads()
     returned = threading.Event()

@@ -1,4 +1,4 @@
-"""Finding reward worker processes (forgerl.reward_workers) from tests."""
+"""Finding reward worker processes (forgerl.rewards.reward_workers) from tests."""
 
 from __future__ import annotations
 
@@ -17,6 +17,6 @@ def reward_workers_of(parent: int) -> list[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
         except (OSError, IndexError):
             continue  # gone meanwhile
-        if b"forgerl.reward_workers" in argv and argv[-2:-1] == [str(parent).encode()] and state != "Z":
+        if b"forgerl.rewards.reward_workers" in argv and argv[-2:-1] == [str(parent).encode()] and state != "Z":
             found.append(int(entry.name))
     return found

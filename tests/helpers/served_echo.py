@@ -22,7 +22,7 @@ from forgerl.errors import GeneratorError, RewardError
 from forgerl.hookspecs import hookimpl
 from forgerl.interfaces import Generator, Reward, RunContext
 from forgerl.options import OptionsModel
-from forgerl.runs import server_role_command
+from forgerl.rundirs.runs import server_role_command
 from forgerl.types import RoleSpec
 
 PLUGIN = __name__

@@ -36,7 +36,7 @@ class Gate(Reward):
         where = os.environ.get("FORGE_TEST_GATE")
         self.folder = Path(where) if where else None
         main = getattr(sys.modules["__main__"], "__spec__", None)
-        if self.folder is not None and main is not None and main.name == "forgerl.reward_workers":
+        if self.folder is not None and main is not None and main.name == "forgerl.rewards.reward_workers":
             self._note_sigterm(signal.getsignal(signal.SIGTERM))
 
     def _note_sigterm(self, before) -> None:

@@ -22,8 +22,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("openai")
 
-from forgerl import runs  # noqa: E402
-from forgerl.config import validate_config  # noqa: E402
+from forgerl.configuration.config import validate_config  # noqa: E402
+from forgerl.rundirs import runs  # noqa: E402
 from tests.helpers.openai_agent import reward_of  # noqa: E402
 from tests.helpers.timing import scaled  # noqa: E402
 
@@ -33,9 +33,9 @@ AGENT = str(Path(__file__).resolve().parents[1] / "helpers" / "openai_agent.py")
 
 
 def test_an_openai_client_agent_trains_through_the_endpoint(tmp_path, monkeypatch):
-    import forgerl.loop
+    import forgerl.runloop.loop
     from forgerl.algorithms import group_advantages
-    from forgerl.spmd import TrainerDriver
+    from forgerl.runloop.spmd import TrainerDriver
     from forgerl.worker import run_worker
     from forgerl_plugins.generators.hf.generator import HFGenerator
 
@@ -74,7 +74,7 @@ def test_an_openai_client_agent_trains_through_the_endpoint(tmp_path, monkeypatc
 
     monkeypatch.setattr(HFGenerator, "generate", recording_generate)
     monkeypatch.setattr(TrainerDriver, "train_step", recording_train_step)
-    monkeypatch.setattr(forgerl.loop, "install_stop_handlers", lambda loop: None)  # pytest keeps its own
+    monkeypatch.setattr(forgerl.runloop.loop, "install_stop_handlers", lambda loop: None)  # pytest keeps its own
     assert run_worker(run_dir) == 0
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

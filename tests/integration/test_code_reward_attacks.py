@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 from forgerl.types import Problem, RewardInput
 
 from ..helpers.timing import scaled

@@ -13,7 +13,7 @@ import socket
 
 import pytest
 
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 from forgerl.types import Problem, RewardInput
 from forgerl_plugins.rewards.sandbox import SandboxUnavailable
 

@@ -29,7 +29,7 @@ def test_embedding_example_runs(tmp_path):
 
 def test_plugins_by_import_path_reach_the_run_processes(tmp_path, monkeypatch):
     import forgerl
-    from forgerl.runs import build_job
+    from forgerl.rundirs.runs import build_job
 
     mod = tmp_path / "my_forge_plugin.py"
     mod.write_text(

@@ -18,9 +18,9 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from forgerl.batching import collate  # noqa: E402
 from forgerl.environment import Environment, Step  # noqa: E402
-from forgerl.trajectory import Limits, TrajectoryRunner  # noqa: E402
+from forgerl.rollouts.trajectory import Limits, TrajectoryRunner  # noqa: E402
+from forgerl.runloop.batching import collate  # noqa: E402
 from forgerl.types import Episode, Problem, SamplingParams  # noqa: E402
 from tests.helpers import trainer_worker as worker  # noqa: E402
 from tests.helpers.timing import scaled  # noqa: E402
@@ -94,7 +94,7 @@ def trajectory_batch(varied_model: Path, tmp_path_factory: pytest.TempPathFactor
     the loop batches them."""
     from transformers import AutoTokenizer
 
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
     from forgerl.interfaces import RunContext
     from forgerl_plugins.generators.hf.generator import HFGenerator
     from forgerl_plugins.transports.shm.transport import ShmTransport

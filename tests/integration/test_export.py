@@ -3,7 +3,7 @@ folder that plain transformers loads with the trainer's logprobs (a LoRA adapter
 or written alone for PEFT), and one-line errors for what a user can get wrong.
 
 A run directory is made as a run makes it, in process and cheaply: its config.yaml, and
-checkpoints written by ``forgerl.checkpoint.save`` with the fsdp trainer's own ``save``
+checkpoints written by ``forgerl.checkpoints.checkpoint.save`` with the fsdp trainer's own ``save``
 after real training steps on the tiny model."""
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ TOL = 1e-5
 def _make_run(model_dir: Path, run_dir: Path, lora: dict | None) -> tuple[object, dict[int, torch.Tensor]]:
     """A run directory with checkpoints of steps 1 and 2; the batch and the trainer's
     logprobs of it at each checkpoint."""
-    from forgerl import checkpoint
-    from forgerl.checkpoint_format import Snapshot, capture_rng
-    from forgerl.config import RunConfig
-    from forgerl.runs import write_config
+    from forgerl.checkpoints import checkpoint
+    from forgerl.checkpoints.checkpoint_format import Snapshot, capture_rng
+    from forgerl.configuration.config import RunConfig
+    from forgerl.rundirs.runs import write_config
 
     options = {"lora": lora} if lora else {}
     config = RunConfig.model_validate(
@@ -200,8 +200,8 @@ def test_a_real_lora_run_exports_one_policy_both_ways(tmp_path: Path, capsys) ->
 
     from peft import PeftModel
 
-    from forgerl.config import ModelConfig
-    from forgerl.models import resolve_model
+    from forgerl.configuration.config import ModelConfig
+    from forgerl.rundirs.models import resolve_model
     from forgerl.testing.registry import registry_for
 
     from ..helpers.timing import scaled

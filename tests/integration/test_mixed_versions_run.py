@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 import torch
 
-from forgerl.config import RunConfig
+from forgerl.configuration.config import RunConfig
 from forgerl.interfaces import Generator, RunContext, Task
-from forgerl.loop import Loop
-from forgerl.plugins import build_registry
-from forgerl.spmd import TrainerDriver
+from forgerl.registry.plugins import build_registry
+from forgerl.runloop.loop import Loop
+from forgerl.runloop.spmd import TrainerDriver
 from forgerl.types import Problem, RewardResult
 
 pytestmark = pytest.mark.integration

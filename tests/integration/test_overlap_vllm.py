@@ -110,11 +110,11 @@ def _generator(inner: Any) -> Any:
 def test_continuous_overlap_trains_on_exactly_labelled_tokens_across_updates(shared_vllm, tmp_path):
     import torch
 
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
     from forgerl.interfaces import RunContext
-    from forgerl.loop import Loop
-    from forgerl.plugins import build_registry
-    from forgerl.spmd import TrainerDriver
+    from forgerl.registry.plugins import build_registry
+    from forgerl.runloop.loop import Loop
+    from forgerl.runloop.spmd import TrainerDriver
     from forgerl.testing.generator_support import teacher_forced
 
     from ..unit.test_loop_fixed_weights import FakeRewards, FakeTask

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.plugins import build_registry
-from forgerl.trajectory import Limits, TrajectoryRunner
+from forgerl.registry.plugins import build_registry
+from forgerl.rollouts.trajectory import Limits, TrajectoryRunner
 from forgerl.types import Problem, SamplingParams
 from forgerl_plugins.rewards.sandbox import SandboxUnavailable
 

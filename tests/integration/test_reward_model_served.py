@@ -1,7 +1,7 @@
 """The ``reward_model`` reward served by a real vLLM pooling server (CPU build, tiny model).
 
 One server serves the whole module (its start is the expensive part, 30-60 s here): the
-run's job is built as ``forge run`` builds it (:func:`forgerl.runs.build_job`), and the
+run's job is built as ``forge run`` builds it (:func:`forgerl.rundirs.runs.build_job`), and the
 local scheduler starts its reward-model role; the test process plays the trainer. The
 same samples are scored in-process (transformers) and through the server, and must agree.
 
@@ -84,10 +84,10 @@ def _options(classifier_dir: Path, **more: object) -> dict[str, object]:
 @pytest.fixture(scope="module")
 def run(classifier_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     """The run's reward-model server, started by the local scheduler from the run's job."""
-    from forgerl import runs
-    from forgerl.config import build_config
-    from forgerl.plugins import build_registry
-    from forgerl.resolve import resolve
+    from forgerl.configuration.config import build_config
+    from forgerl.registry.plugins import build_registry
+    from forgerl.registry.resolve import resolve
+    from forgerl.rundirs import runs
     from forgerl.types import JobSpec
     from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
 
@@ -132,13 +132,13 @@ def _role(options: dict[str, object]) -> str:
 
 
 def _build(options: dict[str, object]):
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     return build_registry().require("reward", "reward_model").build(options)
 
 
 def _score(reward, samples=SAMPLES) -> list[float]:
-    from forgerl.rewarding import NamedReward, RewardSet
+    from forgerl.rewards.rewarding import NamedReward, RewardSet
 
     with RewardSet([NamedReward("rm", 1.0, reward)], timeout=scaled(60)) as rewards:
         results = rewards.score_sync(samples)
@@ -197,7 +197,7 @@ def test_every_path_of_the_server_needs_the_run_key(run):
 
 def test_a_sample_the_server_fails_fails_alone(run):
     """An input vLLM refuses (no tokens at all) fails its samples; the run goes on."""
-    from forgerl.rewarding import NamedReward, RewardSet
+    from forgerl.rewards.rewarding import NamedReward, RewardSet
 
     _, served_options = run
     served = _build({**served_options, "chat_template": False})

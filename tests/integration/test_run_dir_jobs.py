@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from forgerl import runs
+from forgerl.rundirs import runs
 from forgerl.types import JobHandle, JobSpec, JobState, RoleSpec
 from forgerl_plugins.schedulers.local.scheduler import LocalScheduler
 from tests.helpers.timing import scaled, wait_until
@@ -40,7 +40,7 @@ class Jobs:
         self.started: list[tuple[JobHandle, threading.Thread]] = []
 
     def start(self, run_dir: Path, code: str) -> JobHandle:
-        from forgerl.config import validate_config
+        from forgerl.configuration.config import validate_config
 
         role = RoleSpec("main", (sys.executable, "-c", code), primary=True)
         handle = self.scheduler.submit(JobSpec(f"forge-{run_dir.name}", str(run_dir), (role,)))

@@ -5,7 +5,7 @@ checkpointing, q/k biases and a tied output layer) and LoRA (merged, or the adap
 its base through PEFT).
 
 As in test_export.py, a run directory is made in process: its config.yaml, and a
-checkpoint written by ``forgerl.checkpoint.save`` with the trainer's own ``save`` after
+checkpoint written by ``forgerl.checkpoints.checkpoint.save`` with the trainer's own ``save`` after
 real training steps."""
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def _needs_torchtitan() -> None:
 def _titan_run(model_dir: Path, run_dir: Path, options: dict) -> tuple[object, torch.Tensor]:
     """A torchtitan run directory with a checkpoint of step 2; the batch and the trainer
     model's logits of it at that checkpoint."""
-    from forgerl import checkpoint
-    from forgerl.checkpoint_format import Snapshot, capture_rng
-    from forgerl.config import RunConfig
-    from forgerl.runs import write_config
+    from forgerl.checkpoints import checkpoint
+    from forgerl.checkpoints.checkpoint_format import Snapshot, capture_rng
+    from forgerl.configuration.config import RunConfig
+    from forgerl.rundirs.runs import write_config
 
     config = RunConfig.model_validate(
         {"model": {"name": str(model_dir)}, "trainer": {"name": "torchtitan", "options": options}, "loop": {"seed": 0}}

@@ -30,7 +30,7 @@ def _needs_torchtitan() -> None:
 
 
 def test_forge_plugins_list_shows_it_available() -> None:
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     assert build_registry().get("trainer", "torchtitan").unavailable_reason() is None
 

@@ -33,12 +33,12 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from forgerl import runs  # noqa: E402
-from forgerl.agent_runner import AgentRunner  # noqa: E402
-from forgerl.config import validate_config  # noqa: E402
-from forgerl.env_rollouts import FAILURES_FILE, EnvironmentRollouts  # noqa: E402
+from forgerl.configuration.config import validate_config  # noqa: E402
 from forgerl.errors import ConfigError  # noqa: E402
-from forgerl.trajectory import Limits  # noqa: E402
+from forgerl.rollouts.agent_runner import AgentRunner  # noqa: E402
+from forgerl.rollouts.env_rollouts import FAILURES_FILE, EnvironmentRollouts  # noqa: E402
+from forgerl.rollouts.trajectory import Limits  # noqa: E402
+from forgerl.rundirs import runs  # noqa: E402
 from forgerl.types import Problem, SamplingParams  # noqa: E402
 from forgerl_plugins.environments.verifiers_env import VerifiersEnvironment  # noqa: E402
 from forgerl_plugins.environments.verifiers_worker import close_workers  # noqa: E402
@@ -69,9 +69,9 @@ def tokenizer(tiny_model_dir: Path):
 
 
 def test_a_verifiers_environment_trains_token_exactly_on_its_own_dataset(vf_python, tokenizer, tmp_path, monkeypatch):
-    import forgerl.loop
+    import forgerl.runloop.loop
     from forgerl.algorithms import group_advantages
-    from forgerl.spmd import TrainerDriver
+    from forgerl.runloop.spmd import TrainerDriver
     from forgerl.worker import run_worker
     from forgerl_plugins.generators.hf.generator import HFGenerator
 
@@ -107,7 +107,7 @@ def test_a_verifiers_environment_trains_token_exactly_on_its_own_dataset(vf_pyth
 
     monkeypatch.setattr(HFGenerator, "generate", recording_generate)
     monkeypatch.setattr(TrainerDriver, "train_step", recording_train_step)
-    monkeypatch.setattr(forgerl.loop, "install_stop_handlers", lambda loop: None)  # pytest keeps its own
+    monkeypatch.setattr(forgerl.runloop.loop, "install_stop_handlers", lambda loop: None)  # pytest keeps its own
     assert run_worker(run_dir) == 0
 
     assert not (run_dir / FAILURES_FILE).exists(), (run_dir / FAILURES_FILE).read_text()

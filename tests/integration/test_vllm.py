@@ -85,11 +85,11 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from forgerl import runs
-    from forgerl.config import build_config
+    from forgerl.configuration.config import build_config
     from forgerl.interfaces import RunContext
-    from forgerl.plugins import build_registry
-    from forgerl.resolve import resolve
+    from forgerl.registry.plugins import build_registry
+    from forgerl.registry.resolve import resolve
+    from forgerl.rundirs import runs
     from forgerl.types import JobSpec
     from forgerl_plugins.generators.vllm.generator import VLLMGenerator
     from forgerl_plugins.generators.vllm.server import roles

@@ -1,4 +1,4 @@
-"""The agent endpoint (forgerl.agent_endpoint, agent_episode, agent_chat): agents written
+"""The agent endpoint (forgerl.rollouts.agent_endpoint, agent_episode, agent_chat): agents written
 against the official ``openai`` client call the run's endpoint; every call is sampled by
 the run's generator from token ids, the calls of one episode are one trajectory whose
 sampled tokens are exactly the generator's (mask 1, logprobs, versions) and whose other
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.agent_chat import ApiError, parse_request
-from forgerl.agent_runner import AgentRunner
-from forgerl.chat_tokens import ChatTokens
-from forgerl.env_rollouts import EnvironmentRollouts
-from forgerl.trajectory import Limits, RequestBatcher
+from forgerl.rollouts.agent_chat import ApiError, parse_request
+from forgerl.rollouts.agent_runner import AgentRunner
+from forgerl.rollouts.chat_tokens import ChatTokens
+from forgerl.rollouts.env_rollouts import EnvironmentRollouts
+from forgerl.rollouts.trajectory import Limits, RequestBatcher
 from forgerl.types import Problem, RewardInput, RewardResult, SamplingParams
 from forgerl_plugins.environments.agent import AgentProgram
 from tests.helpers import agents
@@ -315,7 +315,7 @@ def test_a_port_in_use_is_a_one_line_error(make_rollouts, tokenizer):
 
 
 def test_assistant_tool_calls_are_rendered_in_the_format_the_model_was_taught():
-    from forgerl.agent_chat import for_template
+    from forgerl.rollouts.agent_chat import for_template
 
     calls = [{"id": "c1", "type": "function", "function": {"name": "calculate", "arguments": '{"expression": "2 + 2"}'}}]
     message = {"role": "assistant", "content": "Let me see.", "tool_calls": calls}

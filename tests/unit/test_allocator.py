@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.allocator import TRAINER_MALLOC_ENV, trainer_allocator_env
+from forgerl.rundirs.allocator import TRAINER_MALLOC_ENV, trainer_allocator_env
 
 
 def test_the_trainer_gets_mmap_off_and_no_trimming_by_default() -> None:
@@ -41,10 +41,10 @@ def no_allocator_choice(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 def _roles(tmp_path: Path, flags: dict[str, str], sets: list[str] | None = None) -> dict:
-    from forgerl.config import build_config
-    from forgerl.plugins import build_registry
-    from forgerl.resolve import resolve
-    from forgerl.runs import build_job
+    from forgerl.configuration.config import build_config
+    from forgerl.registry.plugins import build_registry
+    from forgerl.registry.resolve import resolve
+    from forgerl.rundirs.runs import build_job
 
     registry = build_registry()
     config = resolve(build_config(flags={"model": "tiny", **flags}, sets=sets or []), registry)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 import forgerl
+from forgerl.configuration.kinds import FLAGS
 from forgerl.errors import ConfigError
-from forgerl.kinds import FLAGS
 
 ACCEPTED = "generator, trainer, transport, scheduler, task, rewards, model, steps, output, environment"
 

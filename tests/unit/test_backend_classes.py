@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 from forgerl.types import Problem, RewardInput
 
 from .fakedist import make_dist

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.backend_index import MAX_BYTES, BackendIndex, index_path
-from forgerl.plugins import build_registry
+from forgerl.registry.backend_index import MAX_BYTES, BackendIndex, index_path
+from forgerl.registry.plugins import build_registry
 from forgerl.types import Problem, RewardInput
 from tests.helpers.timing import scaled
 

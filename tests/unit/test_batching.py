@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from forgerl.algorithms import AlgorithmConfig
-from forgerl.batching import collate, prepare_batch
+from forgerl.runloop.batching import collate, prepare_batch
 from forgerl.types import Completion, Episode, Problem
 
 P = Problem(id="p", prompt="x")

@@ -6,7 +6,7 @@ import os
 import threading
 from pathlib import Path
 
-from forgerl.capped_read import read_capped
+from forgerl.configuration.capped_read import read_capped
 
 
 def test_a_regular_file_is_read_up_to_the_limit(tmp_path: Path) -> None:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from forgerl import checkpoint as ckpt
-from forgerl.checkpoint_format import Snapshot, capture_rng, restore_rng
+from forgerl.checkpoints import checkpoint as ckpt
+from forgerl.checkpoints.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.errors import CheckpointUnusable, CheckpointWriteError
-from forgerl.metrics import MetricsWriter
-from forgerl.rollout import RolloutBatch
+from forgerl.rollouts.rollout import RolloutBatch
+from forgerl.runloop.metrics import MetricsWriter
 from forgerl.types import Completion, Episode, Problem
 from tests.helpers.timing import scaled
 
@@ -244,7 +244,7 @@ def test_a_corrupted_latest_falls_back_to_the_previous_with_a_warning(tmp_path, 
     save(tmp_path, 1)
     bad = save(tmp_path, 2)
     damage(bad)
-    with caplog.at_level(logging.WARNING, logger="forgerl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="forgerl.checkpoints.checkpoint"):
         found = ckpt.restore(tmp_path, lambda folder: None, keep=2)
     assert found is not None and found[0].name == "step-000001"
     assert found[1].state["step"] == 1
@@ -262,7 +262,7 @@ def test_a_checkpoint_the_trainer_refuses_is_skipped_too(tmp_path, caplog):
             raise CheckpointUnusable(f"{folder}/.metadata: refused")
         loaded.append(folder.parent.name)
 
-    with caplog.at_level(logging.WARNING, logger="forgerl.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="forgerl.checkpoints.checkpoint"):
         path, _ = ckpt.restore(tmp_path, load_trainer, keep=2)
     assert path.name == "step-000001" and loaded == ["step-000001"]
     assert "refused" in caplog.text
@@ -334,7 +334,7 @@ def test_an_unwritable_checkpoint_folder_is_permission_denied(tmp_path):
             "import sys, json; from pathlib import Path\n"
             f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
             "import test_checkpoint as t\n"
-            "from forgerl import checkpoint as ckpt\n"
+            "from forgerl.checkpoints import checkpoint as ckpt\n"
             "from forgerl.errors import CheckpointWriteError\n"
             "run = Path(sys.argv[1]); t.save(run, 1)\n"
             "ckpt.root(run).chmod(0o555)\n"

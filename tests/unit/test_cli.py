@@ -39,7 +39,7 @@ def test_help_and_plugins_list_do_not_import_torch():
     code = (
         "import sys\n"
         "from forgerl.cli import main\n"
-        "from forgerl.plugins import build_registry\n"
+        "from forgerl.registry.plugins import build_registry\n"
         "for args in (['--help'], ['plugins', 'list'], ['config', 'schema']):\n"
         "    try:\n"
         "        main(args)\n"

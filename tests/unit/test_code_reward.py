@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 from forgerl.types import Problem, RewardInput
 from forgerl_plugins.rewards.code import extract_code
 

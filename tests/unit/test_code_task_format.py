@@ -7,7 +7,7 @@ import json
 import pytest
 
 from forgerl.errors import ConfigError
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 from forgerl.types import RewardInput
 from forgerl_plugins.tasks.code_basics import PROBLEMS
 

@@ -19,12 +19,12 @@ from forgerl.backends import (
     TrainerBackend,
     TransportBackend,
 )
-from forgerl.config import RunConfig
+from forgerl.configuration.config import RunConfig
 from forgerl.contract import SIGNATURES
 from forgerl.errors import BackendContractError
 from forgerl.hookspecs import hookimpl
 from forgerl.interfaces import Reward, RunContext, Scheduler, TransportReceiver
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 
 from .fakedist import make_dist
 
@@ -250,7 +250,7 @@ def test_the_plugin_guide_shows_the_contract_as_written_in_one_place():
 
 
 def test_a_backend_is_built_with_exactly_its_kinds_runtime_arguments():
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     task = build_registry().require("task", "arithmetic")
     assert task.build({}, seed=3).seed == 3

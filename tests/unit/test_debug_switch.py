@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.env import debug_enabled, env_flag
+from forgerl.configuration.env import debug_enabled, env_flag
 from tests.helpers.timing import scaled
 
 

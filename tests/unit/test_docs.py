@@ -236,7 +236,7 @@ def test_documented_environment_variables_exist():
 
 
 def test_plugin_switches_are_in_the_hook_reference():
-    # The plugin manager's modules (core/forgerl/plugins.py, and any it is split into).
+    # The plugin manager's modules (core/forgerl/registry/plugins.py, and any it is split into).
     switches = set().union(*(_env_names_in_python(p) for p in (REPO / "core" / "forgerl").glob("*plugin*.py")))
     assert "FORGE_PLUGINS" in switches
     missing = switches - env_names_in_table("hooks.md", "## Environment switches")
@@ -247,14 +247,14 @@ def test_plugin_switches_are_in_the_hook_reference():
 
 
 def loop_metric_keys() -> set[str]:
-    """Every key core/forgerl/loop.py puts in a metrics.jsonl row (``<>`` for a computed part),
-    with the eval row of core/forgerl/evaluation.py and the reward component names of
-    core/forgerl/rewarding.py filled into ``reward/<>``."""
+    """Every key core/forgerl/runloop/loop.py puts in a metrics.jsonl row (``<>`` for a computed part),
+    with the eval row of core/forgerl/runloop/evaluation.py and the reward component names of
+    core/forgerl/rewards/rewarding.py filled into ``reward/<>``."""
     loop = REPO / "core" / "forgerl" / "loop.py"
     train_one, evaluate = function(loop, "train_one"), function(REPO / "core" / "forgerl" / "evaluation.py", "_row")
     keys = dict_literal_keys(train_one) | subscript_keys(train_one, "row") | dict_literal_keys(evaluate)
     components = subscript_keys(function(REPO / "core" / "forgerl" / "rewarding.py", "_combine"), "components")
-    assert components, "core/forgerl/rewarding.py: no reward component keys found"
+    assert components, "core/forgerl/rewards/rewarding.py: no reward component keys found"
     if any(k.startswith("reward/") and "<>" in k for k in keys):
         keys |= {"reward/" + c for c in components}
     return keys
@@ -313,7 +313,7 @@ def flag_keys_accepted() -> set[str]:
     from pydantic import BaseModel
 
     from forgerl.cli import run
-    from forgerl.config import RunConfig, build_config
+    from forgerl.configuration.config import RunConfig, build_config
     from forgerl.errors import ConfigError
 
     candidates = {"reward"} | {p.name for p in run.params if isinstance(p, click.Option)}
@@ -346,7 +346,9 @@ def test_every_flags_key_is_documented():
 
 
 def test_run_directory_files_are_documented():
-    from forgerl import checkpoint, checkpoint_format, metrics, runs
+    from forgerl.checkpoints import checkpoint, checkpoint_format
+    from forgerl.rundirs import runs
+    from forgerl.runloop import metrics
     from forgerl_plugins.schedulers.local import jobfile
     from forgerl_plugins.serving import launcher
     from forgerl_plugins.transports.common import auth
@@ -366,7 +368,7 @@ def test_run_directory_files_are_documented():
 def test_builtin_backends_table_matches_the_registry():
     """The table of concepts.md lists every first-party backend, and says which are
     registered without an implementation (selecting one fails)."""
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     registry = build_registry(entry_points=True, disabled=set())
     rows = {}
@@ -384,8 +386,8 @@ def test_builtin_backends_table_matches_the_registry():
 
 
 def test_config_reference_is_up_to_date():
-    from forgerl.configdoc import render_markdown
-    from forgerl.plugins import build_registry
+    from forgerl.registry.configdoc import render_markdown
+    from forgerl.registry.plugins import build_registry
 
     expected = render_markdown(build_registry(entry_points=True, disabled=set()), third_party=False)
     actual = (DOCS / "config.md").read_text()

@@ -45,7 +45,7 @@ def test_plugin_tutorial_works_and_its_registration_module_stays_light(tmp_path:
         [ref] = forge_rewards()
         heavy = [m for m in ("pydantic", "forgerl_brevity.reward") if m in sys.modules]
         assert not heavy, f"registering imported {heavy}"
-        from forgerl.backend_classes import record_for_class
+        from forgerl.registry.backend_classes import record_for_class
         from forgerl.backends import RewardBackend
         backend = record_for_class(RewardBackend, ref, "forge_rewards")
         assert (backend.name, backend.description) == ("brevity", "Prefers short completions"), backend
@@ -91,8 +91,8 @@ def test_tracker_example_in_plugins_md_forwards_metrics(monkeypatch: pytest.Monk
     pluggy) and forwards each step's row, without None values, to the tracker."""
     import types
 
-    from forgerl.config import RunConfig
-    from forgerl.plugins import build_registry
+    from forgerl.configuration.config import RunConfig
+    from forgerl.registry.plugins import build_registry
 
     calls = []
 
@@ -166,13 +166,13 @@ def child_env(src: Path) -> dict[str, str]:
 
 
 def mini_registry():
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     return build_registry(plugins=["forgerl_mini.plugin"], strict=True, disabled=set())
 
 
 def run_context(tmp_path: Path, model: Path | None = None, **config):
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
     from forgerl.interfaces import RunContext
 
     return RunContext.for_run(RunConfig.model_validate(config), tmp_path, model_path=model)
@@ -191,7 +191,7 @@ def test_mini_registration_module_stays_light(mini_src: Path):
         "heavy = [m for m in ('pydantic', 'torch', 'transformers', 'forgerl_mini.transport',\n"
         "                     'forgerl_mini.generator', 'forgerl_mini.trainer') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
-        "from forgerl.backend_classes import record_for_class\n"
+        "from forgerl.registry.backend_classes import record_for_class\n"
         "from forgerl.backends import GeneratorBackend, TrainerBackend, TransportBackend\n"
         "kinds = {'forge_transports': TransportBackend, 'forge_generators': GeneratorBackend,\n"
         "         'forge_trainers': TrainerBackend}\n"
@@ -211,7 +211,7 @@ def test_mini_registration_module_stays_light(mini_src: Path):
 RECEIVER_PROCESS = """
 import json, sys, time
 from forgerl.errors import TransportTimeout
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 
 spec = json.loads(sys.argv[1])
 transport = build_registry().require("transport", "files").build({}, context=None)
@@ -547,7 +547,7 @@ def test_scheduler_tutorial_registration_module_stays_light(tmp_path: Path):
         "[ref] = forge_schedulers()\n"
         "heavy = [m for m in ('pydantic', 'forgerl_procs.scheduler') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
-        "from forgerl.backend_classes import record_for_class\n"
+        "from forgerl.registry.backend_classes import record_for_class\n"
         "from forgerl.backends import SchedulerBackend\n"
         "backend = record_for_class(SchedulerBackend, ref, 'forge_schedulers')\n"
         "assert backend.name == 'procs', backend\n"
@@ -603,7 +603,7 @@ def test_environment_tutorial_registration_module_stays_light(tmp_path: Path):
         "[ref] = forge_environments()\n"
         "heavy = [m for m in ('pydantic', 'forgerl_wordle.environment') if m in sys.modules]\n"
         "assert not heavy, heavy\n"
-        "from forgerl.backend_classes import record_for_class\n"
+        "from forgerl.registry.backend_classes import record_for_class\n"
         "from forgerl.backends import EnvironmentBackend\n"
         "backend = record_for_class(EnvironmentBackend, ref, 'forge_environments')\n"
         "a, b = backend.build({'max_guesses': 3}), backend.build({'max_guesses': 3})\n"

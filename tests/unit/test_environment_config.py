@@ -54,10 +54,10 @@ def test_mistakes_are_one_line(sets, error, message):
 
 
 def test_an_environment_class_is_a_backend_built_once_per_call():
-    from forgerl.backend_classes import record_for_class
     from forgerl.backends import EnvironmentBackend
     from forgerl.environment import Environment
     from forgerl.errors import PluginError
+    from forgerl.registry.backend_classes import record_for_class
 
     class Minimal(Environment):
         """the smallest environment"""

@@ -82,7 +82,7 @@ def test_the_check_finds_a_cycle_only_seen_by_type_checkers(tmp_path):
     probe.write_text(
         "from typing import TYPE_CHECKING\n"
         "from forgerl import errors\n"
-        "if TYPE_CHECKING:\n    from forgerl.config import RunConfig\n"
+        "if TYPE_CHECKING:\n    from forgerl.configuration.config import RunConfig\n"
     )
-    modules = {"forgerl": probe, "forgerl.config": probe, "forgerl.errors": probe}
-    assert imports_of(probe, modules) == {"forgerl.config", "forgerl.errors"}
+    modules = {"forgerl": probe, "forgerl.configuration.config": probe, "forgerl.errors": probe}
+    assert imports_of(probe, modules) == {"forgerl.configuration.config", "forgerl.errors"}

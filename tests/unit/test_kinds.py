@@ -1,4 +1,4 @@
-"""forgerl.kinds is the one table of backend kinds, their hooks, config fields and flags:
+"""forgerl.configuration.kinds is the one table of backend kinds, their hooks, config fields and flags:
 a kind or a flag added in one place and not in the others fails here."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import click
 from forgerl import hookspecs
 from forgerl.backends import BACKEND_KINDS
 from forgerl.cli import config_show
-from forgerl.config import BackendChoice, RunConfig
-from forgerl.kinds import FLAGS, KINDS, REGISTRATION_HOOKS, SINGLE_BACKEND_FIELDS
+from forgerl.configuration.config import BackendChoice, RunConfig
+from forgerl.configuration.kinds import FLAGS, KINDS, REGISTRATION_HOOKS, SINGLE_BACKEND_FIELDS
 
 
 def test_every_kind_has_a_record_class_and_a_registration_hook():

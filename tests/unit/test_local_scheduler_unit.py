@@ -7,7 +7,7 @@ import socket
 import pytest
 
 from forgerl.errors import JobNotFound, SchedulerError
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 from forgerl.types import JobSpec, RoleSpec
 from forgerl_plugins.schedulers.local import jobfile, procs
 from forgerl_plugins.schedulers.local.scheduler import LocalScheduler

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 
-from forgerl.config import RunConfig
+from forgerl.configuration.config import RunConfig
 from forgerl.interfaces import Generator, RunContext, Task
-from forgerl.loop import Loop
-from forgerl.plugins import build_registry
-from forgerl.spmd import TrainerDriver
+from forgerl.registry.plugins import build_registry
+from forgerl.runloop.loop import Loop
+from forgerl.runloop.spmd import TrainerDriver
 from forgerl.types import Completion, Problem, RewardResult
 
 PROMPTS, GROUP = 2, 4
@@ -178,7 +178,7 @@ def test_a_generator_that_takes_no_weights_is_never_sent_any_and_all_its_samples
 
 
 def test_the_run_says_once_that_training_is_off_policy(tmp_path, caplog):
-    with caplog.at_level(logging.WARNING, logger="forgerl.loop"):
+    with caplog.at_level(logging.WARNING, logger="forgerl.runloop.loop"):
         run_loop(tmp_path, FixedWeightsGenerator(), steps=3)
     said = [r.getMessage() for r in caplog.records if "off-policy" in r.getMessage()]
     assert len(said) == 1, said
@@ -187,7 +187,7 @@ def test_the_run_says_once_that_training_is_off_policy(tmp_path, caplog):
 
 def test_a_generator_that_takes_weights_is_sent_each_version_and_does_not_warn(tmp_path, caplog):
     gen = FakeGenerator()
-    with caplog.at_level(logging.WARNING, logger="forgerl.loop"):
+    with caplog.at_level(logging.WARNING, logger="forgerl.runloop.loop"):
         _, rows, _, sender = run_loop(tmp_path, gen, steps=3)
     assert gen.updates == [1, 2, 3] and len(sender.sent) == 3
     assert [r["samples/dropped_stale"] for r in rows] == [0, 0, 0]

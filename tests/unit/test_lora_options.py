@@ -41,9 +41,9 @@ def test_bad_options_are_refused(bad: dict) -> None:
 
 
 def _config(*sets: str, generator: str = "vllm"):
-    from forgerl.config import build_config
-    from forgerl.plugins import build_registry
-    from forgerl.resolve import resolve
+    from forgerl.configuration.config import build_config
+    from forgerl.registry.plugins import build_registry
+    from forgerl.registry.resolve import resolve
 
     registry = build_registry()
     return resolve(build_config(flags={"generator": generator}, sets=sets), registry), registry
@@ -61,7 +61,7 @@ def test_the_run_context_carries_the_trainers_adapter(tmp_path) -> None:
 @pytest.mark.parametrize("generator", ["vllm", "hf"])
 def test_a_lora_trainer_needs_a_generator_that_serves_adapters(monkeypatch, generator: str) -> None:
     from forgerl.errors import ConfigError
-    from forgerl.preflight import check_adapter_served
+    from forgerl.runloop.preflight import check_adapter_served
 
     config, registry = _config("trainer.options.lora.rank=8", generator=generator)
     check_adapter_served(config, registry)  # it does

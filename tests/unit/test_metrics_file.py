@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.metrics import DAMAGED_FILE, MetricsWriter, repair, set_aside
+from forgerl.runloop.metrics import DAMAGED_FILE, MetricsWriter, repair, set_aside
 
 
 def row(step: int, pad: int = 40) -> bytes:
@@ -29,7 +29,7 @@ def test_a_row_the_disk_refuses_part_way_is_cut_back_and_named_in_one_line(tmp_p
         import resource, signal, sys
         from pathlib import Path
         from forgerl.errors import RunWriteError
-        from forgerl.metrics import MetricsWriter
+        from forgerl.runloop.metrics import MetricsWriter
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         run = Path({str(tmp_path)!r})
         w = MetricsWriter(run)

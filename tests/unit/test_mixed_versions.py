@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from forgerl.algorithms import AlgorithmConfig, gap_age_key, policy_loss
-from forgerl.batching import collate, prepare_batch, tokens_by_age
-from forgerl.staleness import age_counts, filter_stale, oldest_version
+from forgerl.rollouts.staleness import age_counts, filter_stale, oldest_version
+from forgerl.runloop.batching import collate, prepare_batch, tokens_by_age
 from forgerl.types import Completion, Episode, Problem
 
 from .test_loop_fixed_weights import GROUP, PROMPTS, FakeGenerator, run_loop
@@ -234,7 +234,7 @@ def test_the_loop_masks_the_too_old_tokens_and_trains_on_the_rest(tmp_path):
 def test_a_bad_stale_samples_value_is_refused():
     from pydantic import ValidationError
 
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
 
     with pytest.raises(ValidationError, match="stale_samples"):
         RunConfig.model_validate({"loop": {"stale_samples": "trim"}})

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from forgerl.backends import ModelBackend
-from forgerl.config import ModelConfig
+from forgerl.configuration.config import ModelConfig
 from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.hookspecs import hookimpl
-from forgerl.models import default_cache_dir, resolve_model
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
+from forgerl.rundirs.models import default_cache_dir, resolve_model
 
 
 class FakeModels:

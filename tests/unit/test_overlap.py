@@ -22,15 +22,15 @@ from typing import Any
 
 import pytest
 
-from forgerl.config import RunConfig
-from forgerl.generator_idle import IdleClock, WatchedGenerator
+from forgerl.configuration.config import RunConfig
 from forgerl.interfaces import Generator, RunContext
-from forgerl.loop import Loop
-from forgerl.overlap import ContinuousBuffer, ContinuousProducer, default_in_flight
-from forgerl.plugins import build_registry
-from forgerl.problem_source import REQUEUED, ProblemSource
-from forgerl.rollout import RolloutBatch, Tokenizing
-from forgerl.spmd import TrainerDriver
+from forgerl.registry.plugins import build_registry
+from forgerl.rollouts.generator_idle import IdleClock, WatchedGenerator
+from forgerl.rollouts.overlap import ContinuousBuffer, ContinuousProducer, default_in_flight
+from forgerl.rollouts.problem_source import REQUEUED, ProblemSource
+from forgerl.rollouts.rollout import RolloutBatch, Tokenizing
+from forgerl.runloop.loop import Loop
+from forgerl.runloop.spmd import TrainerDriver
 from forgerl.types import Completion, SamplingParams
 from tests.helpers.timing import scaled, wait_until
 
@@ -391,7 +391,7 @@ def test_a_resume_neither_skips_nor_repeats_a_problem(tmp_path, resumed_as):
 
 
 def test_a_damaged_requeue_in_a_checkpoint_is_named():
-    from forgerl.problem_source import split, with_requeued
+    from forgerl.rollouts.problem_source import split, with_requeued
     from forgerl.types import Problem
 
     with pytest.raises(ValueError, match=r"\[0\]: .*lacks answer"):
@@ -539,7 +539,7 @@ def test_continuous_is_for_single_turn_rollouts():
 )
 def test_continuous_needs_a_generator_that_updates_in_flight(generator, options, said):
     from forgerl.errors import ConfigError
-    from forgerl.resolve import resolve
+    from forgerl.registry.resolve import resolve
 
     config = RunConfig.model_validate({
         "generator": {"name": generator, "options": options},
@@ -551,7 +551,7 @@ def test_continuous_needs_a_generator_that_updates_in_flight(generator, options,
 
 
 def test_continuous_with_keep_resolves():
-    from forgerl.resolve import resolve
+    from forgerl.registry.resolve import resolve
 
     config = RunConfig.model_validate({
         "generator": {"name": "vllm", "options": {"update_policy": "keep"}},

@@ -7,7 +7,7 @@ import importlib.util
 import pytest
 
 from forgerl.errors import BackendUnavailable, DuplicateBackend, PluginError, UnknownBackend
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 
 from .fakedist import (
     BROKEN,
@@ -287,7 +287,7 @@ def test_a_backend_whose_module_fails_to_import_names_plugin_and_backend(site):
 
 
 def test_config_schema_leaves_out_a_third_party_options_model_that_fails_to_import(site, capsys):
-    from forgerl.configdoc import json_schema, render_markdown
+    from forgerl.registry.configdoc import json_schema, render_markdown
 
     make_dist(site, "fake-lazy", "1.0", {"lazy": LAZY_BROKEN_IMPL})
     (site / "fake_lazy_impl.py").write_text(LAZY_IMPL_MODULE)

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from forgerl import events, progress
+from forgerl import events
 from forgerl.events import EVENTS_FILE, announce, phase, read_events
-from forgerl.progress import RunFollower, step_text
+from forgerl.runloop import progress
+from forgerl.runloop.progress import RunFollower, step_text
 
 
 @pytest.fixture(autouse=True)

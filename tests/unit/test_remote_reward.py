@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from forgerl.errors import ConfigError
-from forgerl.plugins import build_registry
-from forgerl.rewarding import NamedReward, RewardSet
+from forgerl.registry.plugins import build_registry
+from forgerl.rewards.rewarding import NamedReward, RewardSet
 from forgerl.testing import RewardContract
 from forgerl.types import Problem, RewardInput
 

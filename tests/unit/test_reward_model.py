@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from forgerl.plugins import build_registry
-from forgerl.rewarding import NamedReward, RewardSet
+from forgerl.registry.plugins import build_registry
+from forgerl.rewards.rewarding import NamedReward, RewardSet
 from forgerl.testing import RewardContract
 from forgerl.types import Problem, RewardInput
 

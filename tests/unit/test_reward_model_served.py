@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from forgerl.errors import ConfigError, RewardError
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 from forgerl.types import Problem, RewardInput
 from forgerl_plugins.rewards.reward_model import RewardModelReward
 from forgerl_plugins.rewards.reward_server import endpoint_file, role_name
@@ -39,9 +39,9 @@ def classifier_dir(tiny_model_dir, tmp_path_factory):
 
 
 def _job(tmp_path: Path, rewards: list[dict[str, Any]]):
-    from forgerl import runs
-    from forgerl.config import build_config
-    from forgerl.resolve import resolve
+    from forgerl.configuration.config import build_config
+    from forgerl.registry.resolve import resolve
+    from forgerl.rundirs import runs
 
     registry = build_registry()
     config = resolve(
@@ -143,7 +143,7 @@ def _build(options: dict[str, Any]):
 
 
 def _scores(reward, samples: list[RewardInput]) -> list[float]:
-    from forgerl.rewarding import NamedReward, RewardSet
+    from forgerl.rewards.rewarding import NamedReward, RewardSet
 
     with RewardSet([NamedReward("rm", 1.0, reward)], timeout=30) as rewards:
         results = rewards.score_sync(samples)
@@ -179,7 +179,7 @@ def test_the_key_variable_must_be_set(classifier_dir, monkeypatch):
 
 
 def test_a_refusing_or_absent_server_fails_the_samples_not_the_run(classifier_dir):
-    from forgerl.rewarding import NamedReward, RewardSet
+    from forgerl.rewards.rewarding import NamedReward, RewardSet
 
     refusing = StandIn(lambda ids: [0.0], status=503)
     try:
@@ -261,7 +261,7 @@ def test_one_label_values(classifier_dir, options, logits, want):
 
 
 def test_two_different_roles_of_one_name_are_refused():
-    from forgerl.runs import _add_role
+    from forgerl.rundirs.runs import _add_role
     from forgerl.types import RoleSpec
 
     first = RoleSpec(name="reward-model-x", command=("a",))

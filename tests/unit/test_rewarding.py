@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.config import RunConfig
+from forgerl.configuration.config import RunConfig
 from forgerl.interfaces import Reward
-from forgerl.plugins import build_registry
-from forgerl.reward_workers import RewardRecipe
-from forgerl.rewarding import NamedReward, RewardSet
+from forgerl.registry.plugins import build_registry
+from forgerl.rewards.reward_workers import RewardRecipe
+from forgerl.rewards.rewarding import NamedReward, RewardSet
 from forgerl.types import Problem, RewardInput, RewardResult
 
 from ..helpers.reward_processes import reward_workers_of
@@ -350,9 +350,9 @@ def test_rewards_of_an_embedded_plugin_object_run_in_this_process():
 
 PARENT = """
 import sys, time
-from forgerl.config import RunConfig
-from forgerl.plugins import build_registry
-from forgerl.rewarding import RewardSet
+from forgerl.configuration.config import RunConfig
+from forgerl.registry.plugins import build_registry
+from forgerl.rewards.rewarding import RewardSet
 from forgerl.types import Problem, RewardInput
 
 config = RunConfig.model_validate({"rewards": [{"name": "fault_spin"}], "loop": {"reward_timeout": 600}})

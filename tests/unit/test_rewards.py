@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 from forgerl.types import Problem, RewardInput, RewardResult
 from forgerl_plugins.rewards.format import FormatReward
 from forgerl_plugins.rewards.math_answer import MathAnswerReward, last_number

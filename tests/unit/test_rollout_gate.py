@@ -7,12 +7,12 @@ import time
 
 import pytest
 
-from forgerl.rollout import RolloutBatch, RolloutBuffer
+from forgerl.rollouts.rollout import RolloutBatch, RolloutBuffer
 from tests.helpers.timing import scaled
 
 
 def drive(staleness: int, steps: int, jitter: float) -> list[tuple[int, int]]:
-    """A producer thread and a trainer loop, as in forgerl.loop, with random delays."""
+    """A producer thread and a trainer loop, as in forgerl.runloop.loop, with random delays."""
     import random
 
     rng = random.Random(staleness)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from forgerl.algorithms import PRESETS
-from forgerl.config import build_config
+from forgerl.configuration.config import build_config
 from forgerl.errors import ConfigError
 
 

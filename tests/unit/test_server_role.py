@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from forgerl import runs, server_role
-from forgerl.config import build_config
-from forgerl.plugins import build_registry
-from forgerl.resolve import resolve
+from forgerl import server_role
+from forgerl.configuration.config import build_config
+from forgerl.registry.plugins import build_registry
+from forgerl.registry.resolve import resolve
+from forgerl.rundirs import runs
 from forgerl.types import JobSpec
 from tests.helpers.served_echo import PLUGIN
 from tests.helpers.timing import scaled

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from forgerl.config import RunConfig
+from forgerl.configuration.config import RunConfig
 from forgerl.errors import GeneratorError, UserError
 from forgerl.interfaces import RunContext, TensorSpec
 from forgerl.types import GenerationRequest, SamplingParams
@@ -315,7 +315,7 @@ def test_an_adapter_is_loaded_from_files_and_broadcast_is_refused_with_one(tmp_p
 
 
 def test_the_backend_is_registered_and_says_how_to_install_sglang():
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     record = build_registry().get("generator", "sglang")
     assert record.implemented and record.roles and record.factory

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from forgerl.config import RunConfig
+from forgerl.configuration.config import RunConfig
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import RunContext
 from forgerl.types import WeightSet

@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from forgerl.errors import BackendUnavailable, ConfigError
-from forgerl.plugins import Registry  # noqa: F401  (the registry must import with the plugin)
+from forgerl.registry.plugins import Registry  # noqa: F401  (the registry must import with the plugin)
 from forgerl.types import JobSpec, JobState, Resources, RoleSpec
 from forgerl_plugins.schedulers.slurm.render import _FUNCTIONS, _SELF_REQUEUE, place
 from forgerl_plugins.schedulers.slurm.scheduler import SlurmScheduler, _detail, _exit_code, _one_line

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from forgerl.errors import BackendUnavailable, ConfigError
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 from forgerl_plugins.tasks.arithmetic import ArithmeticTask
 from forgerl_plugins.tasks.file import FileTask
 

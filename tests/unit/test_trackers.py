@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.config import build_config
+from forgerl.configuration.config import build_config
 from forgerl.events import EVENTS_FILE
-from forgerl.plugins import build_registry
+from forgerl.registry.plugins import build_registry
 from forgerl_plugins.trackers.common import scalars
 from tests.helpers.requires import require_tracker
 

@@ -1,4 +1,4 @@
-"""Multi-turn trajectories as tokens (forgerl.trajectory, forgerl.chat_tokens): the tokens
+"""Multi-turn trajectories as tokens (forgerl.rollouts.trajectory, forgerl.rollouts.chat_tokens): the tokens
 trained on are the tokens sampled, in the context they were sampled in; environment tokens
 are masked out of the loss; tools reach the model through the template or the system
 prompt; limits end trajectories; a pending trajectory survives a checkpoint. Against the
@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.chat_tokens import ChatTokens
 from forgerl.environment import Environment, Step, tool
 from forgerl.interfaces import Generator
-from forgerl.trajectory import Limits, RequestBatcher, Trajectory, TrajectoryRunner
+from forgerl.rollouts.chat_tokens import ChatTokens
+from forgerl.rollouts.trajectory import Limits, RequestBatcher, Trajectory, TrajectoryRunner
 from forgerl.types import Completion, GenerationRequest, Problem, SamplingParams
 
 pytest.importorskip("transformers")
@@ -155,7 +155,7 @@ def test_a_tool_turn_is_token_exact_and_masked(tokenizer):
 
 
 def test_the_batch_trains_only_on_sampled_tokens(tokenizer):
-    from forgerl.batching import collate
+    from forgerl.runloop.batching import collate
     from forgerl.types import Episode
 
     gen = Scripted(tokenizer, [CALL, "<answer>4</answer>"])
@@ -296,9 +296,9 @@ def test_request_batcher_hands_each_trajectory_its_own_completion(tokenizer):
 
 
 def test_a_pending_trajectory_survives_a_checkpoint(tmp_path, tokenizer):
-    from forgerl import checkpoint as ckpt
-    from forgerl.checkpoint_format import Snapshot, capture_rng
-    from forgerl.rollout import RolloutBatch
+    from forgerl.checkpoints import checkpoint as ckpt
+    from forgerl.checkpoints.checkpoint_format import Snapshot, capture_rng
+    from forgerl.rollouts.rollout import RolloutBatch
     from forgerl.types import Episode
 
     gen = Scripted(tokenizer, [CALL, "<answer>4</answer>"])

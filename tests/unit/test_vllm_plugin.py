@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.config import RunConfig
+from forgerl.configuration.config import RunConfig
 from forgerl.errors import GeneratorUnreachable
 from forgerl.interfaces import RunContext
 from forgerl_plugins.generators.vllm import server
@@ -161,7 +161,7 @@ def test_files_left_by_an_earlier_job_are_not_taken_for_this_ones(tmp_path):
 
 
 def test_the_backend_is_registered_with_its_roles():
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     backend = build_registry().get("generator", "vllm")
     assert backend.implemented and backend.requires == ("vllm",) and backend.extra == "vllm"

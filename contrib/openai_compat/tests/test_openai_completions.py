@@ -101,7 +101,7 @@ def test_the_registration_module_imports_neither_pydantic_nor_httpx_nor_torch():
         "[ref] = p.forge_generators()\n"
         "heavy = {'pydantic', 'httpx', 'torch', 'forgerl_openai_compat.generator'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
-        "from forgerl.backend_classes import record_for_class\n"
+        "from forgerl.registry.backend_classes import record_for_class\n"
         "from forgerl.backends import GeneratorBackend\n"
         "b = record_for_class(GeneratorBackend, ref, 'forge_generators')\n"
         "assert b.name == 'openai', b.name\n"

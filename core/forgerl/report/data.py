@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forgerl import runs
 from forgerl.errors import ConfigError, UserError
+from forgerl.rundirs import runs
 
 
 class NotARun(UserError):
@@ -97,7 +97,7 @@ def load_run(path: str | Path, label: str | None = None) -> RunData:
 def _read_config(path: Path) -> dict[str, Any]:
     import yaml
 
-    from forgerl.config_sources import load_yaml
+    from forgerl.configuration.sources import load_yaml
 
     try:
         # The config loader's rules: a run directory from elsewhere may hold an alias bomb.

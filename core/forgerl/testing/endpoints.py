@@ -47,7 +47,7 @@ def _context() -> ForkServerContext:
         ctx: ForkServerContext = multiprocessing.get_context("forkserver")
         # Imported once in the server, inherited by every child; nothing here starts a
         # thread, so forking after it is safe.
-        ctx.set_forkserver_preload(["torch", "forgerl.plugins", HELPER])
+        ctx.set_forkserver_preload(["torch", "forgerl.registry.plugins", HELPER])
         _forkserver = ctx
     return _forkserver
 

@@ -5,7 +5,7 @@ Every instance is built as a run builds it (``build_registry().require("environm
 name).build(options)``: ``Cls(options)``, one per trajectory) and every call (init,
 ``reset``, ``step``, ``close``) runs as the run runs it: on a worker thread under the
 deadline ``turn_timeout_s``, its answer checked with the run's own checks
-(:func:`forgerl.trajectory.check_messages`, :func:`~forgerl.trajectory.check_step`). What
+(:func:`forgerl.rollouts.trajectory.check_messages`, :func:`~forgerl.rollouts.trajectory.check_step`). What
 it checks (each a test of :class:`EnvironmentContract`):
 
 - registration: the name finds a record whose factory is an
@@ -184,7 +184,7 @@ class EnvironmentContract:
     def test_options_refuse_unknown_keys(self) -> None:
         from pydantic import ValidationError
 
-        from forgerl.config import format_validation_error
+        from forgerl.configuration.config import format_validation_error
 
         record = self.record()
         try:
@@ -393,7 +393,7 @@ class EnvironmentContract:
         )
 
     def test_trajectories_run_in_the_runs_trajectory_runner(self) -> None:
-        from forgerl.trajectory import Limits, TrajectoryRunner
+        from forgerl.rollouts.trajectory import Limits, TrajectoryRunner
         from forgerl.types import SamplingParams
 
         cls, make = self.env_class(), self.make_env()

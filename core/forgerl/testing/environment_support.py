@@ -19,8 +19,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from forgerl import bounded
 from forgerl.interfaces import Generator
+from forgerl.rollouts import bounded
 from forgerl.testing.reward import HARD_TEXTS
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -155,8 +155,8 @@ def _messages(messages: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
 
 class Trajectory:
     """One environment instance driven as the run drives it: each call (init, reset,
-    step, close) on a worker thread under ``timeout`` (:func:`forgerl.bounded.call_bounded`),
-    each answer checked with the run's own checks (:mod:`forgerl.trajectory`)."""
+    step, close) on a worker thread under ``timeout`` (:func:`forgerl.rollouts.bounded.call_bounded`),
+    each answer checked with the run's own checks (:mod:`forgerl.rollouts.trajectory`)."""
 
     def __init__(self, make_env: Callable[[], Environment], problem: Problem, label: str, timeout: float):
         self.make_env, self.timeout = make_env, timeout
@@ -165,12 +165,12 @@ class Trajectory:
         self.problem = problem
 
     async def call(self, fn: Callable[..., Any], *args: Any, what: str) -> Any:
-        from forgerl.bounded import call_bounded
+        from forgerl.rollouts.bounded import call_bounded
 
         return await call_bounded(fn, *args, timeout=self.timeout, what=what)
 
     async def start(self) -> bool:
-        from forgerl.trajectory import GarbageError, check_messages
+        from forgerl.rollouts.trajectory import GarbageError, check_messages
 
         try:
             self.env = await self.call(self.make_env, what="environment init")
@@ -185,7 +185,7 @@ class Trajectory:
 
     async def step(self, text: str) -> Step | None:
         """The environment's answer to ``text``, or None (``failure`` says why)."""
-        from forgerl.trajectory import check_step
+        from forgerl.rollouts.trajectory import check_step
 
         assert self.env is not None, "step before start"
         try:
@@ -227,8 +227,8 @@ async def play(
 def failure(exc: BaseException, call: str) -> str:
     """Why the run would fail the trajectory, in the words of its failure record (and the
     metric that counts it), with the line of the environment's code that raised."""
-    from forgerl.bounded import CallTimeout
-    from forgerl.trajectory import GarbageError
+    from forgerl.rollouts.bounded import CallTimeout
+    from forgerl.rollouts.trajectory import GarbageError
 
     if isinstance(exc, CallTimeout):
         return f"{exc} (env/failed_timeout)"

@@ -20,12 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forgerl.config_sections import options_dict
+from forgerl.configuration.sections import options_dict
 from forgerl.testing.registry import backend_under_test, registry_for
 from forgerl.testing.timing import scaled, wait_until
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
     from forgerl.interfaces import Generator, RunContext, Transport, TransportSender
     from forgerl.types import Completion, GenerationRequest
 
@@ -203,9 +203,9 @@ def open_site(
     ``backend`` with ``options``, the shm transport, ``settings`` as ``--set`` lines) written
     to ``run_dir`` as a run writes it, and the backend's server roles started there by the
     local scheduler, as ``forge run`` starts them; stopped at the end."""
-    from forgerl import runs
-    from forgerl.config import build_config
-    from forgerl.resolve import resolve
+    from forgerl.configuration.config import build_config
+    from forgerl.registry.resolve import resolve
+    from forgerl.rundirs import runs
 
     record = backend_under_test("generator", backend, plugins)
     registry = registry_for(plugins)
@@ -243,7 +243,7 @@ def start_roles(site: GeneratorSite, roles: Sequence[Any]) -> Any:
 
     registry = registry_for(site.plugins)
     scheduler = registry.require("scheduler", "local").build({"stop_timeout": 10})
-    # As a run's job (forgerl.runs.build_job): the roles' processes load the plugins under
+    # As a run's job (forgerl.rundirs.runs.build_job): the roles' processes load the plugins under
     # test too, to find the backend that serves them.
     env = {"FORGE_PLUGINS": ",".join(registry.plugin_refs)} if registry.plugin_refs else {}
     job = JobSpec(f"kit-{site.backend}", str(site.run_dir), tuple(roles), env=env)
@@ -311,7 +311,7 @@ def logprob_gap(model: Any, prompt: Sequence[int], completion: Completion, tempe
 
 
 def push(opened: OpenGenerator, version: int, weights: Mapping[str, Any], timeout: float) -> None:
-    """A weight update as the loop makes one (:meth:`forgerl.loop.Loop.sync_weights`):
+    """A weight update as the loop makes one (:meth:`forgerl.runloop.loop.Loop.sync_weights`):
     ``update_weights(version)`` in a thread while the sender sends the version."""
     from forgerl.types import WeightSet
 

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.backends import Backend
-    from forgerl.plugins import Registry
+    from forgerl.registry.plugins import Registry
 
 
 @functools.cache
 def _registry(plugins: tuple[str, ...]) -> Registry:
-    from forgerl.plugins import ENTRY_POINT_GROUP, build_registry
+    from forgerl.registry.plugins import ENTRY_POINT_GROUP, build_registry
 
     # A plugin named here and also installed (pip install -e of the plugin under test) is
     # loaded once, through its entry point.

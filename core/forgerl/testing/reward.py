@@ -13,7 +13,7 @@ What it checks (each a test of :class:`RewardContract`):
   once on a second instance built from the same options;
 - ``ascore`` agrees with ``score`` (the run uses ``ascore`` for rewards that override it);
 - a blocking reward scores the same in a reward worker process (a fresh interpreter that
-  builds its own copy from the backend's name and options, as :mod:`forgerl.reward_workers`
+  builds its own copy from the backend's name and options, as :mod:`forgerl.rewards.reward_workers`
   does in a run), which also proves that the samples and the options travel as plain data;
 - the subclass's ``known_scores``, when given: each sample scores the expected value.
 
@@ -157,7 +157,7 @@ class RewardContract:
 
     def test_scores_the_same_in_a_reward_worker_process(self) -> None:
         from forgerl.interfaces import Reward
-        from forgerl.reward_workers import RewardRecipe, RewardWorkerPool
+        from forgerl.rewards.reward_workers import RewardRecipe, RewardWorkerPool
 
         reward = self.build()
         if type(reward).ascore is not Reward.ascore:
@@ -200,7 +200,7 @@ def score_in_process(reward: Any, sample: RewardInput) -> tuple[float | None, di
     """(value, components, error) as the run would record it: value None when the reward
     raised or returned something that is not a finite number (error says what)."""
     from forgerl.interfaces import Reward
-    from forgerl.reward_workers import score_one
+    from forgerl.rewards.reward_workers import score_one
 
     if type(reward).score is Reward.score:  # async only
         return asyncio.run(_ascore(reward, sample))
@@ -208,7 +208,7 @@ def score_in_process(reward: Any, sample: RewardInput) -> tuple[float | None, di
 
 
 async def _ascore(reward: Any, sample: RewardInput) -> tuple[float | None, dict[str, float], str | None]:
-    from forgerl.reward_workers import outcome_of
+    from forgerl.rewards.reward_workers import outcome_of
 
     try:
         return outcome_of(await reward.ascore(sample))

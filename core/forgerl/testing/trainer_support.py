@@ -51,7 +51,7 @@ def run_config(overrides: Mapping[str, Any], temperature: float) -> dict[str, An
 def run_context(
     model_dir: Path, run_dir: Path, config: Mapping[str, Any], rank: int = 0, world_size: int = 1
 ) -> RunContext:
-    from forgerl.config import RunConfig
+    from forgerl.configuration.config import RunConfig
     from forgerl.interfaces import RunContext
 
     return RunContext.for_run(

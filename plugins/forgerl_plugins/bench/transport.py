@@ -84,7 +84,7 @@ def validated_options(name: str, options: dict[str, Any]) -> Any:
     """The transport's options model, or a one-line ConfigError."""
     from pydantic import ValidationError
 
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     try:
         return build_registry().require("transport", name).validate_options(options)
@@ -182,7 +182,7 @@ class _TransportPath:
         versions: int,
         timeout: float,
     ) -> None:
-        from forgerl.plugins import build_registry
+        from forgerl.registry.plugins import build_registry
 
         backend = build_registry().require("transport", name)
         self.options = validated_options(name, options)

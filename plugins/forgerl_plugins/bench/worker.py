@@ -33,7 +33,7 @@ def emit(event: str, **fields: Any) -> None:
 
 
 def _transport(a: dict[str, Any]) -> None:
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
 
     transport = build_registry().require("transport", a["name"]).build(a["options"], context=None)
     receiver = transport.receiver(a["worker_id"], a["spec"])

@@ -1,11 +1,11 @@
 """The ``agent`` environment: an existing agent program, unmodified, as the rollout.
 
 Per episode the run starts the agent named in the options and gives it a base URL of its
-OpenAI-compatible endpoint and the run's key (forgerl.agent_runner); the agent's calls are
+OpenAI-compatible endpoint and the run's key (forgerl.rollouts.agent_runner); the agent's calls are
 its trajectory. Two ways to name it:
 
 - ``entry: "package.module:function"``: a Python function called once per episode with an
-  :class:`~forgerl.agent_runner.AgentEpisode` (``base_url``, ``api_key``, ``problem``,
+  :class:`~forgerl.rollouts.agent_runner.AgentEpisode` (``base_url``, ``api_key``, ``problem``,
   ``model``, ``timeout``). A plain function runs on a thread of its own (abandoned at the
   deadline: a thread cannot be killed); an ``async def`` runs on an event loop of its own
   in such a thread (cancelled at the deadline). It returns the reward (a number, None, or
@@ -33,10 +33,10 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from forgerl.agent_runner import AgentEnvironment, AgentEpisode
-from forgerl.bounded import call_bounded
 from forgerl.errors import ConfigError
-from forgerl.trajectory import GarbageError
+from forgerl.rollouts.agent_runner import AgentEnvironment, AgentEpisode
+from forgerl.rollouts.bounded import call_bounded
+from forgerl.rollouts.trajectory import GarbageError
 
 #: Bytes kept of the end of a command agent's stdout (its last line is the reward) and of
 #: its stderr (for the failure record).

@@ -6,7 +6,7 @@ A verifiers environment (``load_environment(**args)`` returning a ``vf.Environme
 in verifiers' own virtual environment (verifiers_worker.py says why and how). Each episode
 is one verifiers rollout whose model client is the episode's base URL of the run's agent
 endpoint, so every model call is sampled by the run's generator and recorded token by
-token (forgerl.agent_runner); the rubric's score is the reward, its metrics the
+token (forgerl.rollouts.agent_runner); the rubric's score is the reward, its metrics the
 components. The problem is a row of the environment's own dataset (the ``verifiers``
 task) or, from any other task, the task's prompt and answer.
 """
@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import Field
 
-from forgerl.agent_runner import AgentEnvironment, AgentEpisode
-from forgerl.config_limits import MAX_SECONDS
+from forgerl.configuration.limits import MAX_SECONDS
+from forgerl.rollouts.agent_runner import AgentEnvironment, AgentEpisode
 from forgerl_plugins.environments.verifiers_worker import VerifiersSource, check, worker_for
 
 

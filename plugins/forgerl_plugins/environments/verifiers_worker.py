@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from forgerl.config_limits import MAX_SECONDS
+from forgerl.configuration.limits import MAX_SECONDS
 from forgerl.errors import ConfigError
 from forgerl.options import OptionsModel
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl.agent_runner import AgentEpisode
+    from forgerl.rollouts.agent_runner import AgentEpisode
 
 log = logging.getLogger("forgerl.environment.verifiers")
 

@@ -74,7 +74,7 @@ def log_file(run_dir: Path, role: str, replica: int = 0) -> Path:
 
 def roles(options: RewardModelReward.Options, *, context: RunContext) -> list[RoleSpec]:
     """One vLLM pooling server when ``server: vllm``; none otherwise."""
-    from forgerl.runs import server_role_command
+    from forgerl.rundirs.runs import server_role_command
     from forgerl.types import Resources, RoleSpec
 
     if options.server != "vllm":

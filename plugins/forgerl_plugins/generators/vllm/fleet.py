@@ -156,10 +156,10 @@ def fleet_config(model: str, *, max_adapters: int, max_rank: int, sets: Sequence
     """The fleet's resolved config: a run config whose generator section says how its
     servers run (``generator.options.max_adapters``) and whose adapter rank is the
     largest any attached run may train."""
-    from forgerl.config import build_config
-    from forgerl.config_sections import options_dict
-    from forgerl.plugins import build_registry
-    from forgerl.resolve import resolve
+    from forgerl.configuration.config import build_config
+    from forgerl.configuration.sections import options_dict
+    from forgerl.registry.plugins import build_registry
+    from forgerl.registry.resolve import resolve
 
     if Path(model).expanduser().exists():  # a folder: named absolutely, whatever the runs' working directory
         model = str(Path(model).expanduser().resolve())
@@ -176,7 +176,7 @@ def fleet_config(model: str, *, max_adapters: int, max_rank: int, sets: Sequence
         raise ConfigError("a fleet's servers attach to no other fleet: leave generator.options.fleet unset")
     # What `forge run` checks before it starts a server: a model name that cannot be built
     # or found here, vLLM engine arguments its own parser refuses (one line, nothing started).
-    from forgerl.preflight import model_context_length
+    from forgerl.runloop.preflight import model_context_length
 
     model_context_length(config, registry)
     registry.require("generator", "vllm").check_before_run(config.generator.options, runs_here=True)
@@ -195,9 +195,9 @@ def start(
 def started(directory: Path, config: Any) -> Iterator[FleetInfo]:
     """The fleet of ``config`` serving from ``directory`` (created), its servers started
     by the local scheduler; stopped when the block ends. A fleet directory holds one fleet."""
-    from forgerl import runs
     from forgerl.interfaces import RunContext
-    from forgerl.plugins import build_registry
+    from forgerl.registry.plugins import build_registry
+    from forgerl.rundirs import runs
     from forgerl.types import JobSpec
 
     from .server import endpoint_file

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
 
-from forgerl.config import MAX_SECONDS
+from forgerl.configuration.config import MAX_SECONDS
 from forgerl.interfaces import RunContext, Transport
 from forgerl.options import OptionsModel
 from forgerl_plugins.generators.common.pool import ReplicaPool

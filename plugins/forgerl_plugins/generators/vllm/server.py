@@ -62,7 +62,7 @@ def log_file(run_dir: Path, replica: int) -> Path:
 
 def roles(options: VLLMGenerator.Options, *, context: RunContext) -> list[RoleSpec]:
     """The server role the scheduler starts beside the trainer."""
-    from forgerl.runs import server_role_command
+    from forgerl.rundirs.runs import server_role_command
     from forgerl.types import Resources, RoleSpec
 
     cpu = is_cpu_build()

@@ -440,7 +440,7 @@ class ForgeWorkerExtension:
             if key not in owned:
                 owned.append(key)
         if key not in receivers:
-            from forgerl.plugins import build_registry
+            from forgerl.registry.plugins import build_registry
 
             worker_id = f"{req.get('worker_prefix', 'vllm')}-rank{int(getattr(self, 'rank', 0))}"
             built = build_registry().transport_from(transport["described"])

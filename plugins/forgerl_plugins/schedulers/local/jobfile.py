@@ -24,9 +24,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from forgerl.diskerrors import write_failed
 from forgerl.errors import JobNotFound
-from forgerl.runs import append_line
+from forgerl.rundirs.diskerrors import write_failed
+from forgerl.rundirs.runs import append_line
 from forgerl.types import JobSpec, RoleSpec
 
 JOB_FILE = "job.json"
@@ -116,7 +116,7 @@ def write_job(run_dir: Path, record: Mapping[str, Any]) -> bool:
 
 def log_event(run_dir: Path, message: str) -> None:
     """One line in logs/scheduler.log; a full disk drops the line rather than stopping the
-    supervisor (:func:`forgerl.runs.append_line`)."""
+    supervisor (:func:`forgerl.rundirs.runs.append_line`)."""
     stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
     append_line(run_dir / "logs" / EVENT_LOG, f"{stamp} {message}\n".encode())
 

@@ -19,11 +19,11 @@ from typing import ClassVar
 
 from pydantic import Field, field_validator
 
-from forgerl.diskerrors import write_failed
 from forgerl.errors import BackendUnavailable, JobNotFound, SchedulerError, UserError
 from forgerl.interfaces import Scheduler
 from forgerl.options import OptionsModel
-from forgerl.runs import atomic_write_text
+from forgerl.rundirs.diskerrors import write_failed
+from forgerl.rundirs.runs import atomic_write_text
 from forgerl.types import JobHandle, JobSpec, JobState, JobStatus
 from forgerl_plugins.schedulers.slurm.render import render_script, run_dir_of
 from forgerl_plugins.schedulers.slurm.syntax import TIME_RE, slurm_memory

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 class ShardedTrainer(Trainer, abc.ABC):
     #: The name in messages ("the fsdp trainer needs ..."), and the one users select a
-    #: subclass by (each sets its own; forgerl.backend_classes).
+    #: subclass by (each sets its own; forgerl.registry.backend_classes).
     name = "sharded"
 
     @staticmethod

@@ -50,11 +50,11 @@ _TOKENIZER_GLOBS = ("tokenizer*", "special_tokens_map.json", "vocab.*", "merges.
 def export_run(run_dir: str, output: str, step: int | None, adapter_only: bool) -> Path:
     """Write the policy of ``run_dir``'s checkpoint (the newest usable one, or ``step``)
     to ``output``; the folder written. UserError (one line) for anything a user can fix."""
-    from forgerl import checkpoint
     from forgerl.adapters import LoraOptions
-    from forgerl.config import read_yaml, validate_config
-    from forgerl.plugins import build_registry
-    from forgerl.runs import CONFIG_FILE, existing_run_dir
+    from forgerl.checkpoints import checkpoint
+    from forgerl.configuration.config import read_yaml, validate_config
+    from forgerl.registry.plugins import build_registry
+    from forgerl.rundirs.runs import CONFIG_FILE, existing_run_dir
 
     run = existing_run_dir(run_dir)
     config = validate_config(read_yaml(run / CONFIG_FILE), source=str(run / CONFIG_FILE))
@@ -115,7 +115,7 @@ def _sharded_trainer(registry: Any, name: str, run: Path) -> type[ShardedTrainer
 def _checkpoint_folder(run: Path, step: int | None) -> Path:
     """The checkpoint to export, checked as a resume checks it (manifest, every file's
     size, the loop state): the newest usable one, as a resume would take, or ``step``'s."""
-    from forgerl import checkpoint
+    from forgerl.checkpoints import checkpoint
 
     folders = checkpoint.checkpoints(run)  # newest first
     newest = checkpoint.latest(run) if step is None and folders else None
@@ -146,7 +146,7 @@ def _check_output(target: Path) -> Path:
 
 def _model_path(config: Any, registry: Any) -> Path:
     """The run's base model folder, from the local cache only (nothing is downloaded)."""
-    from forgerl.models import resolve_model
+    from forgerl.rundirs.models import resolve_model
 
     before = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"  # a hub model must already be in the hub cache

@@ -368,7 +368,7 @@ class ShmTransport(Transport):
         if options.directory is None:
             return
         from forgerl.errors import ConfigError
-        from forgerl.writable import directory_problem
+        from forgerl.rundirs.writable import directory_problem
 
         problem = directory_problem(Path(options.directory))
         if problem:

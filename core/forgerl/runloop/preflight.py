@@ -1,0 +1,163 @@
+"""What ``forge run`` checks after the config validates and before anything exists.
+
+Validation sees only the config; these checks look at the world it names, cheaply, so
+that a mistake is one line with exit status 2 *before* the run directory is created or a
+process starts (and not a traceback in a trainer log a minute later):
+
+* the output location: no run there yet, and a writable directory can be created;
+* the model: a named model's backend can build it here, into a usable cache directory; a
+  local folder exists and has a config.json; any other name reads as a hub id
+  ``owner/name`` (a bare word is a typo: the close named model is suggested);
+  ``loop.sampling.max_tokens`` is below the model's context length;
+* on ``--resume``, at least one of the run's checkpoints is usable;
+* every backend's own ``preflight`` (the ``file`` task: its files exist, are readable and
+  have the configured fields), and its ``local_preflight`` where the scheduler starts the
+  processes on this machine (``runs_here``: NCCL or MPI exist where asked for, a reward's
+  ``auth_env`` is set);
+* the scheduler's ``check_job``, where it has one (the local scheduler: the job's
+  processes fit this machine's cores and GPUs).
+
+Files are only looked at where the scheduler's processes see this machine's files (a
+scheduler may say otherwise with ``shares_filesystem = False``, as a Kubernetes cluster's
+pods do not).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from forgerl.errors import ConfigError
+from forgerl.rundirs import runs
+
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.configuration.config import RunConfig
+    from forgerl.interfaces import Scheduler
+    from forgerl.registry.plugins import Registry
+    from forgerl.types import JobSpec
+
+#: config.json keys that hold a model's context length, in the order transformers uses them.
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length")
+
+
+def check_run(
+    config: RunConfig,
+    registry: Registry,
+    scheduler: Scheduler,
+    job: JobSpec,
+    *,
+    run_dir: Path,
+    fresh: bool,
+) -> None:
+    """Raise a one-line UserError for anything that would make the run fail to start."""
+    from forgerl.configuration.kinds import SINGLE_BACKEND_FIELDS
+
+    if fresh:
+        runs.check_output_location(run_dir)
+    local_files = scheduler.shares_filesystem
+    context = model_context_length(config, registry, local_files=local_files)
+    max_tokens = config.loop.sampling.max_tokens
+    if context is not None and max_tokens >= context:
+        raise ConfigError(
+            f"loop.sampling.max_tokens ({max_tokens}) must be below the context length of model "
+            f"{config.model.name!r} ({context} tokens): the prompt needs room too"
+        )
+    check_adapter_served(config, registry)
+    if local_files:
+        if not fresh:
+            check_checkpoints(run_dir, keep=config.checkpoint.keep)
+        choices = [(kind, getattr(config, field)) for field, kind in SINGLE_BACKEND_FIELDS.items()]
+        choices += [("reward", reward) for reward in config.rewards]
+        if config.environment.name is not None:
+            choices.append(("environment", config.environment))
+        for kind, choice in choices:
+            assert choice.name is not None, "an environment without a name is not a choice"
+            registry.get(kind, choice.name).check_before_run(choice.options, runs_here=scheduler.runs_here)
+    check_job = getattr(scheduler, "check_job", None)
+    if check_job is not None:
+        check_job(job)
+
+
+def check_adapter_served(config: RunConfig, registry: Registry) -> None:
+    """A trainer that trains a LoRA adapter sends only the adapter: the generator must
+    serve it on the base model (``serves_adapters``)."""
+    from forgerl.interfaces import trained_adapter
+
+    if trained_adapter(config) is None:
+        return
+    name = config.generator.name
+    generator = registry.require("generator", name).load_factory()
+    if not getattr(generator, "serves_adapters", False):
+        raise ConfigError(
+            f"trainer.options.lora trains a LoRA adapter, which the {name} generator cannot serve: "
+            "use --generator vllm, hf or sglang, or remove trainer.options.lora"
+        )
+
+
+def model_context_length(config: RunConfig, registry: Registry, *, local_files: bool = True) -> int | None:
+    """The model's context length where it can be known without building or fetching it;
+    raises for a named model that cannot be built here and for a bad local folder."""
+    from forgerl.rundirs.models import _looks_like_path, check_cache_dir, check_hub_id, resolve_model
+
+    name = config.model.name
+    if name in registry.backends("model"):
+        backend = registry.require("model", name)  # BackendUnavailable names the install step
+        if local_files:
+            check_cache_dir()
+        length = backend.info.get("context_length")
+        return length if _positive_int(length) else None
+    if not local_files:
+        return None
+    try:
+        is_local = Path(name).expanduser().exists() or _looks_like_path(name)
+    except (OSError, ValueError) as exc:  # a name too long for a path, a NUL byte
+        raise ConfigError(f"model {name[:80]!r} is neither a named model nor a usable path ({exc})") from None
+    if not is_local:
+        check_hub_id(name, registry)
+        return None  # a hub id: fetched, and checked, when the run starts
+    folder = resolve_model(config.model, registry)  # a local folder: no network
+    return folder_context_length(folder)
+
+
+def check_checkpoints(run_dir: Path, *, keep: int) -> None:
+    """On resume: the trainer would start from the newest usable checkpoint; when the run
+    has checkpoints and none of them is usable, say so now (one line naming each and why)
+    instead of in the trainer's log after every process has started. Only the forgerl part
+    (manifest, sizes, loop state) is checked here; the trainer's own files load later."""
+    from forgerl.checkpoints import checkpoint
+    from forgerl.errors import CheckpointError
+
+    found = checkpoint.checkpoints(run_dir)
+    for path in found:
+        try:
+            checkpoint.load(path)
+            return
+        except CheckpointError:
+            continue
+    if found:
+        checkpoint.latest(run_dir, keep)  # raises CheckpointUnusable with every reason
+
+
+def folder_context_length(folder: Path) -> int | None:
+    """The context length a model folder's config.json gives, if any."""
+    return _context_length(folder / "config.json")
+
+
+def _context_length(path: Path) -> int | None:
+    try:
+        data: Any = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model folder: {path} is not a readable JSON file ({exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"model folder: {path} is not a JSON object")
+    for section in (data, data.get("text_config")):
+        if isinstance(section, dict):
+            for key in CONTEXT_KEYS:
+                if _positive_int(section.get(key)):
+                    return section[key]
+    return None
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
