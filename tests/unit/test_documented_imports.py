@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-DOCS = sorted((REPO / "docs").glob("*.md")) + [REPO / "README.md"]
+DOCS = [*sorted((REPO / "docs").glob("*.md")), REPO / "README.md"]
 
 _FROM = re.compile(r"^\s*from (forgerl(?:\.\w+)*) import (\([^)]*\)|[^\n#]+)", re.M)
 _IMPORT = re.compile(r"^\s*import (forgerl(?:\.\w+)*)(?: as \w+)?\s*$", re.M)

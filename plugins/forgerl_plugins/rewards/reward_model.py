@@ -23,7 +23,7 @@ import math
 import os
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, cast
 
 from forgerl.errors import ConfigError, RewardError
 from forgerl.interfaces import Reward
@@ -42,7 +42,8 @@ class RewardModelReward(Reward):
     )
     requires = ("torch", "transformers")
 
-    Options = _Options
+    #: The options model, in a module of its own that the parts import (not this class).
+    Options: TypeAlias = _Options
 
     @staticmethod
     def roles(options: RewardModelReward.Options, *, context: RunContext) -> list[RoleSpec]:

@@ -13,7 +13,7 @@ transport's engine receivers it uses.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
 from forgerl.errors import ConfigError, UserError
 from forgerl.interfaces import RunContext, Transport
@@ -66,7 +66,8 @@ class SGLangGenerator(ReplicaPool):
     #: loaded from the folder the transport stages, under one name (:mod:`.adapter`).
     serves_adapters: ClassVar[bool] = True
 
-    Options = _Options
+    #: The options model, in a module of its own that the parts import (not this class).
+    Options: TypeAlias = _Options
 
     @staticmethod
     def roles(options: SGLangGenerator.Options, *, context: RunContext) -> list[RoleSpec]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, TypeAlias
 
 from forgerl.interfaces import RunContext, Transport
 from forgerl_plugins.generators.common.pool import ReplicaPool
@@ -42,7 +42,8 @@ class VLLMGenerator(ReplicaPool):
     #: so every update policy works with it (``keep`` included).
     serves_adapters: ClassVar[bool] = True
 
-    Options = _Options
+    #: The options model, in a module of its own that the parts import (not this class).
+    Options: TypeAlias = _Options
 
     @staticmethod
     def roles(options: VLLMGenerator.Options, *, context: RunContext) -> list[RoleSpec]:

@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Iterator
 from functools import partial
-from typing import Any
+from typing import Any, TypeAlias
 
 from forgerl.errors import ConfigError, JobNotFound, SchedulerError
 from forgerl.interfaces import Scheduler
@@ -48,7 +48,8 @@ class KubernetesScheduler(Scheduler):
     requires = ("kubernetes",)
     extra = "kubernetes"
 
-    Options = _Options
+    #: The options model, in a module of its own that the parts import (not this class).
+    Options: TypeAlias = _Options
 
     detached = True
     shares_filesystem = False  # task files and models live in the pods' volumes

@@ -15,7 +15,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TypeAlias
 
 from forgerl.errors import BackendUnavailable, JobNotFound, SchedulerError, UserError
 from forgerl.interfaces import Scheduler
@@ -103,7 +103,8 @@ class SlurmScheduler(Scheduler):
     description = "Slurm batch jobs (sbatch/srun)"
     info: ClassVar[dict[str, str]] = {"needs": "sbatch, squeue, scontrol, scancel on PATH (a Slurm login node)"}
 
-    Options = _Options
+    #: The options model, in a module of its own that the parts import (not this class).
+    Options: TypeAlias = _Options
 
     detached = True
     supports_logs = True

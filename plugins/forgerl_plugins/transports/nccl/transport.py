@@ -38,7 +38,7 @@ fsdp trainer's ``export_weights`` returns fresh tensors.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeAlias
 
 from forgerl.interfaces import EngineReceiver, Transport
 from forgerl_plugins.transports.common.hosting import StoreHostedTransport
@@ -61,7 +61,8 @@ class NcclTransport(StoreHostedTransport, Transport):
     description = "broadcast from trainer rank 0 over private process groups (gloo on CPU)"
     requires = ("torch",)
 
-    Options = _Options
+    #: The options model, in a module of its own that the parts import (not this class).
+    Options: TypeAlias = _Options
 
     @staticmethod
     def local_preflight(options: NcclTransport.Options) -> None:
