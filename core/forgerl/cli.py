@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from forgerl import __version__
+from forgerl.api_version import PLUGIN_API_VERSION
 from forgerl.configuration.env import debug_enabled
 from forgerl.configuration.kinds import FLAGS, REGISTRATION_HOOKS
 from forgerl.errors import ForgeError, NotSupported
@@ -72,7 +73,9 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
-@click.version_option(__version__, prog_name="forge")
+@click.version_option(
+    __version__, prog_name="forge", message=f"%(prog)s %(version)s (plugin API {PLUGIN_API_VERSION})"
+)
 def cli(debug: bool) -> None:
     """forgerl: reinforcement-learning post-training for language models.
 

@@ -28,7 +28,7 @@ from forgerl.errors import ConfigError, RewardError
 from .reward_server import SERVED_MODEL_NAME, endpoint_file, log_file, role_name
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl_plugins.rewards.reward_model import RewardModelReward
+    from forgerl_plugins.rewards.reward_model_options import Options
 
 #: Largest answer read (a batch of logits is a few KiB per sample).
 MAX_RESPONSE_BYTES = 64 << 20
@@ -37,7 +37,7 @@ MAX_RESPONSE_BYTES = 64 << 20
 class ServedClassifier:
     """``logits(batch of token-id lists) -> list of logit lists`` through ``/classify``."""
 
-    def __init__(self, options: RewardModelReward.Options, *, wait: float | None = None) -> None:
+    def __init__(self, options: Options, *, wait: float | None = None) -> None:
         self.options = options
         self.endpoint: Path | None = None
         self.model: str | None = None
