@@ -166,8 +166,9 @@ def _member_kind(value: Any) -> str:
         return "class"
     if callable(value):
         return "def" + _parameters(value, skip_first=True)
-    if isinstance(value, (str, int, float, bool, type(None))):
-        return f"= {value!r}"
+    # A class attribute's value is not recorded, only its type: a default is not a name a
+    # plugin depends on, and some are facts of the machine (a kit's ``python`` is
+    # sys.executable, which differs between checkouts).
     return f": {type(value).__name__}"
 
 
