@@ -131,6 +131,23 @@ class RewardInput:
     finish_reason: FinishReason = "stop"
 
 
+#: The run's own metrics under ``reward/``, by name. A reward's or an environment's
+#: component is logged as ``reward/<name>``, so these names are refused for components:
+#: one would overwrite the run's own figure in metrics.jsonl and every tracker, silently.
+RUN_REWARD_METRICS = {
+    "mean": "the step's mean reward",
+    "failed": "the samples a reward failed to score",
+}
+
+
+def reserved_component_error(name: object) -> str | None:
+    """Why ``name`` cannot name a component (None: it can)."""
+    if isinstance(name, str) and name in RUN_REWARD_METRICS:
+        return (f"reward/{name} is the run's own metric ({RUN_REWARD_METRICS[name]}), which a component "
+                f"named {name!r} would overwrite; names the run keeps: {', '.join(sorted(RUN_REWARD_METRICS))}")
+    return None
+
+
 @dataclass(frozen=True)
 class RewardResult:
     """A score, plus named components for the metrics.

@@ -76,9 +76,14 @@ def exit_now(code: int) -> NoReturn:
 
 
 def run_worker(run_dir: Path) -> int:
+    from forgerl import events
+    from forgerl.deprecation import ForgeDeprecationWarning
     from forgerl.registry.plugins import build_registry
     from forgerl.rundirs import runs
 
+    if os.environ.get("RANK", "0") == "0":
+        # A plugin's use of a deprecated name goes to this rank's log: say it where the user looks.
+        events.forward_warnings(ForgeDeprecationWarning, run_dir=run_dir)
     registry = build_registry()
     config = runs.load_config(run_dir, registry)
     rank = int(os.environ.get("RANK", "0"))
@@ -90,8 +95,6 @@ def run_worker(run_dir: Path) -> int:
     )
     log = logging.getLogger("forgerl.worker")
     if rank == 0:
-        from forgerl import events
-
         events.announce(f"started (pid {os.getpid()}); importing torch", stage="worker", run_dir=run_dir)
 
     import torch
@@ -131,7 +134,6 @@ def run_worker(run_dir: Path) -> int:
 
     from transformers import AutoTokenizer
 
-    from forgerl import events
     from forgerl.rewards.rewarding import RewardSet
     from forgerl.runloop.loop import Loop, install_stop_handlers
 

@@ -38,6 +38,7 @@ from forgerl.configuration.limits import (
     is_int,
 )
 from forgerl.options import OptionsModel
+from forgerl.types import reserved_component_error
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -168,6 +169,14 @@ class RewardChoice(BackendChoice):
     weight: float = Field(
         1.0, ge=-1e6, le=1e6, description="Weight of this reward in the total (a weighted sum); finite, |weight| <= 1e6."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_run_metric(cls, value: str) -> str:
+        # The reward's mean is logged as reward/<name>: it must not overwrite the run's own.
+        if (reserved := reserved_component_error(value)) is not None:
+            raise ValueError(f"a reward backend cannot be named {value!r}: {reserved}")
+        return value
 
 
 class ModelConfig(_Strict):

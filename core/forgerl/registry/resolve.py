@@ -95,3 +95,18 @@ def _accepts_keep(options: object) -> bool:
     except ValidationError:
         return False
     return True
+
+
+def rewards_unused(config: RunConfig, registry: Registry) -> str | None:
+    """Why the config's ``rewards`` score nothing in this run (None: they are used): its
+    environment scores every trajectory itself (``scores = True``), so the rewards, the
+    defaults included, are never called."""
+    from forgerl.environment import Environment
+
+    name = config.environment.name
+    if name is None:
+        return None
+    cls = registry.get("environment", name).load_factory()
+    if isinstance(cls, type) and issubclass(cls, Environment) and cls.scores is True:
+        return f"environment {name!r} scores its trajectories itself (scores = True)"
+    return None

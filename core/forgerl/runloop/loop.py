@@ -32,7 +32,7 @@ from forgerl.checkpoints.checkpoint_format import Snapshot, capture_rng, restore
 from forgerl.configuration.config import RunConfig
 from forgerl.distill.batch import distill_batch
 from forgerl.distill.scoring import TeacherScorer
-from forgerl.errors import CheckpointError, CheckpointUnusable, ConfigError
+from forgerl.errors import CheckpointError, CheckpointUnusable, ConfigError, RewardError
 from forgerl.interfaces import Generator, RunContext, Task
 from forgerl.registry.plugins import Registry
 from forgerl.rollouts import problem_source
@@ -47,7 +47,7 @@ from forgerl.runloop.batching import Prepared, prepare_batch, tokens_by_age
 from forgerl.runloop.evaluation import evaluate_samples, evaluate_trajectories, mean
 from forgerl.runloop.metrics import MetricsWriter
 from forgerl.runloop.spmd import TrainerDriver
-from forgerl.types import Problem, SamplingParams
+from forgerl.types import Problem, SamplingParams, reserved_component_error
 
 log = logging.getLogger("forgerl.runloop.loop")
 
@@ -354,6 +354,8 @@ class Loop:
             "reward/failed": rollouts.rewards_failed,
         }
         for name in sorted({n for e in eps for n in e.reward_components}):
+            if f"reward/{name}" in row:  # refused where components are made; a Loop's own rewards object may not
+                raise RewardError(f"a reward component is named {name!r}: {reserved_component_error(name)}")
             row[f"reward/{name}"] = mean(e.reward_components.get(name, 0.0) for e in eps)
         staleness = [self.policy_version - 1 - oldest_version(e.completion) for e in eps]
         row.update(

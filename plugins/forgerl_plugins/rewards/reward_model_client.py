@@ -24,7 +24,7 @@ from forgerl_plugins.serving.role_client import RoleEndpoint
 from .reward_server import ENDPOINT_DIR, SERVED_MODEL_NAME, role_name
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl_plugins.rewards.reward_model import RewardModelReward
+    from forgerl_plugins.rewards.reward_model_options import Options
 
 WHO, WHAT = "reward_model", "the reward model server"
 
@@ -32,7 +32,7 @@ WHO, WHAT = "reward_model", "the reward model server"
 class ServedClassifier:
     """``logits(batch of token-id lists) -> list of logit lists`` through ``/classify``."""
 
-    def __init__(self, options: RewardModelReward.Options, *, wait: float | None = None) -> None:
+    def __init__(self, options: Options, *, wait: float | None = None) -> None:
         self.options = options
         timeout = options.request_timeout
         if options.url is not None:

@@ -37,7 +37,7 @@ from forgerl_plugins.serving.vllm_server import is_cpu_build
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
     from forgerl.types import RoleSpec
-    from forgerl_plugins.rewards.reward_model import RewardModelReward
+    from forgerl_plugins.rewards.reward_model_options import Options
 
 ENDPOINT_DIR = "rewards"
 SERVED_MODEL_NAME = "forge-reward-model"
@@ -46,7 +46,7 @@ HEALTH_INTERVAL = 2.0
 LIVENESS_TIMEOUT = 60.0
 
 
-def role_name(options: RewardModelReward.Options) -> str:
+def role_name(options: Options) -> str:
     """The role serving these options' model; equal options give equal names."""
     shaping = {
         "model": options.model,
@@ -71,7 +71,7 @@ def log_file(run_dir: Path, role: str, replica: int = 0) -> Path:
     return launcher.log_file(run_dir, role, replica)
 
 
-def roles(options: RewardModelReward.Options, *, context: RunContext) -> list[RoleSpec]:
+def roles(options: Options, *, context: RunContext) -> list[RoleSpec]:
     """One vLLM pooling server when ``server: vllm``; none otherwise."""
     if options.server != "vllm":
         return []
@@ -82,7 +82,7 @@ def roles(options: RewardModelReward.Options, *, context: RunContext) -> list[Ro
 # ------------------------------------------------------------------- the vLLM command
 
 
-def server_command(options: RewardModelReward.Options, port: int) -> list[str]:
+def server_command(options: Options, port: int) -> list[str]:
     args = vllm_server.api_server_command(
         options.model, SERVED_MODEL_NAME, options.host, port, options.dtype or "auto", options.tensor_parallel_size
     )
@@ -104,7 +104,7 @@ def _model_positions(model: str) -> int | None:
         return None  # a hub id: vLLM reads the config itself
 
 
-def serve(options: RewardModelReward.Options, *, context: RunContext, role: str, replica: int) -> int:
+def serve(options: Options, *, context: RunContext, role: str, replica: int) -> int:
     """Run replica ``replica`` of ``role`` (the launcher, until its server ends); the exit status."""
     run_dir = context.run_dir
     # The previous instance's file points at a dead server.
