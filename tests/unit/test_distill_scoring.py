@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 from forgerl.algorithms import AlgorithmConfig  # noqa: E402
 from forgerl.configuration.sections import DistillConfig  # noqa: E402
 from forgerl.distill import Teacher, TeacherRequest, TeacherScores  # noqa: E402
-from forgerl.distill.batch import distill_batch, teacher_requests  # noqa: E402
 from forgerl.distill.scoring import TeacherScorer  # noqa: E402
+from forgerl.runloop.distill_batch import distill_batch, teacher_requests  # noqa: E402
 from forgerl.types import Completion, Episode, Problem  # noqa: E402
 from tests.helpers.timing import scaled  # noqa: E402
 

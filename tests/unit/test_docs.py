@@ -263,11 +263,11 @@ def loop_metric_keys() -> set[str]:
 
 
 def distill_metric_keys() -> set[str]:
-    """``METRIC_KEYS`` of core/forgerl/distill/batch.py, read without importing torch."""
-    for node in ast.parse((REPO / "core" / "forgerl" / "distill" / "batch.py").read_text()).body:
+    """``METRIC_KEYS`` of core/forgerl/runloop/distill_batch.py, read without importing torch."""
+    for node in ast.parse((REPO / "core" / "forgerl" / "runloop" / "distill_batch.py").read_text()).body:
         if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "METRIC_KEYS":
             return set(ast.literal_eval(node.value))
-    raise AssertionError("core/forgerl/distill/batch.py has no METRIC_KEYS")
+    raise AssertionError("core/forgerl/runloop/distill_batch.py has no METRIC_KEYS")
 
 
 def algorithm_metric_keys() -> set[str]:

@@ -12,6 +12,6 @@ Only the interface is imported here: the rest imports torch or transformers when
 
 from __future__ import annotations
 
-from forgerl.distill.teacher import Teacher, TeacherRequest, TeacherScores
+from forgerl.teacher import Teacher, TeacherRequest, TeacherScores
 
 __all__ = ["Teacher", "TeacherRequest", "TeacherScores"]

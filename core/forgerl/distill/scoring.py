@@ -7,7 +7,7 @@ under the timeout: a sequence the teacher cannot score fails alone, the others a
 A call that timed out is not retried (a hung teacher would only hang again): its samples
 fail. An answer that is not what was asked (a wrong count, a non-finite or positive
 logprob) fails its sample too. The run never fails because of the teacher: a failed
-sample is left out of the step's loss (:mod:`forgerl.distill.batch`) and counted.
+sample is left out of the step's loss (:mod:`forgerl.runloop.distill_batch`) and counted.
 
 The scorer keeps one event loop of its own, run in the caller's thread (the loop's main
 thread) for the length of each call: a teacher's worker thread that outlives a timeout is
@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from forgerl.distill.teacher import Teacher, TeacherRequest, TeacherScores
+from forgerl.teacher import Teacher, TeacherRequest, TeacherScores
 
 log = logging.getLogger("forgerl.distill")
 

@@ -82,8 +82,8 @@ def _interfaces() -> dict[str, type]:
     """Kind -> the interface its backend classes implement (a model backend has none: it is
     a class or function that returns a folder)."""
     from forgerl import interfaces
-    from forgerl.distill.teacher import Teacher
     from forgerl.environment import Environment
+    from forgerl.teacher import Teacher
 
     return {
         "environment": Environment,

@@ -30,7 +30,6 @@ from forgerl import events
 from forgerl.checkpoints import checkpoint as ckpt
 from forgerl.checkpoints.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.configuration.config import RunConfig
-from forgerl.distill.batch import distill_batch
 from forgerl.distill.scoring import TeacherScorer
 from forgerl.errors import CheckpointError, CheckpointUnusable, ConfigError, RewardError
 from forgerl.interfaces import Generator, RunContext, Task
@@ -44,6 +43,7 @@ from forgerl.rollouts.rollout import RolloutBatch, RolloutBuffer, RolloutProduce
 from forgerl.rollouts.staleness import age_counts, filter_stale, oldest_version
 from forgerl.rundirs import runs
 from forgerl.runloop.batching import Prepared, prepare_batch, tokens_by_age
+from forgerl.runloop.distill_batch import distill_batch
 from forgerl.runloop.evaluation import evaluate_samples, evaluate_trajectories, mean
 from forgerl.runloop.metrics import MetricsWriter
 from forgerl.runloop.spmd import TrainerDriver

@@ -21,8 +21,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from forgerl.distill.teacher import TeacherRequest, TeacherScores
 from forgerl.errors import TeacherError
+from forgerl.teacher import TeacherRequest, TeacherScores
 from forgerl_plugins.serving.role_client import RoleEndpoint
 
 from .server import ENDPOINT_DIR, SERVED_MODEL_NAME, completion_body, role_name

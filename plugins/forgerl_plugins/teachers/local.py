@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from forgerl.distill.teacher import TeacherRequest, TeacherScores
+from forgerl.teacher import TeacherRequest, TeacherScores
 
 
 class LocalTeacher:

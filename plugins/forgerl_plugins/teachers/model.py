@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from forgerl.distill.teacher import Teacher, TeacherRequest, TeacherScores
 from forgerl.errors import ConfigError
+from forgerl.teacher import Teacher, TeacherRequest, TeacherScores
 
 from .options import Options as _Options
 from .options import teacher_folder

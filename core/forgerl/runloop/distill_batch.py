@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from forgerl.distill.teacher import TeacherRequest
 from forgerl.runloop.batching import Prepared, prepare_batch
+from forgerl.teacher import TeacherRequest
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.algorithms import AlgorithmConfig
