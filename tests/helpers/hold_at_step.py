@@ -6,7 +6,8 @@ machine the tiny model finishes all its steps between two polls. Loaded through
 ``forge_step_end`` hook of step N (called once step N's row is written and, when due,
 its checkpoint saved) writes ``held-at-step-N`` in the run directory (:func:`marker`) and
 then blocks on rank 0, which drives the loop, until the test kills the run or writes
-``release-step-N`` (:func:`release`). :func:`hold_env` builds that environment.
+``release-step-N`` (:func:`release`). :func:`hold_env` builds that environment; it holds
+at several steps in turn when given several (``FORGE_TEST_HOLD_AT_STEP=1,2``).
 
 It also holds a run's *rollouts*: with ``--task held_arithmetic`` (the ``arithmetic`` task)
 and ``FORGE_TEST_HOLD_PROBLEMS=FILE``, every request for training problems after the first
@@ -27,11 +28,12 @@ from forgerl.types import Problem
 from forgerl_plugins.tasks.arithmetic import ArithmeticTask
 
 
-def hold_env(step: int) -> dict[str, str]:
-    """The environment of a `forge run` that holds at ``step`` (the repo on its path)."""
+def hold_env(*steps: int) -> dict[str, str]:
+    """The environment of a `forge run` that holds at each of ``steps`` (the repo on its path)."""
     repo = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "FORGE_PLUGINS": __name__, "FORGE_TEST_HOLD_AT_STEP": str(step)}
+    held = ",".join(str(s) for s in steps)
+    return {**os.environ, "PYTHONPATH": path, "FORGE_PLUGINS": __name__, "FORGE_TEST_HOLD_AT_STEP": held}
 
 
 def marker(run_dir: Path, step: int) -> Path:
@@ -45,7 +47,7 @@ def release(run_dir: Path, step: int) -> None:
 @hookimpl
 def forge_step_end(step: int, metrics: Mapping[str, Any], run_dir: Path) -> None:
     raw = os.environ.get("FORGE_TEST_HOLD_AT_STEP")
-    if raw is None or step != int(raw):
+    if raw is None or step not in {int(s) for s in raw.split(",")}:
         return
     run_dir = Path(run_dir)
     marker(run_dir, step).write_text(str(os.getpid()))

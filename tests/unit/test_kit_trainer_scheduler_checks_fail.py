@@ -41,6 +41,10 @@ def scheduler_kit(name: str, **attrs):
          r"after the resumed step .* away from the uninterrupted run's: save and load the optimiser's state"),
         ("kit_keeps_its_process_group", "test_close_releases_processes_threads_and_the_process_group",
          "left the default torch.distributed process group"),
+        ("kit_advantage_per_row", "test_per_token_advantages_are_read_at_their_tokens",
+         r"the gradient's norm is .* expected .*each token's own advantage"),
+        ("kit_advantage_one_token_off", "test_per_token_advantages_are_read_at_their_tokens",
+         r"with per-token advantages loss/policy is .* expected"),
     ],
 )
 def test_each_trainer_check_fails_on_a_trainer_that_breaks_it(backend, check, message, tiny_model_dir, tmp_path):

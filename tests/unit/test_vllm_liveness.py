@@ -102,7 +102,7 @@ def test_a_launcher_that_is_stopping_does_not_kill(server):
     assert child.returncode == -signal.SIGTERM
 
 
-# ------------------------------------------------- probes through the engine (issue 25, item 2)
+# ------------------------------------------------------------------ probes through the engine
 
 ENGINE_SERVER = textwrap.dedent(
     """

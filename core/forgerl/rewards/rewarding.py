@@ -42,7 +42,7 @@ from forgerl.rewards.reward_workers import (
     default_pool_size,
     outcome_of,
 )
-from forgerl.types import RewardInput, RewardResult
+from forgerl.types import RewardInput, RewardResult, reserved_component_error
 
 log = logging.getLogger("forgerl.rewards")
 
@@ -87,7 +87,11 @@ class RewardSet:
             raise ConfigError("no rewards configured: add at least one under `rewards:`")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
-        self.rewards = _unique_names([r if isinstance(r, NamedReward) else NamedReward(*r) for r in rewards])
+        named = [r if isinstance(r, NamedReward) else NamedReward(*r) for r in rewards]
+        for r in named:
+            if (reserved := reserved_component_error(r.name)) is not None:
+                raise ConfigError(f"reward {r.name!r}: {reserved}")
+        self.rewards = _unique_names(named)
         self.timeout = float(timeout)
         self.failed_reward = float(failed_reward)
         self.max_workers = max_workers or min(32, (os.cpu_count() or 1) + 4)

@@ -35,6 +35,7 @@ from typing import TypedDict
 
 from forgerl.errors import ConfigError
 from forgerl_plugins.rewards.conversation import Conversation
+from forgerl_plugins.rewards.sandbox_outcome import RunOutcome
 from forgerl_plugins.rewards.sandbox_root import InterpreterUnusable, RootView, root_view
 
 log = logging.getLogger("forgerl.rewards")
@@ -67,23 +68,6 @@ class Limits:
     file_size_mb: int = 16
     open_files: int = 64
     max_output_bytes: int = 65536
-
-
-@dataclass(frozen=True)
-class RunOutcome:
-    """How one program ended. ``setup_error``: the sandbox itself failed (not the program)."""
-
-    exit_code: int | None
-    signal: int | None
-    timed_out: bool
-    stdout: str
-    stderr: str
-    seconds: float
-    setup_error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out and self.setup_error is None
 
 
 class Sandbox:
