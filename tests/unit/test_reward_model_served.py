@@ -254,7 +254,7 @@ def test_samples_wait_for_a_restarting_run_server_beyond_their_timeout(classifie
     stand_in.close()  # killed; no restarted server yet
     failed = _score_one(reward, timeout=30)
     assert failed.failed and "out of service" in (failed.error or ""), failed
-    looks = Counted(reward.client)
+    looks = Counted(reward.client.server)
     restarted = StandIn(lambda ids: [-1.0])
     waited: list[Any] = []
     scoring = threading.Thread(target=lambda: waited.append(_score_one(reward, timeout=0.2)), daemon=True)
@@ -295,7 +295,7 @@ def test_a_wedged_run_server_is_back_once_its_engine_answers_its_launcher(classi
         assert not reward.client.in_service(), "back on one answer, which may predate the failure"
         count.add()
         # The same server, answering again (the stand-in's port stands for its recovery).
-        reward.client.url = f"http://127.0.0.1:{answering.port}"
+        reward.client.server.url = f"http://127.0.0.1:{answering.port}"
         assert reward.client.in_service()
         assert _score_one(reward, timeout=30).value == 2.0
     finally:
@@ -308,8 +308,8 @@ def test_the_wait_for_the_run_server_ends_when_a_restart_would_have(classifier_d
     monkeypatch.setenv("FORGE_RUN_DIR", str(tmp_path))
     _publish(tmp_path, options, {"host": "127.0.0.1", "port": stand_in.port, "api_key": "k", "instance": "a"})
     reward = _build(options)
-    assert reward.client.allowance == 60.0 + 10.0 + 30.0  # liveness, one more probe, start-up
-    reward.client.allowance = 0.3
+    assert reward.client.server.allowance == 60.0 + 10.0 + 30.0  # liveness, one more probe, start-up
+    reward.client.server.allowance = 0.3
     stand_in.close()
     assert _score_one(reward, timeout=30).failed
     result = _score_one(reward, timeout=30)
