@@ -40,7 +40,7 @@ _GROUP_MODULES = {
     "vllm": ("test_vllm.py", "test_wedged_engine.py", "test_generator_faults.py", "test_vllm_security.py",
              "test_shared_vllm.py", "test_generator_kit.py", "test_contrib_openai.py",
              "test_openai_conformance.py", "test_reward_model_served.py", "test_vllm_lora.py", "test_vllm_fleet.py",
-             "test_overlap_vllm.py"),
+             "test_overlap_vllm.py", "test_distill_served.py"),
     "sandbox": ("test_code_sandbox.py", "test_python_environment.py", "test_code_reward_attacks.py",
                 "test_code_run.py", "test_code_reward.py", "test_sandbox_deadline.py",
                 "test_kit_builtin_environments.py", "test_kit_builtin_rewards_tasks.py",

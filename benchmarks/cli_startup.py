@@ -4,7 +4,7 @@ case: the first listing writes it), then with none.
 
 Run: .venv/bin/python benchmarks/cli_startup.py [--repeat N] [--json]
 Each command runs in a fresh interpreter N times; the median wall time is reported.
-Goal (issue 2): well under 0.5 s on a laptop-class CPU.
+Goal: well under 0.5 s on a laptop-class CPU (docs/performance.md has the numbers).
 """
 
 from __future__ import annotations

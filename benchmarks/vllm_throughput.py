@@ -11,7 +11,7 @@ there). First
 vLLM offline in a child process, then one server started by the plugin's role and driven
 through ``VLLMGenerator.generate`` (HTTP, one request per prompt with ``n``). Each side
 warms up once, then runs ``--rounds`` timed rounds; generated tokens per second of the
-best round are compared. Goal (issue 5): the plugin reaches >= 90% of offline.
+best round are compared. Goal: the plugin reaches >= 90% of offline (docs/performance.md).
 """
 
 from __future__ import annotations

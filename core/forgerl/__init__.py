@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
+    "PLUGIN_API_VERSION",
     "ForgeError",
     "Registry",
     "RunConfig",
@@ -30,6 +31,8 @@ __all__ = [
 ]
 
 _LAZY = {
+    # The plugin API's version, not the distribution's (forgerl.api_version, CHANGELOG.md).
+    "PLUGIN_API_VERSION": ("forgerl.api_version", "PLUGIN_API_VERSION"),
     "build_registry": ("forgerl.registry.plugins", "build_registry"),
     "Registry": ("forgerl.registry.plugins", "Registry"),
     "RunConfig": ("forgerl.configuration.config", "RunConfig"),
@@ -41,6 +44,7 @@ _LAZY = {
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.api import load_config, run, submit
+    from forgerl.api_version import PLUGIN_API_VERSION
     from forgerl.configuration.config import RunConfig
     from forgerl.errors import ForgeError
     from forgerl.registry.plugins import Registry, build_registry

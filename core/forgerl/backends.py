@@ -136,7 +136,7 @@ class Backend:
 
     def server_roles(self, options: Options, *, context: RunContext) -> list[RoleSpec]:
         """The server roles this backend needs with ``options`` (none when it declares no
-        ``roles``; only generators and rewards can)."""
+        ``roles``; only generators, rewards and teachers can)."""
         roles = getattr(self, "roles", None)
         if roles is None:
             return []
@@ -312,6 +312,17 @@ class EnvironmentBackend(Backend):
     kind: ClassVar[str] = "environment"
 
 
+@dataclass(frozen=True)
+class TeacherBackend(Backend):
+    """A teacher for on-policy distillation: built once, on trainer rank 0. ``roles`` and
+    ``serve`` (optional), as for a reward: server processes for it (a vLLM server for the
+    teacher model), restarted by the scheduler like any replica."""
+
+    kind: ClassVar[str] = "teacher"
+    roles: Callable[..., Any] | str | None = None
+    serve: Callable[..., Any] | str | None = None
+
+
 BACKEND_KINDS: dict[str, type[Backend]] = {
     cls.kind: cls
     for cls in (
@@ -323,5 +334,6 @@ BACKEND_KINDS: dict[str, type[Backend]] = {
         TaskBackend,
         ModelBackend,
         EnvironmentBackend,
+        TeacherBackend,
     )
 }

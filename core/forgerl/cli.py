@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import click
 
 from forgerl import __version__
+from forgerl.api_version import PLUGIN_API_VERSION
 from forgerl.configuration.env import debug_enabled
 from forgerl.configuration.kinds import FLAGS, REGISTRATION_HOOKS
 from forgerl.errors import ForgeError, NotSupported
@@ -72,7 +73,9 @@ def _raise_terminated(signum: int, frame: Any) -> None:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.option("--debug", is_flag=True, help="Show tracebacks for errors.")
-@click.version_option(__version__, prog_name="forge")
+@click.version_option(
+    __version__, prog_name="forge", message=f"%(prog)s %(version)s (plugin API {PLUGIN_API_VERSION})"
+)
 def cli(debug: bool) -> None:
     """forgerl: reinforcement-learning post-training for language models.
 
@@ -348,9 +351,16 @@ def config_group() -> None:
 def config_show(config_file: str | None, sets: tuple[str, ...], **kwargs: Any) -> None:
     """Print the resolved config (defaults < file < flags < --set), backend options filled in."""
     from forgerl import api
+    from forgerl.registry.resolve import rewards_unused
 
-    config = api.load_config(config_file, sets=sets, flags=_flags(kwargs), registry=_registry())
-    click.echo(config.to_yaml(), nl=False)
+    registry = _registry()
+    config = api.load_config(config_file, sets=sets, flags=_flags(kwargs), registry=registry)
+    text = config.to_yaml()
+    unused = rewards_unused(config, registry)
+    if unused is not None:
+        # A YAML comment: the output still loads as the same config.
+        text = text.replace("\nrewards:\n", f"\n# rewards: not used in this run: {unused}\nrewards:\n", 1)
+    click.echo(text, nl=False)
 
 
 @config_group.command("schema")

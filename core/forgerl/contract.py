@@ -22,7 +22,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from forgerl.errors import BackendContractError
 
@@ -65,10 +65,13 @@ CONTRACT: dict[str, Call] = {
     "scheduler": Call("factory", (), "Scheduler"),
     "model": Call("factory", (("cache_dir", "Path"),), "Path", "a local Hugging Face folder"),
     "environment": Call("factory", (), "Environment", "once per trajectory"),
+    "teacher": Call("factory", (_CONTEXT,), "Teacher", "on trainer rank 0"),
     "generator roles": _ROLES,
     "reward roles": _ROLES,
+    "teacher roles": _ROLES,
     "generator serve": _SERVE,
     "reward serve": _SERVE,
+    "teacher serve": _SERVE,
 }
 
 #: The call each kind's factory must accept, as error messages and docs write it.
@@ -105,3 +108,26 @@ def check_factory(
             f"{SIGNATURES[what]} ({exc}); the plugin was written for another forgerl version: "
             "upgrade it, or see docs/plugins.md"
         ) from None
+
+
+# ------------------------------------------------------------------ deprecated names
+
+_LEGACY_PROTOCOLS: dict[str, type] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """The per-kind Protocols forgerl 0.1.0 had (``TransportFactory``, ...), kept for one
+    release with a warning: a plugin that imports one for its annotations still loads."""
+    from forgerl.deprecation import DEPRECATED, warn_deprecated
+
+    if f"forgerl.contract.{name}" not in DEPRECATED:
+        raise AttributeError(f"module 'forgerl.contract' has no attribute {name!r}")
+    warn_deprecated(f"forgerl.contract.{name}")
+    if name not in _LEGACY_PROTOCOLS:
+
+        class LegacyFactory(Protocol):
+            def __call__(self, options: Any, /, **runtime: Any) -> Any: ...
+
+        LegacyFactory.__name__ = LegacyFactory.__qualname__ = name
+        _LEGACY_PROTOCOLS[name] = LegacyFactory
+    return _LEGACY_PROTOCOLS[name]

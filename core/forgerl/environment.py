@@ -1,4 +1,4 @@
-"""The Environment interface: multi-turn, tool-using rollouts (issue 27).
+"""The Environment interface: multi-turn, tool-using rollouts.
 
 One instance per trajectory. The run calls, each on a worker thread under a deadline
 (``environment.turn_timeout``, :mod:`forgerl.rollouts.bounded`):

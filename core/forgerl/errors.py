@@ -55,6 +55,13 @@ class BackendContractError(PluginError, UserError):
     user's: upgrade the plugin (or forgerl), or stop selecting that backend."""
 
 
+class PluginAPIError(PluginError, UserError, AttributeError):
+    """A plugin uses a name the plugin API no longer has (:mod:`forgerl.deprecation`): a
+    plugin written for another forgerl version. The message names the plugin, what it used
+    and what to use instead; the fix is the user's: upgrade the plugin. Also an
+    AttributeError, so that a plugin's ``getattr(obj, name, default)`` still falls back."""
+
+
 class UnknownBackend(UserError):
     """A backend name was selected that no installed plugin provides."""
 
@@ -94,6 +101,11 @@ class TransportTimeout(TransportError):
 
 class RewardError(ForgeError):
     """A reward function failed; the loop scores that sample as failed and goes on."""
+
+
+class TeacherError(ForgeError):
+    """A distillation teacher could not score (its server failed, an answer was not one);
+    the loop leaves the samples it failed out of the step and goes on."""
 
 
 class RunWriteError(UserError):

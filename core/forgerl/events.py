@@ -17,8 +17,9 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from forgerl.rundirs.runs import append_line
 
@@ -61,6 +62,27 @@ def announce(
     event.update(extra)
     # Whole lines only, and a full disk drops the event (runs.append_line).
     append_line(folder / EVENTS_FILE, (json.dumps(event) + "\n").encode())
+
+
+def forward_warnings(category: type[Warning], *, run_dir: str | Path | None = None) -> None:
+    """From now on, also announce each warning of ``category`` that this process shows (a
+    plugin's use of a deprecated name, :mod:`forgerl.deprecation`): it may happen deep in
+    a trainer rank, whose stderr goes to a log file, and ``forge run`` prints events.
+    Python's warning filters still decide what is shown, so a warning repeated at the same
+    place is announced once. Calling it again for the same category and run changes nothing."""
+    key = (category, str(run_dir))
+    if getattr(warnings.showwarning, "forge_forwards", None) == key:
+        return
+    shown_before, forwarded = warnings.showwarning, category
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        if issubclass(category, forwarded):
+            announce(str(message), run_dir=run_dir, stage="warning", state="warning")
+        shown_before(message, category, filename, lineno, file, line)
+
+    show.forge_forwards = key  # type: ignore[attr-defined]
+    warnings.showwarning = show
 
 
 class phase:

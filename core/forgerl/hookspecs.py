@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
         RewardBackend,
         SchedulerBackend,
         TaskBackend,
+        TeacherBackend,
         TrainerBackend,
         TransportBackend,
     )
@@ -79,6 +80,12 @@ def forge_models() -> Iterable[ModelBackend]:
 def forge_environments() -> Iterable[EnvironmentBackend]:
     """Environments (multi-turn, tool-using rollouts) selectable with ``--environment NAME``:
     subclasses of :class:`forgerl.environment.Environment`, or "module:Class" naming them."""
+
+
+@hookspec
+def forge_teachers() -> Iterable[TeacherBackend]:
+    """Teachers for on-policy distillation, selected with ``distill.teacher.name``:
+    subclasses of :class:`forgerl.distill.Teacher`, or "module:Class" naming them."""
 
 
 # --------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from __future__ import annotations
 import abc
 import asyncio
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -67,6 +67,10 @@ class RunContext:
     Other backends a backend works with (a generator's transport) are build arguments of
     their own (:mod:`forgerl.contract`), not part of the context. Build one for a run with
     :meth:`for_run`.
+
+    ``config`` (the whole run config, plugin API before 1.0) is deprecated: it still
+    answers in a context built by :meth:`for_run`, with a warning naming the facts to read
+    instead (:mod:`forgerl.deprecation`).
     """
 
     run_dir: Path
@@ -82,6 +86,32 @@ class RunContext:
     model_name: str = ""
     max_staleness: int = 0
     adapter: LoraOptions | None = None
+    #: The run's config, kept only for the deprecated :attr:`config` (not a fact to read).
+    _config: RunConfig | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def config(self) -> RunConfig:
+        """Deprecated: the run's config (what plugins read before the context carried the
+        run's facts). Kept for one release, with a warning naming the plugin."""
+        if self._config is None:
+            # __getattr__ says why, in one line (an AttributeError here always reaches it).
+            raise AttributeError("config")
+        from forgerl.deprecation import warn_deprecated
+
+        warn_deprecated("RunContext.config")
+        return self._config
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for names normal lookup did not find: a removed one is refused in one line
+        # (a PluginAPIError, itself an AttributeError: getattr(ctx, name, default) still works).
+        from forgerl.deprecation import SINCE, removed
+
+        if name == "config":
+            reason = f"deprecated since {SINCE} and unset in a context not built by RunContext.for_run"
+            raise removed("RunContext.config", reason=reason)
+        if name == "extras":
+            raise removed("RunContext.extras")
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @classmethod
     def for_run(
@@ -102,6 +132,7 @@ class RunContext:
             model_name=config.model.name,
             max_staleness=config.loop.max_staleness,
             adapter=trained_adapter(config),
+            _config=config,
         )
 
 
@@ -229,9 +260,10 @@ class Trainer(Closeable, abc.ABC):
     loss's own forward pass computes the trainer's logprobs, so no separate pass is asked for.
     """
 
-    #: The objectives :meth:`train_step` trains (:attr:`TrainBatch.objective`): ``"grpo"``
-    #: for every trainer unless its class says more (the built-in ones add ``"sft"``).
-    #: ``forge run`` refuses, before launch, a run whose ``objective`` its trainer lacks.
+    #: The losses :meth:`train_step` computes (:attr:`TrainBatch.objective`): ``"grpo"``
+    #: (the policy loss, which runs of ``objective`` grpo and distill train) for every
+    #: trainer unless its class says more (the built-in ones add ``"sft"``). ``forge run``
+    #: refuses, before launch, a run whose loss its trainer lacks.
     objectives: ClassVar[frozenset[str]] = frozenset({"grpo"})
     #: Whether :meth:`export_checkpoint` can write the policy of one of its checkpoints as
     #: a Hugging Face model folder (``forge export``; a run named as another run's model).
@@ -284,6 +316,14 @@ class Reward(abc.ABC):  # noqa: B024 - score or ascore, checked when built (see 
 
     async def ascore(self, sample: RewardInput) -> float | RewardResult:
         return await asyncio.to_thread(self.score, sample)
+
+    async def until_ready(self) -> None:
+        """Awaited before each sample's timeout starts, in the trainer's process (not for
+        rewards the core runs in worker processes): return once the reward can score. A
+        reward served by a server that is being restarted waits here for it, so that the
+        samples meanwhile are not failed by ``loop.reward_timeout``; it must bound the wait
+        itself, and raises to fail the sample. Default: at once."""
+        return None
 
     @classmethod
     def implements_scoring(cls) -> bool:

@@ -48,11 +48,14 @@ def main(argv: list[str] | None = None) -> int:
 def serve_role(run_dir: Path, role: str, replica: int) -> int:
     """Run replica ``replica`` of server role ``role`` of the run in ``run_dir``; its exit status."""
     from forgerl import events
+    from forgerl.deprecation import ForgeDeprecationWarning
     from forgerl.interfaces import RunContext
     from forgerl.registry.plugins import build_registry
     from forgerl.rundirs import runs
     from forgerl.rundirs.models import resolve_model
 
+    # A plugin's use of a deprecated name goes to this replica's log: say it where the user looks.
+    events.forward_warnings(ForgeDeprecationWarning, run_dir=run_dir)
     registry = build_registry()
     config = runs.load_config(run_dir, registry)
     context = RunContext.for_run(config, run_dir)

@@ -17,6 +17,7 @@ import inspect
 import json
 import re
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,16 +55,19 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
-def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+def split_tool_calls(
+    text: str, accept: Callable[[ToolCall], bool] | None = None
+) -> tuple[str, list[ToolCall]]:
     """``text`` without its well-formed calls, and those calls in order (at most
     :data:`MAX_CALLS_PER_TURN`). A malformed call stays in the text, where the reader sees
-    what the model wrote. For answers in the OpenAI format (``message.tool_calls``)."""
+    what the model wrote, and so does one ``accept`` refuses (arguments that break a strict
+    schema). For answers in the OpenAI format (``message.tool_calls``)."""
     kept: list[str] = []
     calls: list[ToolCall] = []
     at = 0
     for match in _CALL.finditer(text):
         call = _parse_one(match.group(1), closed=match.group(0).endswith("</tool_call>"))
-        if call.error is not None or len(calls) == MAX_CALLS_PER_TURN:
+        if call.error is not None or len(calls) == MAX_CALLS_PER_TURN or (accept is not None and not accept(call)):
             continue
         kept.append(text[at : match.start()])
         at = match.end()

@@ -131,6 +131,23 @@ class RewardInput:
     finish_reason: FinishReason = "stop"
 
 
+#: The run's own metrics under ``reward/``, by name. A reward's or an environment's
+#: component is logged as ``reward/<name>``, so these names are refused for components:
+#: one would overwrite the run's own figure in metrics.jsonl and every tracker, silently.
+RUN_REWARD_METRICS = {
+    "mean": "the step's mean reward",
+    "failed": "the samples a reward failed to score",
+}
+
+
+def reserved_component_error(name: object) -> str | None:
+    """Why ``name`` cannot name a component (None: it can)."""
+    if isinstance(name, str) and name in RUN_REWARD_METRICS:
+        return (f"reward/{name} is the run's own metric ({RUN_REWARD_METRICS[name]}), which a component "
+                f"named {name!r} would overwrite; names the run keeps: {', '.join(sorted(RUN_REWARD_METRICS))}")
+    return None
+
+
 @dataclass(frozen=True)
 class RewardResult:
     """A score, plus named components for the metrics.
@@ -172,8 +189,11 @@ class TrainBatch:
     Shapes: ``input_ids``/``attention_mask``/``loss_mask``/``behaviour_logprobs`` are
     ``[B, T]`` (prompt followed by completion, right-padded); ``loss_mask`` is 1 on
     completion tokens that count in the loss; ``behaviour_logprobs`` holds the sampler's
-    logprob of token ``t`` at position ``t`` (0 elsewhere); ``advantages`` is ``[B]``.
-    ``policy_versions`` is ``[B]``, the version of each row's oldest token.
+    logprob of token ``t`` at position ``t`` (0 elsewhere). ``advantages`` is ``[B]`` (one
+    per row: GRPO's) or ``[B, T]`` (one per token, at the token's position like
+    ``behaviour_logprobs``: on-policy distillation's, :mod:`forgerl.distill`); a trainer
+    honours both (the trainer kit checks it). ``policy_versions`` is ``[B]``, the version of
+    each row's oldest token.
 
     ``token_versions`` (``[B, T]``, optional) is the version that sampled token ``t`` at
     position ``t`` (outside the completion: the row's ``policy_versions``), and
@@ -181,8 +201,8 @@ class TrainBatch:
     ``trainer_version - token_versions``. The loop fills both; a trainer that gets them
     reports the logprob gap by age (``logprob_gap/age_{a}``, :func:`forgerl.algorithms.policy_loss`).
 
-    ``objective`` says which loss the batch is for (the run config's ``objective``):
-    ``"grpo"``, the policy loss on the advantages, or ``"sft"``, the cross-entropy of the
+    ``objective`` says which loss the batch is for: ``"grpo"``, the policy loss on the
+    advantages (runs of ``objective`` grpo and distill), or ``"sft"``, the cross-entropy of the
     tokens under ``loss_mask`` (:func:`forgerl.sft.loss.sft_loss`; advantages, behaviour
     logprobs and versions are zeros then). A trainer trains only the objectives its class
     lists in :attr:`forgerl.interfaces.Trainer.objectives`.

@@ -76,9 +76,14 @@ def exit_now(code: int) -> NoReturn:
 
 
 def run_worker(run_dir: Path) -> int:
+    from forgerl import events
+    from forgerl.deprecation import ForgeDeprecationWarning
     from forgerl.registry.plugins import build_registry
     from forgerl.rundirs import runs
 
+    if os.environ.get("RANK", "0") == "0":
+        # A plugin's use of a deprecated name goes to this rank's log: say it where the user looks.
+        events.forward_warnings(ForgeDeprecationWarning, run_dir=run_dir)
     registry = build_registry()
     config = runs.load_config(run_dir, registry)
     rank = int(os.environ.get("RANK", "0"))
@@ -90,8 +95,6 @@ def run_worker(run_dir: Path) -> int:
     )
     log = logging.getLogger("forgerl.worker")
     if rank == 0:
-        from forgerl import events
-
         events.announce(f"started (pid {os.getpid()}); importing torch", stage="worker", run_dir=run_dir)
 
     import torch
@@ -131,13 +134,12 @@ def run_worker(run_dir: Path) -> int:
 
     from transformers import AutoTokenizer
 
-    from forgerl import events
     from forgerl.rewards.rewarding import RewardSet
     from forgerl.runloop.loop import Loop, install_stop_handlers
     from forgerl.sft.needs import uses_generator, uses_task
 
     driver = TrainerDriver(trainer, world)
-    generator = sender = transport = rewards = None
+    generator = sender = transport = rewards = teacher = None
     task = None
     try:
         with _ends_run_if_start_fails(registry, run_dir, log):
@@ -166,14 +168,15 @@ def run_worker(run_dir: Path) -> int:
                                   rewards=rewards, sender=sender)  # fmt: skip
             else:
                 assert generator is not None and task is not None, "an RL run builds its generator and task"
-                loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer)
+                teacher = _build_teacher(config, registry, ctx)
+                loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer, teacher)
             install_stop_handlers(loop)
         summary = loop.run()  # writes summary.json and calls forge_run_end itself
     finally:
         # If shutting down hangs (a stuck collective or thread), say where in the log.
         faulthandler.dump_traceback_later(60, exit=False)
         _stop_other_ranks(driver, log)
-        for part in (rewards, generator, sender, transport, trainer):
+        for part in (teacher, rewards, generator, sender, transport, trainer):
             if part is not None:
                 try:
                     part.close()
@@ -181,6 +184,25 @@ def run_worker(run_dir: Path) -> int:
                     log.exception("closing %s failed", type(part).__name__)
         faulthandler.cancel_dump_traceback_later()
     return 143 if summary["status"] == "interrupted" else 0
+
+
+def _build_teacher(config: Any, registry: Registry, ctx: Any) -> Any:
+    """The teacher of ``objective: distill`` (its scorer, with the run's timeout); None
+    otherwise. A served teacher's client waits here until its server is ready."""
+    if config.objective != "distill":
+        return None
+    from forgerl import events
+    from forgerl.distill.scoring import TeacherScorer
+    from forgerl.distill.tokenizers import check_teacher_tokenizer
+
+    # Again here: `forge run` checks before launch only where it sees the run's files (not
+    # on a Kubernetes cluster); equal tokenizer files make it a byte comparison.
+    check_teacher_tokenizer(config, registry)
+    choice = config.distill.teacher
+    with events.phase(f"starting teacher {choice.name}", stage="teacher", run_dir=ctx.run_dir,
+                      key=f"teacher:{choice.name}"):  # fmt: skip
+        teacher = registry.require("teacher", choice.name).build(choice.options, context=ctx)
+    return TeacherScorer(teacher, timeout=config.distill.timeout)
 
 
 def _phase(rank: int, run_dir: Path, message: str, **kw: Any) -> contextlib.AbstractContextManager[object]:

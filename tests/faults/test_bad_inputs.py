@@ -432,8 +432,9 @@ def file_and_flag_cases() -> list[Case]:
         Case("resume-set-output", ["run", "--resume", "old", "--set", "output=elsewhere"], setup=_saved_run("old"),
              needles=("output",)),
         Case("resume-garbage-config", ["run", "--resume", "old"], {"old/config.yaml": b"\xff\xfe"}, ("UTF-8",)),
-        # Found only after launch before (issue 25): what the machine, the environment or an
-        # engine must provide, a typo in a model name, a run with nothing to resume from.
+        # Checked before launch although only the launched run would meet them: what the
+        # machine, the environment or an engine must provide, a typo in a model name, a run
+        # with nothing to resume from.
         Case("resume-every-checkpoint-unusable", ["run", "--resume", "old"], setup=_saved_run_with_bad_checkpoints("old"),
              needles=("no usable checkpoint", "step-000002", "step-000001")),
         Case("shm-directory-is-a-file", [*RUN, "--transport", "shm", "--set", "transport.options.directory=weights"],
@@ -446,6 +447,11 @@ def file_and_flag_cases() -> list[Case]:
              env={"FORGE_CACHE_DIR": "{root}/no-such/cache"}),
         Case("cache-dir-inside-a-file", RUN, {"cache": "x"}, ("FORGE_CACHE_DIR", "/cache' is a file"),
              env={"FORGE_CACHE_DIR": "{root}/cache/models"}),
+        # Folders access(2) calls writable (to root) on file systems that refuse every mkdir.
+        Case("cache-dir-under-proc", RUN, needles=("FORGE_CACHE_DIR", "'/proc/forge-cache'"),
+             env={"FORGE_CACHE_DIR": "/proc/forge-cache"}),
+        Case("cache-dir-under-sysfs", RUN, needles=("FORGE_CACHE_DIR", "'/sys/forge-cache'"),
+             env={"FORGE_CACHE_DIR": "/sys/forge-cache"}),
         Case("remote-reward-auth-env-unset", [*RUN, *REMOTE, "--set", "rewards.0.options.auth_env=FORGE_TEST_NO_TOKEN"],
              needles=("'FORGE_TEST_NO_TOKEN'", "auth_env", "not set"), env={"FORGE_TEST_NO_TOKEN": None}),
         Case("remote-reward-auth-env-empty", [*RUN, *REMOTE, "--set", "rewards.0.options.auth_env=FORGE_TEST_NO_TOKEN"],

@@ -1,4 +1,4 @@
-"""A run directory on a bad disk, and resumes that must not lose history (issue 25, items 3, 4).
+"""A run directory on a bad disk, and resumes that must not lose history.
 
 Real `forge run` processes on real file systems: a small tmpfs in a private mount namespace,
 filled (ENOSPC) or remounted read-only (EROFS), so that every write of a run meets the

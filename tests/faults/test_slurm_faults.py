@@ -1,4 +1,4 @@
-"""A `forge run` on a real Slurm survives preemption and requeue (issue 11).
+"""A `forge run` on a real Slurm survives preemption and requeue.
 
 Each fault hits a real ``forge run --scheduler slurm --wait`` (tiny model, hf generator,
 fsdp trainer, a checkpoint every step) while a step is in progress: the test holds that

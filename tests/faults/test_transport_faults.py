@@ -151,8 +151,8 @@ def test_worker_stalled_mid_version(name: str, endpoints: list, record_property)
         assert outcome["event"] == "received", outcome
     if name == "nccl":
         # Dropped by the sender while stopped: its broadcasts still pending went on from
-        # staging buffers the sender retired instead of repacking with versions 3 and 4
-        # (issue 11), and before acknowledging it finds it was dropped. So it refuses
+        # staging buffers the sender retired instead of repacking with versions 3 and 4,
+        # and before acknowledging it finds it was dropped. So it refuses
         # version 2 (and its bytes also match the version's checksums, or it would refuse
         # them for that).
         assert outcome["event"] == "error" and "superseded by 4" in outcome["message"], outcome

@@ -1,4 +1,4 @@
-"""A wedged engine behind a live HTTP server (issue 25, item 2).
+"""A wedged engine behind a live HTTP server.
 
 The most common real hang on GPUs is a stuck NCCL or CUDA call: the engine core and its
 workers stop, while the server's HTTP process goes on answering ``/health``. Before the fix

@@ -35,6 +35,19 @@ CALCULATE = {
     },
 }
 CALL = '<tool_call>{"name": "calculate", "arguments": {"expression": "2 + 2"}}</tool_call>'
+#: The calculator as a strict tool (OpenAI's structured outputs): arguments must validate.
+STRICT_CALCULATE = {
+    "type": "function",
+    "function": {
+        "name": "calculate",
+        "description": "Evaluate an arithmetic expression.",
+        "strict": True,
+        "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"],
+                       "additionalProperties": False},
+    },
+}
+#: A call whose arguments break the calculator's schema (``value`` where it requires ``expression``).
+BAD_CALL = '<tool_call>{"name": "calculate", "arguments": {"value": "2 + 2"}}</tool_call>'
 
 
 class Scripted(Generator):
@@ -106,13 +119,13 @@ def chat_twice(episode):
     return {"reward": 0.5, "components": {"correct": 1.0}}
 
 
-def uses_tools(episode):
+def uses_tools(episode, tool=CALCULATE):
     """Offers a tool; answers the calls the model makes; leaves the reward to the run."""
     client = _client(episode)
     messages: list[Any] = _first_messages(episode)
     replies = []
     for _ in range(3):
-        reply = client.chat.completions.create(model="m", messages=messages, tools=[CALCULATE])
+        reply = client.chat.completions.create(model="m", messages=messages, tools=[tool])
         replies.append(reply)
         message = reply.choices[0].message
         if not message.tool_calls:
@@ -123,6 +136,11 @@ def uses_tools(episode):
             messages.append({"role": "tool", "tool_call_id": call.id, "content": str(eval(expression))})  # noqa: S307 - the test's own expression
     SEEN[episode.problem.id] = {"replies": replies}
     return None
+
+
+def uses_strict_tools(episode):
+    """:func:`uses_tools` with the calculator offered as a strict tool."""
+    return uses_tools(episode, STRICT_CALCULATE)
 
 
 def rewrites_history(episode):

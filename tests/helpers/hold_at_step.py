@@ -6,7 +6,13 @@ machine the tiny model finishes all its steps between two polls. Loaded through
 ``forge_step_end`` hook of step N (called once step N's row is written and, when due,
 its checkpoint saved) writes ``held-at-step-N`` in the run directory (:func:`marker`) and
 then blocks on rank 0, which drives the loop, until the test kills the run or writes
-``release-step-N`` (:func:`release`). :func:`hold_env` builds that environment.
+``release-step-N`` (:func:`release`). :func:`hold_env` builds that environment; it holds
+at several steps in turn when given several (``FORGE_TEST_HOLD_AT_STEP=1,2``).
+
+It also holds a run's *rollouts*: with ``--task held_arithmetic`` (the ``arithmetic`` task)
+and ``FORGE_TEST_HOLD_PROBLEMS=FILE``, every request for training problems after the first
+batch's waits while FILE exists, after touching ``FILE.waiting`` (:func:`problems_waiting`):
+so the next batch's generation starts when the test says, not while it holds a step.
 """
 
 from __future__ import annotations
@@ -18,13 +24,16 @@ from pathlib import Path
 from typing import Any
 
 from forgerl.hookspecs import hookimpl
+from forgerl.types import Problem
+from forgerl_plugins.tasks.arithmetic import ArithmeticTask
 
 
-def hold_env(step: int) -> dict[str, str]:
-    """The environment of a `forge run` that holds at ``step`` (the repo on its path)."""
+def hold_env(*steps: int) -> dict[str, str]:
+    """The environment of a `forge run` that holds at each of ``steps`` (the repo on its path)."""
     repo = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "FORGE_PLUGINS": __name__, "FORGE_TEST_HOLD_AT_STEP": str(step)}
+    held = ",".join(str(s) for s in steps)
+    return {**os.environ, "PYTHONPATH": path, "FORGE_PLUGINS": __name__, "FORGE_TEST_HOLD_AT_STEP": held}
 
 
 def marker(run_dir: Path, step: int) -> Path:
@@ -38,10 +47,35 @@ def release(run_dir: Path, step: int) -> None:
 @hookimpl
 def forge_step_end(step: int, metrics: Mapping[str, Any], run_dir: Path) -> None:
     raw = os.environ.get("FORGE_TEST_HOLD_AT_STEP")
-    if raw is None or step != int(raw):
+    if raw is None or step not in {int(s) for s in raw.split(",")}:
         return
     run_dir = Path(run_dir)
     marker(run_dir, step).write_text(str(os.getpid()))
     released = run_dir / f"release-step-{step}"
     while not released.exists():  # or the test's SIGKILL
         time.sleep(0.05)
+
+
+def problems_waiting(gate: Path) -> Path:
+    """Touched when a request for problems waits for ``gate`` to go."""
+    return gate.with_name(gate.name + ".waiting")
+
+
+class HeldArithmetic(ArithmeticTask):
+    name = "held_arithmetic"
+    description = "test-only: the arithmetic task, whose problems after the first batch wait for a file to go"
+
+    def next_problems(self, n: int) -> list[Problem]:
+        raw = os.environ.get("FORGE_TEST_HOLD_PROBLEMS")
+        if raw and self.position > 0:
+            gate = Path(raw)
+            if gate.exists():
+                problems_waiting(gate).touch()
+            while gate.exists():  # or the test's SIGKILL
+                time.sleep(0.05)
+        return super().next_problems(n)
+
+
+@hookimpl
+def forge_tasks() -> list[type]:
+    return [HeldArithmetic]

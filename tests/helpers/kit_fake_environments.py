@@ -9,6 +9,7 @@ says higher or lower; a turn without a tool call is the final answer, scored 1 w
 from __future__ import annotations
 
 import json
+import random
 import re
 import subprocess
 import sys
@@ -160,6 +161,88 @@ class SharedList(GoodEnvironment):
         self.calls = _SHARED_CALLS
 
 
+_DEEP_CALLS: list[int] = []
+
+
+class _Game:
+    """A helper object per instance, whose list is one module-level list for all."""
+
+    def __init__(self) -> None:
+        self.calls = _DEEP_CALLS
+
+
+class DeepSharedList(GoodEnvironment):
+    """Shares a list one attribute deep: ``self.game.calls`` (the shallow check saw only
+    ``self.calls``)."""
+
+    name = "kit_env_deep_shared_list"
+
+    def __init__(self, options: Any) -> None:
+        super().__init__(options)
+        self.game = _Game()
+
+    @tool
+    def guess(self, number: int) -> str:
+        """Say whether the secret is higher or lower than a number.
+
+        Args:
+            number: your guess
+        """
+        self.game.calls.append(number)
+        return super().guess(number)
+
+
+class _Board:
+    """A library's class whose mutable default is a class attribute: every board's moves
+    are one list."""
+
+    moves: list[int] = []  # the library bug this fake shows
+
+    def play(self, number: int) -> None:
+        self.moves.append(number)
+
+
+class LibraryClassDefault(GoodEnvironment):
+    name = "kit_env_library_class_default"
+
+    def __init__(self, options: Any) -> None:
+        super().__init__(options)
+        self.board = _Board()
+
+    def answer(self, assistant_text: str) -> Step:
+        numbers = re.findall(r"-?\d+", assistant_text)
+        self.board.play(int(numbers[-1][:6]) if numbers else 0)
+        return super().answer(assistant_text)
+
+
+class MutatesProblem(GoodEnvironment):
+    name = "kit_env_mutates_problem"
+
+    def reset(self, problem: Problem) -> list[Message]:
+        problem.metadata["seen"] = problem.metadata.get("seen", 0) + 1  # the group's problem, changed
+        return super().reset(problem)
+
+
+class ReseedsGlobalRandom(GoodEnvironment):
+    """Wraps a "library" that reseeds the process-global random on reset and draws from
+    it: with trajectories in flight, each one's draws depend on the others."""
+
+    name = "kit_env_reseeds_global_random"
+
+    def reset(self, problem: Problem) -> list[Message]:
+        random.seed(problem.id)
+        self.hint = random.randint(0, 9)
+        return super().reset(problem)
+
+
+class ReservedComponent(GoodEnvironment):
+    name = "kit_env_reserved_component"
+
+    def answer(self, assistant_text: str) -> Step:
+        step = super().answer(assistant_text)
+        return Step.finish(step.reward, mean=0.75, failed=1.0)
+
+
 _GAMES = [0]
 
 
@@ -249,7 +332,8 @@ def forge_environments():
     return [
         GoodEnvironment, OpenOptions, LossyOptions, BadResetRole, StepReturnsDict, UndocumentedTool,
         UntypedTool, ScoresNone, NeverEnds, ClassHistory, MutatesOptions, SharedList, GlobalCounter,
-        CurrentGlobal, CloseBeforeReset, LeaksThread, LeaksProcess, Echo, StrictParser,
+        CurrentGlobal, CloseBeforeReset, LeaksThread, LeaksProcess, Echo, StrictParser, DeepSharedList,
+        LibraryClassDefault, MutatesProblem, ReseedsGlobalRandom, ReservedComponent,
         # A record whose factory is a function: the run reads scores and tools from the class.
         EnvironmentBackend("kit_env_function_factory", make_environment, GoodEnvironment.Options),
     ]  # fmt: skip

@@ -90,6 +90,35 @@ class SftAtSamplingTemperature(FSDPTrainer):
 
     def _forward_logprobs(self, model, input_ids, attention_mask, entropy=False, positions=None, temperature=None):
         return super()._forward_logprobs(model, input_ids, attention_mask, entropy, positions)
+class AdvantagePerRow(FSDPTrainer):
+    """Reads per-token advantages as one per row (their mean over the row's loss tokens)."""
+
+    name = "kit_advantage_per_row"
+
+    def train_step(self, batch):
+        from dataclasses import replace
+
+        if batch.advantages.dim() == 2:
+            counted = (batch.loss_mask != 0).sum(-1).clamp(min=1)
+            batch = replace(batch, advantages=(batch.advantages * batch.loss_mask).sum(-1) / counted)
+        return super().train_step(batch)
+
+
+class AdvantageOneTokenOff(FSDPTrainer):
+    """Reads the advantage of token t at position t - 1 (the logits' position)."""
+
+    name = "kit_advantage_one_token_off"
+
+    def train_step(self, batch):
+        from dataclasses import replace
+
+        import torch
+
+        if batch.advantages.dim() == 2:
+            shifted = torch.zeros_like(batch.advantages)
+            shifted[:, 1:] = batch.advantages[:, :-1]
+            batch = replace(batch, advantages=shifted)
+        return super().train_step(batch)
 
 
 @hookimpl
@@ -103,4 +132,6 @@ def forge_trainers():
         ForgetsTheOptimizer,
         KeepsItsProcessGroup,
         SftAtSamplingTemperature,
+        AdvantagePerRow,
+        AdvantageOneTokenOff,
     ]

@@ -8,8 +8,11 @@ scores the next program normally.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import sys
+import sysconfig
 
 import pytest
 
@@ -17,6 +20,7 @@ from forgerl.registry.plugins import build_registry
 from forgerl.types import Problem, RewardInput
 from forgerl_plugins.rewards.sandbox import SandboxUnavailable
 
+from ..helpers.leaks import REPOSITORY, finder, planted_answers, visible
 from ..helpers.sandbox_processes import sandbox_processes, sandbox_workdir
 from ..helpers.timing import scaled, wait_until
 
@@ -36,7 +40,7 @@ def reward(request, workdir):
     """The reward at each isolation level; a level this machine lacks (bwrap not on PATH,
     no user namespaces) skips its tests, saying why."""
     options = {"isolation": request.param, "timeout": scaled(3.0), "workdir": str(workdir), "processes": 16}
-    if request.param == "process" and os.geteuid() == 0 and os.path.exists("/usr/bin/python3"):
+    if request.param in ("process", "bwrap") and os.geteuid() == 0 and os.path.exists("/usr/bin/python3"):
         options["python"] = "/usr/bin/python3"  # root's own interpreter may be out of the sandbox uid's reach
     try:
         return build_registry().require("reward", "code").build({**options, "memory_mb": 512})
@@ -170,6 +174,70 @@ def test_reads_outside_its_directory(reward, workdir, tmp_path):
         pytest.skip("process isolation as the same user cannot hide the user's files (docs/rewards.md)")
     program = f"def ok():\n    return open({str(secret)!r}).read() == 's3cret'\n"
     contained(reward, workdir, program)
+
+
+# --------------------------------------------- what the program can read (reward hacking)
+
+
+@pytest.fixture(scope="module")
+def planted():
+    with planted_answers() as answers:
+        yield answers
+
+
+def test_a_program_cannot_find_its_problems_answers(reward, workdir, planted):
+    """The cheapest way to a full reward is to read the expected output, which a run's
+    dataset and run directory hold in world-readable files. At the namespace and bwrap
+    levels the program's root holds none of them: it scores 0. At the process level (no
+    filesystem isolation, as documented) the same program finds them: the attack is real."""
+    problem = Problem(id="leak", prompt="", metadata={"stdio": [{"input": planted.probe + "\n", "output": planted.answer}]})
+    result = reward.score(RewardInput(problem, finder(planted, seconds=scaled(1.0))))
+    if reward.sandbox.level == "process":
+        assert result.value == 1.0, f"the attack found nothing even without isolation: {result}"
+    else:
+        assert result.value == 0.0 and result.components["timeout"] == 0.0, result
+    wait_until(lambda: not sandbox_processes(workdir), 10, "no sandbox process left")
+
+
+def test_the_program_sees_the_interpreter_and_its_directory_only(reward, planted):
+    if reward.sandbox.level == "process":
+        pytest.skip("the process level has no filesystem isolation (docs/rewards.md)")
+    python = reward.sandbox.python
+    # The interpreter's own installed packages (a package may ship a benchmark's solutions).
+    base = {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}
+    packages = [sysconfig.get_path("purelib", vars=base)] if python == os.path.realpath(sys.executable) else []
+    hidden = [
+        *map(str, planted.files), *(str(f.parent) for f in planted.files), str(REPOSITORY), os.getcwd(),
+        os.path.expanduser("~") + "/.bashrc", "/etc/passwd", "/etc/shadow", "/var", "/opt", "/home/", "/srv",
+        *(os.path.join(p, os.listdir(p)[0]) for p in packages if os.path.isdir(p) and os.listdir(p)),
+    ]  # fmt: skip
+    outcome = reward.sandbox.run({"main.py": visible(hidden)})
+    assert outcome.ok, outcome
+    seen = json.loads(outcome.stdout)
+    assert seen["seen"] == [], f"the program can see {seen['seen']}"
+    top = {"bin", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "tmp", "usr", python.split("/")[1]}
+    assert set(seen["/"]) <= top, seen["/"]
+    assert set(seen["/etc"]) <= {"ld.so.cache", "localtime"}, seen["/etc"]
+    if reward.sandbox.level == "namespace":
+        assert seen["/tmp"] == ["sandbox"], seen["/tmp"]
+
+
+def test_the_standard_library_still_works(reward):
+    """What a program may use: the standard library, its C extensions and the libraries
+    they load, the time zone database, /dev/urandom, a subprocess."""
+    program = (
+        "import asyncio, bz2, ctypes, decimal, hashlib, json, lzma, math, sqlite3, ssl, subprocess, zlib, zoneinfo\n"
+        "def ok():\n"
+        "    db = sqlite3.connect(':memory:')\n"
+        "    assert db.execute('select 6 * 7').fetchone() == (42,)\n"
+        "    assert str(zoneinfo.ZoneInfo('Europe/Paris')) == 'Europe/Paris'\n"
+        "    assert len(open('/dev/urandom', 'rb').read(8)) == 8\n"
+        "    assert bz2.decompress(bz2.compress(b'x')) == b'x' and lzma.decompress(lzma.compress(b'y')) == b'y'\n"
+        "    assert ctypes.CDLL(None).abs(-3) == 3 and ssl.OPENSSL_VERSION\n"
+        "    assert subprocess.run(['true']).returncode == 0\n"
+        "    return asyncio.run(asyncio.sleep(0, 'done')) == 'done'\n"
+    )
+    assert score(reward, program)["value"] == 1.0
 
 
 def test_killing_the_parent_and_the_process_group(reward, workdir):

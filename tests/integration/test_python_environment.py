@@ -20,6 +20,7 @@ from forgerl.rollouts.trajectory import Limits, TrajectoryRunner
 from forgerl.types import Problem, SamplingParams
 from forgerl_plugins.rewards.sandbox import SandboxUnavailable
 
+from ..helpers.leaks import finder, planted_answers
 from ..helpers.sandbox_processes import sandbox_processes, sandbox_workdir
 from ..helpers.timing import scaled, wait_until
 
@@ -126,6 +127,15 @@ def test_reads_and_writes_outside_its_directory(make, workdir, tmp_path):
     [answer] = attack(make, workdir, program)
     assert "s3cret" not in answer and "wrote" not in answer and "exit code 1" in answer, answer
     assert not [t for t in targets if t.exists()]
+
+
+def test_a_program_cannot_find_the_problems_answer(make, workdir):
+    """A tool program searching the file system for its problem's expected output (the
+    run's data kept world-readable, as on a shared machine) finds nothing: its root holds
+    the interpreter and its directory only (the code reward's sandbox, test_code_sandbox.py)."""
+    with planted_answers() as planted:
+        [answer] = attack(make, workdir, finder(planted, seconds=TIMEOUT / 2))
+    assert planted.answer not in answer and answer == "exit code 0\nstdout:\nnothing\n", answer
 
 
 def test_network(make, workdir):

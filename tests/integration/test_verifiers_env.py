@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -189,7 +190,9 @@ def ids(tokenizer, text: str) -> list[int]:
     return [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
 
 
-def test_tool_calls_faults_and_foreign_problems(vf_python, tokenizer, tmp_path):
+def test_tool_calls_faults_and_foreign_problems(vf_python, tokenizer, tmp_path, caplog):
+    # What docs/environments.md says a user sees at `logging.level: debug`.
+    caplog.set_level(logging.DEBUG, logger="forgerl.environment.verifiers")
     pids = tmp_path / "pids"
     gen = Scripted(tokenizer, [f"Let me add. {ADD}", HOSTILE, "It is 4."])
     # The server starts (imports verifiers, loads the environment) under a generous deadline ...
@@ -237,6 +240,10 @@ def test_tool_calls_faults_and_foreign_problems(vf_python, tokenizer, tmp_path):
     assert crashed.result.failed and crashed.result.value == FAILED_REWARD
     assert "the test environment's tool server is down" in crashed.trajectory.failure
     assert "forge_vf_envs.py" in crashed.trajectory.failure, "where it was raised"
+    # Its output (the traceback) is in the run's log at debug level.
+    wait_until(lambda: any("verifiers runner: " in r.getMessage() and "Traceback" in r.getMessage()
+                           for r in caplog.records if r.levelno == logging.DEBUG), 10,
+               "the failed episode's traceback in the debug log")  # fmt: skip
     # The one that blocked its process: failed at the deadline, its process killed.
     assert hung.result.failed and "did not end within" in hung.trajectory.failure
     [pid] = [int(p) for p in pids.read_text().split()]
@@ -291,3 +298,18 @@ def test_what_cannot_run_is_a_one_line_error_before_the_run(vf_python, tmp_path)
     assert "no usable verifiers" in without and "scripts/setup.sh" in without
     broken = preflight(python=vf_python, args={"broken": True})
     assert "does not load" in broken and "needs a service that is not configured" in broken
+
+
+def test_a_task_without_the_pythonpath_names_the_option_it_lacks(vf_python):
+    """The task and the environment each read their own options: the environment's
+    pythonpath does not reach the task, and the task's error says which option to set."""
+    from forgerl_plugins.tasks.verifiers_task import VerifiersTask
+
+    VerifiersEnvironment.local_preflight(VerifiersEnvironment.Options(environment=ENV_ID, python=vf_python,
+                                                                      pythonpath=[VF_ENVS]))  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        VerifiersTask.local_preflight(VerifiersTask.Options(environment=ENV_ID, python=vf_python))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith(f"task verifiers: the verifiers environment '{ENV_ID}' does not "
+                                                      "load: "), message  # fmt: skip
+    assert "in task.options.pythonpath (none given); the verifiers task and environment each read" in message, message

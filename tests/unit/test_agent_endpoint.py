@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.rollouts.agent_chat import ApiError, parse_request
+from forgerl.rollouts.agent_chat import ApiError, assistant_message, parse_request
 from forgerl.rollouts.agent_runner import AgentRunner
 from forgerl.rollouts.chat_tokens import ChatTokens
 from forgerl.rollouts.env_rollouts import EnvironmentRollouts
@@ -21,7 +21,7 @@ from forgerl.rollouts.trajectory import Limits, RequestBatcher
 from forgerl.types import Problem, RewardInput, RewardResult, SamplingParams
 from forgerl_plugins.environments.agent import AgentProgram
 from tests.helpers import agents
-from tests.helpers.agents import CALL, SEEN, Scripted
+from tests.helpers.agents import BAD_CALL, CALCULATE, CALL, SEEN, STRICT_CALCULATE, Scripted
 
 pytest.importorskip("transformers")
 pytest.importorskip("openai")
@@ -124,6 +124,54 @@ def test_tool_calls_come_back_parsed_and_the_answer_extends_the_trajectory(make_
     observation = c.token_ids[len(turn0): c.mask.index(1, len(turn0))]
     assert c.token_ids[: len(turn0)] == turn0, "the tool-calling turn is trained as sampled, not as re-rendered"
     assert tokenizer.decode(observation) == "\n<|im_start|>tool\n4<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_strict_tools_call_that_breaks_its_schema_is_not_returned_as_a_tool_call(make_rollouts, tokenizer):
+    """OpenAI's ``strict: true`` promises that a tool call's arguments validate against the
+    tool's schema. The endpoint cannot constrain what the model samples (the tokens trained
+    on are its own samples), so it keeps that promise the other way: a call that breaks the
+    schema is left in the content, as a malformed call is, with finish_reason "stop"; the
+    agent never gets arguments its tool cannot take. A call that validates is a tool call."""
+    gen = Scripted(tokenizer, [f"Let me compute. {BAD_CALL}", "<answer>4</answer>"])
+    [s], _ = run(make_rollouts("uses_strict_tools"), gen)
+    assert s.trajectory.failure is None, s.trajectory.failure
+    [reply] = SEEN["p0"]["replies"]  # no tool call came back: the agent's loop ended
+    assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
+    assert reply.choices[0].message.content == f"Let me compute. {BAD_CALL}"
+    assert s.trajectory.last_text == f"Let me compute. {BAD_CALL}", "what the Reward plugins score"
+
+    gen = Scripted(tokenizer, [f"Let me compute. {CALL}", "<answer>4</answer>"])
+    [s], _ = run(make_rollouts("uses_strict_tools"), gen)
+    first, second = SEEN["p0"]["replies"]
+    assert first.choices[0].finish_reason == "tool_calls" and first.choices[0].message.content == "Let me compute."
+    assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content == "<answer>4</answer>"
+    [call] = first.choices[0].message.tool_calls
+    assert json.loads(call.function.arguments) == {"expression": "2 + 2"}
+    assert s.trajectory.failure is None and s.trajectory.turns == 2
+
+
+def test_strict_is_per_tool_and_a_non_strict_tool_gets_its_calls_as_written():
+    strict = parse(request_with([STRICT_CALCULATE, {**CALCULATE, "function": {**CALCULATE["function"], "name": "loose"}}]))
+    assert set(strict.strict) == {"calculate"}
+    assert all("strict" not in t["function"] for t in strict.tools), "the template renders the tools without it"
+    loose_call = BAD_CALL.replace('"calculate"', '"loose"')
+    message = assistant_message(f"{BAD_CALL} {loose_call} {CALL}", tools_offered=True, call_prefix="c",
+                                strict=strict.strict)  # fmt: skip
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("loose", {"value": "2 + 2"}), ("calculate", {"expression": "2 + 2"})]
+    assert message["content"] == BAD_CALL
+
+
+def test_a_strict_tool_whose_schema_is_not_a_json_schema_is_a_400():
+    bad = {**STRICT_CALCULATE, "function": {**STRICT_CALCULATE["function"], "parameters": {"type": "objekt"}}}
+    with pytest.raises(ApiError) as info:
+        parse(request_with([bad]))
+    assert info.value.status == 400 and info.value.param == "tools[0].function.parameters", info.value.message
+    assert "is not a valid JSON schema" in info.value.message
+
+
+def request_with(tools: list) -> dict:
+    return {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "tools": tools}
 
 
 def test_a_rewritten_history_starts_a_new_segment_and_only_the_last_is_trained(make_rollouts, tokenizer):

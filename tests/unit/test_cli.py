@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -183,7 +184,7 @@ def test_a_backend_name_clash_breaks_only_what_needs_the_name(tmp_path):
     mine = {b["name"]: b for b in rows["aaa"]["backends"]}
     builtin = {b["name"]: b for b in rows["rewards"]["backends"]}
     clash = mine["math_answer"]["clash"]
-    assert "plugin 'rewards' (forgerl 0.1.0)" in clash and "FORGE_DISABLE_PLUGINS=aaa" in clash
+    assert f"plugin 'rewards' (forgerl {metadata.version('forgerl')})" in clash and "FORGE_DISABLE_PLUGINS=aaa" in clash
     assert "FORGE_DISABLE_PLUGINS=rewards" not in clash
     assert builtin["math_answer"]["clash"] == clash
     assert mine["math_answer"]["available"] is False and builtin["math_answer"]["available"] is False

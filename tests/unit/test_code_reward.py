@@ -109,19 +109,36 @@ def test_an_unknown_or_unavailable_isolation_is_refused_at_build(monkeypatch):
         reward(isolation="bwrap")
 
 
-def test_bwrap_hides_the_hosts_tmp_and_binds_back_what_the_program_needs(tmp_path):
+def test_bwrap_builds_the_root_of_the_view_and_binds_back_what_the_program_needs(tmp_path):
     """The bwrap level's mounts, in bubblewrap's order (later mounts cover earlier ones):
     its programs run only where bwrap is installed (tests/integration/test_code_sandbox.py)."""
     from forgerl_plugins.rewards.sandbox import bwrap_prefix
+    from forgerl_plugins.rewards.sandbox_root import RootView
 
     box = tmp_path / "box"
-    argv = bwrap_prefix(box, "/usr/bin/python3")
+    view = RootView(
+        binds=("/usr/lib", "/usr/bin", "/tmp/venv-base/lib/python3.11", "/tmp/venv-base/bin/python3.11"),
+        links=(("/lib", "usr/lib"),), hidden=("/usr/lib/python3/dist-packages",), devices=("/dev/null",),
+    )  # fmt: skip
+    argv = bwrap_prefix(box, view)
     assert argv[-1] == "--" and "--unshare-all" in argv and "--die-with-parent" in argv
-    mounts = [tuple(argv[i : i + 3]) for i, a in enumerate(argv) if a in ("--ro-bind", "--bind")]
-    assert mounts == [("--ro-bind", "/", "/"), ("--bind", str(box), str(box))]
-    assert argv.index("--tmpfs") < argv.index("--bind"), "the box is bound into the fresh /tmp, not hidden by it"
-    in_tmp = bwrap_prefix(box, "/tmp/venv-base/bin/python3")
-    assert ("--ro-bind", "/tmp/venv-base", "/tmp/venv-base") in zip(in_tmp, in_tmp[1:], in_tmp[2:], strict=False)
+    ops, i = [], 0
+    while i < len(argv):  # the mount operations with their arguments, in order
+        width = {"--ro-bind": 3, "--bind": 3, "--symlink": 3, "--tmpfs": 2, "--remount-ro": 2}.get(argv[i], 1)
+        if width > 1:
+            ops.append(tuple(argv[i : i + width]))
+        i += width
+    assert ("--ro-bind", "/", "/") not in ops, "the host's root is not the program's"
+    assert ops == [
+        ("--ro-bind", "/usr/lib", "/usr/lib"), ("--ro-bind", "/usr/bin", "/usr/bin"),
+        ("--tmpfs", "/tmp"),  # the host's hidden; what the program needs of it bound back
+        ("--ro-bind", "/tmp/venv-base/lib/python3.11", "/tmp/venv-base/lib/python3.11"),
+        ("--ro-bind", "/tmp/venv-base/bin/python3.11", "/tmp/venv-base/bin/python3.11"),
+        ("--tmpfs", "/usr/lib/python3/dist-packages"), ("--remount-ro", "/usr/lib/python3/dist-packages"),
+        ("--symlink", "usr/lib", "/lib"),
+        ("--bind", str(box), str(box)), ("--remount-ro", "/tmp"),  # its directory the one writable place
+        ("--remount-ro", "/"),
+    ]  # fmt: skip
 
 
 # ------------------------------------------------ tests here, the program in its sandbox

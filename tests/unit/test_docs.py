@@ -237,7 +237,8 @@ def test_documented_environment_variables_exist():
 
 def test_plugin_switches_are_in_the_hook_reference():
     # The plugin manager's modules (core/forgerl/registry/plugins.py, and any it is split into).
-    switches = set().union(*(_env_names_in_python(p) for p in (REPO / "core" / "forgerl").glob("*plugin*.py")))
+    registry = REPO / "core" / "forgerl" / "registry"
+    switches = set().union(*(_env_names_in_python(p) for p in registry.glob("*plugin*.py")))
     assert "FORGE_PLUGINS" in switches
     missing = switches - env_names_in_table("hooks.md", "## Environment switches")
     assert not missing, f"plugin switches missing from docs/hooks.md: {sorted(missing)}"
@@ -250,10 +251,11 @@ def loop_metric_keys() -> set[str]:
     """Every key core/forgerl/runloop/loop.py puts in a metrics.jsonl row (``<>`` for a computed part),
     with the eval row of core/forgerl/runloop/evaluation.py and the reward component names of
     core/forgerl/rewards/rewarding.py filled into ``reward/<>``."""
-    loop = REPO / "core" / "forgerl" / "loop.py"
-    train_one, evaluate = function(loop, "train_one"), function(REPO / "core" / "forgerl" / "evaluation.py", "_row")
+    loop = REPO / "core" / "forgerl" / "runloop" / "loop.py"
+    train_one, evaluate = function(loop, "train_one"), function(REPO / "core" / "forgerl" / "runloop" / "evaluation.py", "_row")
     keys = dict_literal_keys(train_one) | subscript_keys(train_one, "row") | dict_literal_keys(evaluate)
-    components = subscript_keys(function(REPO / "core" / "forgerl" / "rewarding.py", "_combine"), "components")
+    keys |= distill_metric_keys()  # the row's objective part (prepared.metrics) under objective: distill
+    components = subscript_keys(function(REPO / "core" / "forgerl" / "rewards" / "rewarding.py", "_combine"), "components")
     assert components, "core/forgerl/rewards/rewarding.py: no reward component keys found"
     if any(k.startswith("reward/") and "<>" in k for k in keys):
         keys |= {"reward/" + c for c in components}
@@ -269,6 +271,14 @@ def sft_loop_metric_keys() -> set[str]:
         if isinstance(node, ast.FunctionDef) and node.name == "progress":  # each source's
             keys |= dict_literal_keys(node)
     return keys
+
+
+def distill_metric_keys() -> set[str]:
+    """``METRIC_KEYS`` of core/forgerl/runloop/distill_batch.py, read without importing torch."""
+    for node in ast.parse((REPO / "core" / "forgerl" / "runloop" / "distill_batch.py").read_text()).body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "METRIC_KEYS":
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("core/forgerl/runloop/distill_batch.py has no METRIC_KEYS")
 
 
 def algorithm_metric_keys() -> set[str]:

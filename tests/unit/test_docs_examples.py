@@ -493,7 +493,7 @@ def test_trainer_tutorial_passes_the_trainer_kit_as_its_conformance_test_says(mi
         capture_output=True, text=True, timeout=scaled(400), env=child_env(mini_src), cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "9 passed" in done.stdout, done.stdout[-3000:]
+    assert "11 passed" in done.stdout, done.stdout[-3000:]
 
 
 def test_a_run_on_the_three_tutorial_backends(mini_src: Path, tmp_path: Path):
@@ -623,4 +623,44 @@ def test_environment_tutorial_passes_the_environment_kit_as_its_conformance_test
         capture_output=True, text=True, timeout=scaled(180), env=env, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "13 passed" in done.stdout, done.stdout[-3000:]
+    assert "14 passed" in done.stdout, done.stdout[-3000:]
+
+
+def test_the_verifiers_config_of_environments_md_gives_the_task_and_the_environment_one_source():
+    """The YAML anchor in docs/environments.md puts environment, args and pythonpath in both
+    the task's options and the environment's (each backend reads its own), as the config
+    loader reads it."""
+    from forgerl.configuration.config import RunConfig
+    from forgerl.configuration.sources import load_yaml
+
+    [block] = [b for b in re.findall(r"```yaml\n(.*?)```", (DOCS / "environments.md").read_text(), flags=re.S)
+               if "&my-env" in b]  # fmt: skip
+    data = load_yaml(block)
+    source = {"environment": "my-env", "args": {"difficulty": "easy"}, "pythonpath": ["envs/my-env"]}
+    assert data["task"]["options"] == source
+    assert data["environment"]["options"] == {**source, "timeout": 300}
+    RunConfig.model_validate(data)
+
+
+def test_the_tool_less_game_of_plugins_environment_md_takes_every_turn_as_a_move():
+    """The tutorial's Nim overrides ``step``: every turn is a move, a ``<tool_call>`` tag
+    included (the default ``step`` would answer that with an unknown-tool error)."""
+    [block] = [b for b in re.findall(r"```python\n(.*?)```", (DOCS / "plugins-environment.md").read_text(), flags=re.S)
+               if "class NimEnvironment" in b]  # fmt: skip
+    from forgerl.types import Problem
+
+    namespace: dict = {}
+    exec(compile(block, "docs/plugins-environment.md", "exec"), namespace)
+    nim = namespace["NimEnvironment"]()
+    problem = Problem(id="g", prompt="ignored")
+    assert "15 stones" in nim.reset(problem)[0]["content"]
+    step = nim.step("I take 3.")  # 12 left; the environment takes 12 % 4 or 1 = 1
+    assert not step.done and step.messages[0]["content"] == "I take 1; 11 left. How many?"
+    step = nim.step('<tool_call>{"name": "take", "arguments": {"n": "two"}}</tool_call>')
+    assert step.done and step.reward == 0.0 and dict(step.components) == {"correct": 0.0, "illegal": 1.0}
+    nim.reset(problem)
+    for _ in range(3):  # 15 -> 12 (takes 1) -> 11 ... until the model takes the last
+        step = nim.step("3")
+    assert not step.done and nim.stones == 3
+    step = nim.step("3")
+    assert step.done and step.reward == 1.0 and dict(step.components) == {"correct": 1.0, "illegal": 0.0}

@@ -77,3 +77,29 @@ def test_an_environment_class_is_a_backend_built_once_per_call():
 
     with pytest.raises(PluginError, match="not an Environment: an environment backend subclasses forgerl.environment.Environment"):
         record_for_class(EnvironmentBackend, NotOne, "forge_environments")
+
+
+def test_config_show_says_the_rewards_are_unused_when_the_environment_scores():
+    """With an environment that scores (``scores = True``), the rewards (the defaults
+    math_answer and format included) are never called: `forge config show` says so, as a
+    YAML comment, so its output still loads as the same config. An environment that leaves
+    scoring to the rewards, and no environment, show them plainly."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.helpers.timing import scaled
+
+    def show(*args: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "forgerl.cli", "config", "show", "--model", "tiny", *args],
+                              capture_output=True, text=True, timeout=scaled(60))  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    scoring = show("--environment", "guess")
+    note = "# rewards: not used in this run: environment 'guess' scores its trajectories itself (scores = True)\n"
+    assert note + "rewards:\n- name: math_answer" in scoring, scoring
+    assert yaml.safe_load(scoring) == yaml.safe_load(scoring.replace(note, "")), "the note is a comment"
+    for args in ((), ("--environment", "agent", "--set", "environment.options.command=['true']")):
+        assert "not used in this run" not in show(*args), args

@@ -1,4 +1,4 @@
-"""Schedulers' job files on a disk that refuses writes (issue 25, item 3): never a traceback,
+"""Schedulers' job files on a disk that refuses writes: never a traceback,
 never half a file. The refusal is the kernel's own: each case runs in a child process whose
 RLIMIT_FSIZE lets a write reach only the first bytes of a file (then EFBIG), as a full disk
 takes only what fits."""

@@ -43,6 +43,10 @@ def scheduler_kit(name: str, **attrs):
          "left the default torch.distributed process group"),
         ("kit_sft_at_sampling_temperature", "test_sft_loss_is_transformers_cross_entropy",
          r"the sft loss is .*, transformers' cross-entropy of the same labels"),
+        ("kit_advantage_per_row", "test_per_token_advantages_are_read_at_their_tokens",
+         r"the gradient's norm is .* expected .*each token's own advantage"),
+        ("kit_advantage_one_token_off", "test_per_token_advantages_are_read_at_their_tokens",
+         r"with per-token advantages loss/policy is .* expected"),
     ],
 )
 def test_each_trainer_check_fails_on_a_trainer_that_breaks_it(backend, check, message, tiny_model_dir, tmp_path):

@@ -1,6 +1,6 @@
 """Per-chunk checksums of a weights layout (nccl/rdma ``layout.py``): what a receiver checks
 before it acknowledges a version, so that bytes of another chunk or version (a torn
-transfer, issue 11) are refused instead of loaded."""
+transfer, as a dropped receiver's pending broadcasts can make) are refused instead of loaded."""
 
 from __future__ import annotations
 

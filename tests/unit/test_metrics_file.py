@@ -1,5 +1,5 @@
 """metrics.jsonl keeps whole rows: a write the disk refuses part-way leaves no torn row, and
-a damaged file is repaired on resume with what was dropped kept aside (issue 25, items 3, 4)."""
+a damaged file is repaired on resume with what was dropped kept aside."""
 
 from __future__ import annotations
 

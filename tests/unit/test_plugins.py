@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from importlib import metadata
 
 import pytest
 
@@ -22,6 +23,9 @@ from .fakedist import (
     WRONG_RECORD,
     make_dist,
 )
+
+#: The installed forgerl, as messages name its built-in plugins ("forgerl 0.2.0").
+FORGERL = f"forgerl {metadata.version('forgerl')}"
 
 
 def test_first_party_backends_come_from_entry_points():
@@ -50,7 +54,7 @@ def test_duplicate_backend_names_both_distributions(site):
     with pytest.raises(DuplicateBackend) as err:
         reg.get("generator", "hf")
     msg = str(err.value)
-    assert "'hf'" in msg and "forgerl 0.1.0" in msg and "fake-dup 0.9" in msg
+    assert "'hf'" in msg and FORGERL in msg and "fake-dup 0.9" in msg
     assert err.value.user_fixable
 
 
@@ -63,7 +67,7 @@ def test_a_clash_with_a_built_in_backend_suggests_disabling_the_newcomer(site, c
     with pytest.raises(DuplicateBackend) as err:
         reg.require("reward", "math_answer")
     msg = str(err.value)
-    assert "plugin 'rewards' (forgerl 0.1.0)" in msg and "plugin 'aaa' (fake-clash 2.0)" in msg
+    assert f"plugin 'rewards' ({FORGERL})" in msg and "plugin 'aaa' (fake-clash 2.0)" in msg
     assert "FORGE_DISABLE_PLUGINS=aaa" in msg and "FORGE_DISABLE_PLUGINS=rewards" not in msg
     assert "math_answer" not in reg.available("reward")
     # Everything else of both plugins still works.
@@ -72,7 +76,7 @@ def test_a_clash_with_a_built_in_backend_suggests_disabling_the_newcomer(site, c
     assert {p.name for p in reg.clash("reward", "math_answer").providers} == {"aaa", "rewards"}
     # Following the advice resolves it.
     fixed = build_registry(disabled=["aaa"])
-    assert fixed.require("reward", "math_answer").provider == "plugin 'rewards' (forgerl 0.1.0)"
+    assert fixed.require("reward", "math_answer").provider == f"plugin 'rewards' ({FORGERL})"
 
 
 def test_a_clash_between_two_third_party_plugins_offers_either(site):
@@ -95,7 +99,7 @@ def test_a_plugin_named_like_a_built_in_one_is_skipped(site, capsys):
     make_dist(site, "fake-samename", "1.0", {"rewards": ECHO_GENERATOR})
     reg = build_registry()
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "fake-samename 1.0" in err[0] and "forgerl 0.1.0" in err[0], err
+    assert len(err) == 1 and "fake-samename 1.0" in err[0] and FORGERL in err[0], err
     assert reg.owner("reward", "math_answer").distribution == "forgerl"
     assert "echo" not in reg.backends("generator")
     shadowed = [i for i in reg.plugins.values() if i.distribution == "fake-samename"]
@@ -200,7 +204,7 @@ def test_disabled_names_that_match_no_plugin_are_a_warning(site, monkeypatch, ca
     line = err[0]
     assert line.startswith("forge: warning: FORGE_DISABLE_PLUGINS names no installed plugin: ")
     assert "'vlm' (did you mean 'vllm'?)" in line
-    assert "'math_answer' (a backend of plugin 'rewards' (forgerl 0.1.0))" in line
+    assert f"'math_answer' (a backend of plugin 'rewards' ({FORGERL}))" in line
     assert "'nothing_like_it'" in line and "'echo'" not in line.split(";")[0]
     assert "the plugins are: " in line and "echo" in line.split("the plugins are: ")[1]
     assert reg.plugins["echo"].status == "blocked"

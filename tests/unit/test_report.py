@@ -47,7 +47,7 @@ def test_every_plotted_series_is_the_metrics_column():
     rows = rows_of(FIXTURE)
     (run,) = load_runs([str(FIXTURE)])
     per_panel = all_series([run])
-    # The panels the issue asks for, each with data from this run.
+    # The plots docs/observability.md lists for forge report, each with data from this run.
     for pid in ("reward", "reward_components", "accuracy", "completion_length", "truncation", "staleness",
                 "dropped", "logprob_gap", "entropy", "grad_norm", "time", "rollout_time"):
         assert pid in per_panel, pid

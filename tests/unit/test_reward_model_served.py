@@ -18,6 +18,7 @@ from forgerl.registry.plugins import build_registry
 from forgerl.types import Problem, RewardInput
 from forgerl_plugins.rewards.reward_model import RewardModelReward
 from forgerl_plugins.rewards.reward_server import endpoint_file, role_name
+from tests.helpers.timing import scaled, wait_until
 
 QUESTION = Problem(id="q", prompt=[{"role": "user", "content": "Say hi."}], answer="")
 
@@ -219,6 +220,100 @@ def test_the_run_server_is_found_through_its_endpoint_file(classifier_dir, stand
         assert moved.requests[-1][0]["Authorization"] == "Bearer k2"
     finally:
         moved.close()
+
+
+class Counted:
+    """Counts the client's looks at whether its server is back in service."""
+
+    def __init__(self, client) -> None:
+        self.looks = 0
+        self.look = client.in_service
+        client.in_service = self
+
+    def __call__(self) -> bool:
+        self.looks += 1
+        return self.look()
+
+
+def _score_one(reward, timeout: float) -> Any:
+    from forgerl.rewards.rewarding import NamedReward, RewardSet
+
+    with RewardSet([NamedReward("rm", 1.0, reward)], timeout=timeout) as rewards:
+        [result] = rewards.score_sync([RewardInput(QUESTION, "hi")])
+    return result
+
+
+def test_samples_wait_for_a_restarting_run_server_beyond_their_timeout(classifier_dir, stand_in, tmp_path, monkeypatch):
+    """The run's server dies: the sample in flight fails; the next one waits for the
+    restarted server (the wait is not its reward_timeout's) and is scored by it."""
+    options = {"model": str(classifier_dir), "server": "vllm", "startup_timeout": 30}
+    monkeypatch.setenv("FORGE_RUN_DIR", str(tmp_path))
+    endpoint = {"host": "127.0.0.1", "port": stand_in.port, "api_key": "k1", "instance": "a", "model": "rm"}
+    _publish(tmp_path, options, endpoint)
+    reward = _build(options)
+    stand_in.close()  # killed; no restarted server yet
+    failed = _score_one(reward, timeout=30)
+    assert failed.failed and "out of service" in (failed.error or ""), failed
+    looks = Counted(reward.client.server)
+    restarted = StandIn(lambda ids: [-1.0])
+    waited: list[Any] = []
+    scoring = threading.Thread(target=lambda: waited.append(_score_one(reward, timeout=0.2)), daemon=True)
+    try:
+        scoring.start()
+        # Past the sample's 0.2 s timeout: three looks are 0.5 s apart at least.
+        wait_until(lambda: looks.looks >= 3, scaled(30), "the sample waiting for the server")
+        _publish(tmp_path, options, {**endpoint, "port": restarted.port, "api_key": "k2", "instance": "b"})
+        scoring.join(scaled(30))
+        assert not scoring.is_alive()
+        [result] = waited
+        assert not result.failed and result.value == -1.0, result
+        assert restarted.requests[-1][0]["Authorization"] == "Bearer k2"
+    finally:
+        restarted.close()
+
+
+def test_a_wedged_run_server_is_back_once_its_engine_answers_its_launcher(classifier_dir, tmp_path, monkeypatch):
+    """The server answered HTTP 500: out of service until its launcher counted two more
+    answers of its engine (the same instance, not restarted)."""
+    from forgerl_plugins.serving.service import AnswerCount
+
+    options = {"model": str(classifier_dir), "server": "vllm", "startup_timeout": 30}
+    monkeypatch.setenv("FORGE_RUN_DIR", str(tmp_path))
+    role = role_name(RewardModelReward.Options.model_validate(options))
+    count = AnswerCount(endpoint_file(tmp_path, role), "a")
+    count.publish()
+    failing = StandIn(lambda ids: [0.0], status=500)
+    answering = StandIn(lambda ids: [2.0])
+    try:
+        endpoint = {"host": "127.0.0.1", "port": failing.port, "api_key": "k", "instance": "a", "model": "rm"}
+        _publish(tmp_path, options, endpoint)
+        reward = _build(options)
+        failed = _score_one(reward, timeout=30)
+        assert failed.failed and "HTTP 500" in (failed.error or "") and "out of service" in (failed.error or "")
+        assert not reward.client.in_service()
+        count.add()
+        assert not reward.client.in_service(), "back on one answer, which may predate the failure"
+        count.add()
+        # The same server, answering again (the stand-in's port stands for its recovery).
+        reward.client.server.url = f"http://127.0.0.1:{answering.port}"
+        assert reward.client.in_service()
+        assert _score_one(reward, timeout=30).value == 2.0
+    finally:
+        failing.close()
+        answering.close()
+
+
+def test_the_wait_for_the_run_server_ends_when_a_restart_would_have(classifier_dir, stand_in, tmp_path, monkeypatch):
+    options = {"model": str(classifier_dir), "server": "vllm", "startup_timeout": 30}
+    monkeypatch.setenv("FORGE_RUN_DIR", str(tmp_path))
+    _publish(tmp_path, options, {"host": "127.0.0.1", "port": stand_in.port, "api_key": "k", "instance": "a"})
+    reward = _build(options)
+    assert reward.client.server.allowance == 60.0 + 10.0 + 30.0  # liveness, one more probe, start-up
+    reward.client.server.allowance = 0.3
+    stand_in.close()
+    assert _score_one(reward, timeout=30).failed
+    result = _score_one(reward, timeout=30)
+    assert result.failed and "has not served for 0.3 s (as long as a restart may take" in (result.error or ""), result
 
 
 def test_a_server_that_failed_to_start_stops_the_wait_at_once(classifier_dir, tmp_path, monkeypatch):

@@ -15,6 +15,7 @@ from typing import Any
 
 from forgerl_plugins.rewards import reward_server
 from forgerl_plugins.serving import launcher
+from forgerl_plugins.serving.service import answers_file, read_answers
 from tests.helpers.timing import scaled, wait_until
 
 STAND_IN = """
@@ -84,6 +85,26 @@ def test_the_endpoint_file_is_in_the_plans_folder_with_what_the_first_request_le
         os.kill(int(data["pid"]), signal.SIGKILL)  # the server dies: the launcher says so
         assert child.wait(scaled(60)) == 128 + signal.SIGKILL
         assert _endpoint(tmp_path) is None, "a dead server's endpoint file was left behind"
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+
+
+def test_beside_the_endpoint_the_launcher_counts_the_probes_its_server_answered(tmp_path):
+    """What a client reads to tell a server back in service (forgerl_plugins.serving.service):
+    the count names the server's instance, grows with each probe answered, and goes with
+    the server."""
+    child = _launch(tmp_path, "labels")
+    try:
+        data = wait_until(lambda: _endpoint(tmp_path), 60, "the endpoint file")
+        endpoint = reward_server.endpoint_file(tmp_path, "reward-model-test", 0)
+        first = read_answers(endpoint, data["instance"])
+        assert first is not None, "no count beside the endpoint file"
+        wait_until(lambda: (read_answers(endpoint, data["instance"]) or 0) >= first + 2, 60, "two more answers")
+        os.kill(int(data["pid"]), signal.SIGKILL)
+        child.wait(scaled(60))
+        assert not answers_file(endpoint).exists(), "a dead server's count was left behind"
     finally:
         if child.poll() is None:
             child.kill()

@@ -17,6 +17,7 @@ REGISTRATION_HOOKS: dict[str, str] = {
     "task": "forge_tasks",
     "model": "forge_models",
     "environment": "forge_environments",
+    "teacher": "forge_teachers",
 }
 
 #: Every kind of backend.

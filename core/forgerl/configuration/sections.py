@@ -39,6 +39,7 @@ from forgerl.configuration.limits import (
 )
 from forgerl.options import OptionsModel
 from forgerl.sft.config import SFTConfig
+from forgerl.types import reserved_component_error
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -135,10 +136,48 @@ class EnvironmentChoice(_Strict):
     concurrency: int = Field(32, ge=1, le=MAX_SAMPLES_PER_STEP, description="Trajectories in flight at once.")
 
 
+class TeacherChoice(BackendChoice):
+    name: str = Field("model", description="Teacher backend (`forge plugins list`); `model`: a causal LM.")
+
+
+class DistillConfig(_Strict):
+    """On-policy distillation (``objective: distill``, docs/distillation.md): the teacher
+    scores the student's own samples and each token's advantage is minus its reverse KL
+    term, alone or mixed with the task's group-relative advantage."""
+
+    teacher: TeacherChoice = Field(default_factory=TeacherChoice, description="The teacher and its options.")
+    kl_weight: float = Field(
+        1.0, ge=0, le=1e6, description="Weight of the per-token reverse KL advantage (log p_teacher - log p_student)."
+    )
+    reward_weight: float = Field(
+        0.0, ge=0, le=1e6, description="Weight of the task's group-relative advantage mixed in (0: distillation alone)."
+    )
+    kl_clip: float | None = Field(
+        None, gt=0, le=1e6, description="Bound on each token's |log p_student - log p_teacher| (none: unbounded)."
+    )
+    timeout: float = Field(
+        300.0, gt=0, le=MAX_SECONDS, description="Seconds the teacher may take to score one step's samples."
+    )
+
+    @model_validator(mode="after")
+    def _some_signal(self) -> DistillConfig:
+        if self.kl_weight == 0 and self.reward_weight == 0:
+            raise ValueError("kl_weight and reward_weight are both 0: nothing would be learned; set one above 0")
+        return self
+
+
 class RewardChoice(BackendChoice):
     weight: float = Field(
         1.0, ge=-1e6, le=1e6, description="Weight of this reward in the total (a weighted sum); finite, |weight| <= 1e6."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _not_a_run_metric(cls, value: str) -> str:
+        # The reward's mean is logged as reward/<name>: it must not overwrite the run's own.
+        if (reserved := reserved_component_error(value)) is not None:
+            raise ValueError(f"a reward backend cannot be named {value!r}: {reserved}")
+        return value
 
 
 class ModelConfig(_Strict):
@@ -293,10 +332,12 @@ class RunConfig(_Strict):
     """Everything that defines a run."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
-    objective: Literal["grpo", "sft"] = Field(
+    objective: Literal["grpo", "sft", "distill"] = Field(
         "grpo",
-        description="What the run trains for: grpo (reinforcement learning on the rewards of its own samples, "
-        "the algorithm section) or sft (supervised fine-tuning on demonstrations, the sft section; docs/sft.md).",
+        description="What the run trains for: grpo (reinforcement learning on the rewards' group-relative "
+        "advantages of its own samples, the algorithm section), sft (supervised fine-tuning on demonstrations, "
+        "the sft section; docs/sft.md) or distill (a teacher's per-token reverse KL on the student's own "
+        "samples, the distill section; docs/distillation.md).",
     )
     task: TaskChoice = Field(default_factory=TaskChoice)
     generator: GeneratorChoice = Field(default_factory=GeneratorChoice)
@@ -312,6 +353,7 @@ class RunConfig(_Strict):
     )
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
@@ -370,7 +412,8 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _batch_fits_groups(self) -> RunConfig:
-        if self.algorithm.std_normalize == "group" and self.loop.group_size < 2:
+        distilling_alone = self.objective == "distill" and self.distill.reward_weight == 0
+        if self.algorithm.std_normalize == "group" and self.loop.group_size < 2 and not distilling_alone:
             raise ValueError("loop.group_size must be at least 2 for group-normalised advantages")
         algo = self.algorithm
         max_tokens = self.loop.sampling.max_tokens

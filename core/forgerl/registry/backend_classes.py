@@ -21,7 +21,7 @@ Optional class attributes: ``extra`` (the pip extra that installs ``requires``),
 ``extra_of`` (its distribution, default forgerl), ``install_hint`` (instead of the
 extra), ``implemented`` (False: registered, not built yet), ``info`` (facts for ``forge
 plugins list``), and, as static methods taking the validated options, ``preflight`` and
-``local_preflight`` (checks before launch) and, for generators and rewards, ``roles``
+``local_preflight`` (checks before launch) and, for generators, rewards and teachers, ``roles``
 (server processes to start) and ``serve`` (what each of them runs). The registry keeps a
 record of each class (:class:`forgerl.backends.Backend`): records written by hand are the earlier shape, still
 accepted (docs/plugins.md, "Registering a backend").
@@ -83,9 +83,11 @@ def _interfaces() -> dict[str, type]:
     a class or function that returns a folder)."""
     from forgerl import interfaces
     from forgerl.environment import Environment
+    from forgerl.teacher import Teacher
 
     return {
         "environment": Environment,
+        "teacher": Teacher,
         "generator": interfaces.Generator,
         "trainer": interfaces.Trainer,
         "reward": interfaces.Reward,

@@ -5,9 +5,10 @@ when embedding, from objects passed in. Environment switches:
 
 - ``FORGE_DISABLE_PLUGINS=a,b``  never load these plugins (entry-point names); a name that
   matches no plugin is a warning
-- ``FORGE_STRICT_PLUGINS=1``     a third-party plugin that fails to load, implements an
-  unknown hook, registers something wrong or claims a backend name another plugin has is
-  an error (one line, exit 2), not a warning
+- ``FORGE_STRICT_PLUGINS=1``     a third-party plugin that fails to load, requires a plugin
+  API this forgerl does not provide (``FORGERL_PLUGIN_API``, :mod:`forgerl.api_version`),
+  implements an unknown hook, registers something wrong or claims a backend name another
+  plugin has is an error (one line, exit 2), not a warning
 - ``FORGE_TRACE_HOOKS=1``        print every hook call to stderr
 - ``FORGE_PLUGINS=pkg.mod,...``  also load these modules as plugins (set for a run's
   processes when the embedding code passed plugins by import path)
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -26,9 +28,11 @@ from typing import Any
 import pluggy
 
 from forgerl import hookspecs
+from forgerl.api_version import PLUGIN_API_VERSION, requirement_problem
 from forgerl.backends import BACKEND_KINDS, Backend
 from forgerl.configuration.env import env_flag
 from forgerl.configuration.kinds import KINDS, REGISTRATION_HOOKS
+from forgerl.deprecation import remember_plugin
 from forgerl.errors import (
     BackendUnavailable,
     DuplicateBackend,
@@ -314,7 +318,7 @@ def build_registry(
             try:
                 obj = ep.load()
             except Exception as exc:  # noqa: BLE001 - any import failure of a plugin
-                broken(info, f"failed to load: {type(exc).__name__}: {exc}", strict, exc)
+                broken(info, f"failed to load: {type(exc).__name__}: {exc}{_api_hint(exc)}", strict, exc)
                 continue
             _register(pm, obj, info, strict)
 
@@ -389,6 +393,13 @@ def _distribution(ep: Any, read: dict[int, tuple[str, str]]) -> tuple[str, str]:
 
 
 def _register(pm: pluggy.PluginManager, obj: Any, info: PluginInfo, strict: bool) -> None:
+    # A plugin that states the plugin API it was written for (FORGERL_PLUGIN_API) and
+    # finds another is not loaded: one line now, not a failure deep in a run.
+    problem = requirement_problem(obj)
+    if problem is not None:
+        broken(info, problem, strict)
+        return
+    remember_plugin(obj.__name__ if inspect.ismodule(obj) else type(obj).__module__, info.label)
     try:
         pm.register(obj, name=info.name)
     except pluggy.PluginValidationError as exc:
@@ -397,6 +408,18 @@ def _register(pm: pluggy.PluginManager, obj: Any, info: PluginInfo, strict: bool
     except ValueError as exc:
         # The same module under two entry-point names, or a name taken by an embedded object.
         broken(info, f"cannot be registered: {exc}", strict, exc)
+
+
+def _api_hint(exc: BaseException) -> str:
+    """For a plugin that imports a forgerl name this forgerl lacks: most likely it was
+    written for another plugin API, and the changelog says what replaced the name."""
+    missing = getattr(exc, "name", None) if isinstance(exc, ImportError) else None
+    if not (isinstance(missing, str) and missing.split(".")[0] == "forgerl"):
+        return ""
+    return (
+        f" (the plugin may be written for another forgerl: this one provides plugin API "
+        f"{PLUGIN_API_VERSION}; forgerl's CHANGELOG.md says what replaced the name)"
+    )
 
 
 def _check_pending(pm: pluggy.PluginManager, infos: dict[str, PluginInfo], strict: bool) -> None:

@@ -35,6 +35,8 @@ def resolve(config: RunConfig, registry: Registry, *, check_available: bool = Fa
     choices += [("reward", f"rewards.{i}", r) for i, r in enumerate(config.rewards)]
     if config.environment.name is not None:
         choices.append(("environment", "environment", config.environment))
+    if config.objective == "distill":
+        choices.append(("teacher", "distill.teacher", config.distill.teacher))
     for kind, field, choice in choices:
         assert choice.name is not None, "an environment without a name is not a choice"
         backend = registry.get(kind, choice.name)
@@ -93,3 +95,18 @@ def _accepts_keep(options: object) -> bool:
     except ValidationError:
         return False
     return True
+
+
+def rewards_unused(config: RunConfig, registry: Registry) -> str | None:
+    """Why the config's ``rewards`` score nothing in this run (None: they are used): its
+    environment scores every trajectory itself (``scores = True``), so the rewards, the
+    defaults included, are never called."""
+    from forgerl.environment import Environment
+
+    name = config.environment.name
+    if name is None:
+        return None
+    cls = registry.get("environment", name).load_factory()
+    if isinstance(cls, type) and issubclass(cls, Environment) and cls.scores is True:
+        return f"environment {name!r} scores its trajectories itself (scores = True)"
+    return None

@@ -66,10 +66,14 @@ PANELS: tuple[Panel, ...] = (
     Panel("grad_norm", "Gradient norm", "norm before clipping", keys=("grad_norm",)),
     Panel("loss", "Loss and KL", "value", keys=("loss/policy", "loss/kl", "kl/approx", "loss/sft"),
           note="loss/sft: a supervised run's cross-entropy (docs/sft.md)"),
+    Panel("distill", "Distillation: student vs teacher", "value", keys=("distill/reverse_kl", "distill/agreement"),
+          note="objective: distill. distill/reverse_kl: mean log p_student - log p_teacher of the trained tokens; "
+               "distill/agreement: the fraction of them that are the teacher's most likely token"),
     Panel("time", "Where a step's time goes", "seconds", stacked=True,
-          keys=("time/wait_rollouts", "time/train", "time/sync", "time/other"),
-          note="the loop's own time, which adds up to time/step: waiting for rollouts, training, moving "
-               "weights; time/other is the rest (batch preparation). Evaluation and checkpoints are not in it"),
+          keys=("time/wait_rollouts", "time/teacher", "time/train", "time/sync", "time/other"),
+          note="the loop's own time, which adds up to time/step: waiting for rollouts, the teacher's scoring "
+               "(objective: distill), training, moving weights; time/other is the rest (batch preparation). "
+               "Evaluation and checkpoints are not in it"),
     Panel("rollout_time", "Making a step's rollouts", "seconds", stacked=True,
           keys=("time/generate", "time/reward"),
           note="generation and scoring in the rollout thread; with loop.max_staleness > 0 they overlap "
@@ -90,7 +94,7 @@ def panel_series(run: RunData, panel: Panel, present: set[str]) -> list[Series]:
 
 def _other_time(run: RunData) -> Series:
     """``time/step`` less the parts the loop times itself, never below 0."""
-    parts = ("time/wait_rollouts", "time/train", "time/sync")
+    parts = ("time/wait_rollouts", "time/teacher", "time/train", "time/sync")
     step, pieces = series(run, "time/step"), [series(run, k) for k in parts]
     by_step = [dict(zip(p.steps, p.values)) for p in pieces]
     values = [max(0.0, total - sum(d.get(s, 0.0) for d in by_step)) for s, total in zip(step.steps, step.values)]

@@ -42,7 +42,7 @@ from forgerl.rewards.reward_workers import (
     default_pool_size,
     outcome_of,
 )
-from forgerl.types import RewardInput, RewardResult
+from forgerl.types import RewardInput, RewardResult, reserved_component_error
 
 log = logging.getLogger("forgerl.rewards")
 
@@ -87,7 +87,11 @@ class RewardSet:
             raise ConfigError("no rewards configured: add at least one under `rewards:`")
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
-        self.rewards = _unique_names([r if isinstance(r, NamedReward) else NamedReward(*r) for r in rewards])
+        named = [r if isinstance(r, NamedReward) else NamedReward(*r) for r in rewards]
+        for r in named:
+            if (reserved := reserved_component_error(r.name)) is not None:
+                raise ConfigError(f"reward {r.name!r}: {reserved}")
+        self.rewards = _unique_names(named)
         self.timeout = float(timeout)
         self.failed_reward = float(failed_reward)
         self.max_workers = max_workers or min(32, (os.cpu_count() or 1) + 4)
@@ -183,6 +187,8 @@ class RewardSet:
             # The pool enforces the timeout (it must kill the worker) and always answers.
             return await asyncio.wrap_future(self.pool.submit(self._pooled[index], sample))
         try:
+            # Waiting for a served reward's server to come back is not the sample's time.
+            await named.reward.until_ready()
             if _blocking(named.reward):
                 finished, raw = await self._in_thread(named.reward.score, sample)
             else:

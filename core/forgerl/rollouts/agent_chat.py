@@ -4,7 +4,8 @@ A request body is hostile input (an agent forwards model-written text, and may b
 itself): :func:`parse_request` checks every field it uses and raises :class:`ApiError`
 (an OpenAI-style error: status, message, the parameter at fault, a code) for anything it
 cannot serve. What it serves: ``messages`` (roles system/developer/user/assistant/tool,
-text content as a string or text parts, assistant ``tool_calls``), ``tools`` (functions),
+text content as a string or text parts, assistant ``tool_calls``), ``tools`` (functions; a
+``strict`` one's calls are returned only with arguments that validate against its schema),
 ``max_tokens``/``max_completion_tokens``, ``stop``. It refuses ``stream: true`` and
 ``n > 1``. Sampling fields (``temperature``, ``top_p``, ``seed``, penalties, ``logit_bias``,
 ``response_format``, ``tool_choice``...) are accepted and not applied: the run samples
@@ -61,6 +62,9 @@ class ChatCall:
     tools: list[dict[str, Any]] = field(default_factory=list)
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
+    #: The parameters schema of each tool offered with ``strict: true``, by name: a call of
+    #: one whose arguments do not validate is not returned as a tool call.
+    strict: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def parse_request(body: bytes) -> ChatCall:
@@ -83,7 +87,7 @@ def parse_request(body: bytes) -> ChatCall:
     if len(messages) > MAX_MESSAGES:
         raise ApiError(400, f"at most {MAX_MESSAGES} messages per request", param="messages")
     normal = [normal_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
-    tools = _tools(data.get("tools"))
+    tools, strict = _tools(data.get("tools"))
     max_tokens = None
     for key in ("max_completion_tokens", "max_tokens"):
         value = data.get(key)
@@ -92,7 +96,7 @@ def parse_request(body: bytes) -> ChatCall:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ApiError(400, f"{key} must be a positive integer", param=key)
         max_tokens = value if max_tokens is None else min(max_tokens, value)
-    return ChatCall(normal, tools, max_tokens, _stop(data.get("stop")))
+    return ChatCall(normal, tools, max_tokens, _stop(data.get("stop")), strict)
 
 
 def _text(content: Any, where: str) -> str:
@@ -145,12 +149,14 @@ def _tool_call(c: Any, where: str) -> dict[str, Any]:
             "function": {"name": fn["name"], "arguments": arguments}}
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
+def _tools(tools: Any) -> tuple[list[dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The tools as the chat template gets them, and the strict ones' parameter schemas."""
     if tools is None:
-        return []
+        return [], {}
     if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
         raise ApiError(400, f"tools must be a list of at most {MAX_TOOLS} functions", param="tools")
     out = []
+    strict: dict[str, dict[str, Any]] = {}
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) and t.get("type", "function") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not _TOOL_NAME.match(fn["name"]):
@@ -162,7 +168,30 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         schema["parameters"] = fn["parameters"] if isinstance(fn.get("parameters"), dict) else {
             "type": "object", "properties": {}}
         out.append({"type": "function", "function": schema})
-    return out
+        if fn.get("strict") is True:
+            _check_schema(schema["parameters"], f"tools[{i}].function.parameters")
+            strict[fn["name"]] = schema["parameters"]
+    return out, strict
+
+
+def _check_schema(schema: dict[str, Any], param: str) -> None:
+    from jsonschema import SchemaError, validators
+
+    try:
+        validators.validator_for(schema).check_schema(schema)
+    except SchemaError as exc:
+        raise ApiError(400, f"{param} is not a valid JSON schema (strict: true validates against it): "
+                       f"{exc.message[:200]}", param=param) from None
+
+
+def follows_schema(arguments: dict[str, Any], schema: dict[str, Any]) -> bool:
+    """Whether a call's arguments validate against a strict tool's parameters schema."""
+    from jsonschema import validators
+
+    try:
+        return bool(validators.validator_for(schema)(schema).is_valid(arguments))
+    except Exception:  # noqa: BLE001 - a reference the schema cannot resolve: nothing validates
+        return False
 
 
 def _stop(stop: Any) -> tuple[str, ...]:
@@ -229,12 +258,21 @@ def _loads_or_raw(arguments: str) -> Any:
 # ------------------------------------------------------------------ responses
 
 
-def assistant_message(text: str, *, tools_offered: bool, call_prefix: str) -> dict[str, Any]:
+def assistant_message(
+    text: str, *, tools_offered: bool, call_prefix: str, strict: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """The assistant message of a sampled turn: its text, and where tools were offered the
-    well-formed ``<tool_call>`` blocks as ``tool_calls`` (taken out of the content)."""
+    well-formed ``<tool_call>`` blocks as ``tool_calls`` (taken out of the content). As
+    OpenAI's ``strict: true`` promises, a call of a ``strict`` tool is returned only if its
+    arguments validate against the tool's schema; one that does not stays in the content,
+    as a malformed call does (the endpoint cannot constrain sampling: the tokens trained on
+    must be the model's own samples)."""
     if not tools_offered:
         return {"role": "assistant", "content": text}
-    rest, calls = split_tool_calls(text)
+    strict = strict or {}
+    rest, calls = split_tool_calls(
+        text, accept=lambda c: c.name not in strict or follows_schema(c.arguments, strict[c.name])
+    )
     if not calls:
         return {"role": "assistant", "content": text}
     message: dict[str, Any] = {"role": "assistant", "content": rest.strip() or None}

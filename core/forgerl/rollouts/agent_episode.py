@@ -161,7 +161,8 @@ class EpisodeRecorder:
             raise ApiError(500, "the run's generator failed; the run stops", code="generator_error") from exc
         if self.closed:
             raise ApiError(410, "this episode is over: its agent ended or ran out of time", code="episode_over")
-        message = assistant_message(sampled.text, tools_offered=bool(call.tools), call_prefix=f"call_{self.calls}")
+        message = assistant_message(sampled.text, tools_offered=bool(call.tools), call_prefix=f"call_{self.calls}",
+                                    strict=call.strict)
         self._record(call, plan, sampled, message)
         return completion_body(
             response_id=f"chatcmpl-{self.request_id}-{self.calls}", model=self.model, message=message,

@@ -46,7 +46,7 @@ from forgerl.rollouts.trajectory import (
     fail_trajectory,
     run_concurrently,
 )
-from forgerl.types import Problem, SamplingParams
+from forgerl.types import Problem, SamplingParams, reserved_component_error
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import Generator
@@ -131,6 +131,8 @@ def check_outcome(value: Any) -> tuple[float | None, dict[str, float]]:
         for key, v in components.items():
             if not isinstance(key, str) or not _finite(v):
                 raise GarbageError(f"the agent's component {str(key)[:80]!r}: {str(v)[:80]!r} is not a finite number")
+            if (reserved := reserved_component_error(key)) is not None:
+                raise GarbageError(f"the agent's component {key!r}: {reserved}; rename the component")
         return (None if reward is None else float(reward)), {k: float(v) for k, v in components.items()}
     raise GarbageError(
         f"the agent returned {type(value).__name__} {str(value)[:80]!r}, not a reward "

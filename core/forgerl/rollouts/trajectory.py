@@ -26,7 +26,7 @@ from forgerl.environment import Environment, Step
 from forgerl.interfaces import Generator
 from forgerl.rollouts.bounded import CallTimeout, call_bounded
 from forgerl.rollouts.chat_tokens import ChatTokens
-from forgerl.types import Completion, GenerationRequest, Problem, SamplingParams
+from forgerl.types import Completion, GenerationRequest, Problem, SamplingParams, reserved_component_error
 
 log = logging.getLogger("forgerl.environment")
 
@@ -144,6 +144,8 @@ def check_step(value: Any) -> Step:
     for key, v in dict(value.components).items():
         if not isinstance(key, str) or not isinstance(v, (int, float)) or not math.isfinite(v):
             raise GarbageError(f"step's component {key!r}: {v!r} is not a finite number")
+        if (reserved := reserved_component_error(key)) is not None:
+            raise GarbageError(f"step's component {key!r}: {reserved}; rename the component")
     return value
 
 

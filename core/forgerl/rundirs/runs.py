@@ -264,12 +264,15 @@ def server_role_command(run_dir: Path | str, role: str) -> tuple[str, ...]:
 def server_roles(
     config: RunConfig, registry: Registry, context: RunContext
 ) -> list[tuple[RoleSpec, Backend, BackendChoice, str]]:
-    """Every server role the run's backends declare (the generator's, then each reward's),
-    each with the backend, its choice and where the choice is in the config (``generator``,
-    ``rewards.N``); a role shared by two rewards comes once per reward."""
+    """Every server role the run's backends declare (the generator's, then each reward's, then
+    the teacher's under ``objective: distill``), each with the backend, its choice and where
+    the choice is in the config (``generator``, ``rewards.N``, ``distill.teacher``); a role
+    shared by two rewards comes once per reward."""
     found: list[tuple[RoleSpec, Backend, BackendChoice, str]] = []
     choices: list[tuple[str, str, BackendChoice]] = [("generator", "generator", config.generator)]
     choices += [("reward", f"rewards.{index}", choice) for index, choice in enumerate(config.rewards)]
+    if config.objective == "distill":
+        choices.append(("teacher", "distill.teacher", config.distill.teacher))
     for kind, where, choice in choices:
         backend = registry.get(kind, choice.name)
         found += [(role, backend, choice, where) for role in backend.server_roles(choice.options, context=context)]

@@ -1,7 +1,7 @@
 """Whether a directory forge (or a backend) will write into can be used, found without
-creating anything: pre-flight checks call this so that a file in the way, a missing parent
-or a read-only filesystem is one line before a run starts, not an ``OSError`` in a
-process a minute later.
+leaving anything behind: pre-flight checks call this so that a file in the way, a missing
+parent, a read-only filesystem or one that refuses new directories is one line before a
+run starts, not an ``OSError`` in a process a minute later.
 """
 
 from __future__ import annotations
@@ -33,6 +33,30 @@ def directory_problem(path: Path, *, create_parents: bool = True) -> str | None:
         if not os.access(existing, os.W_OK | os.X_OK):
             where = "it" if existing == path else repr(str(existing))
             return f"is not writable ({where} is read-only or not ours)"
+        if existing != path:
+            return _mkdir_refused(existing, path)
     except OSError as exc:
         return f"cannot be used ({exc.strerror or errno.errorcode.get(exc.errno or 0, exc)})"
+    return None
+
+
+def _mkdir_refused(existing: Path, path: Path) -> str | None:
+    """Make the first missing directory of ``path`` below ``existing`` and remove it again:
+    None when the file system allows it, else why not. Some file systems that access(2)
+    calls writable refuse every new directory (``/proc``, sysfs: even to root), and only
+    trying tells."""
+    first = path
+    while first.parent != existing:
+        first = first.parent
+    try:
+        os.mkdir(first, 0o700)
+    except FileExistsError:
+        return None  # made meanwhile, by someone else
+    except OSError as exc:
+        why = exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))
+        return f"cannot be created: the file system of {str(existing)!r} refuses new directories ({why})"
+    try:
+        os.rmdir(first)
+    except OSError:
+        pass  # filled meanwhile by someone else: theirs now
     return None

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from forgerl.types import Episode, TrainBatch
@@ -20,6 +20,8 @@ class Prepared:
     episodes: list[Episode]
     filtered_groups: int
     num_groups: int
+    #: What the objective adds to the step's row (``objective: distill``: ``distill/*``).
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 def prepare_batch(

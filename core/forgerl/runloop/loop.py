@@ -20,6 +20,8 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -28,7 +30,8 @@ from forgerl import events
 from forgerl.checkpoints import checkpoint as ckpt
 from forgerl.checkpoints.checkpoint_format import Snapshot, capture_rng, restore_rng
 from forgerl.configuration.config import RunConfig
-from forgerl.errors import CheckpointError, CheckpointUnusable, ConfigError
+from forgerl.distill.scoring import TeacherScorer
+from forgerl.errors import CheckpointError, CheckpointUnusable, ConfigError, RewardError
 from forgerl.interfaces import Generator, RunContext, Task
 from forgerl.registry.plugins import Registry
 from forgerl.rollouts import problem_source
@@ -39,11 +42,12 @@ from forgerl.rollouts.problem_source import ProblemSource
 from forgerl.rollouts.rollout import RolloutBatch, RolloutBuffer, RolloutProducer, Tokenizing
 from forgerl.rollouts.staleness import age_counts, filter_stale, oldest_version
 from forgerl.rundirs import runs
-from forgerl.runloop.batching import prepare_batch, tokens_by_age
+from forgerl.runloop.batching import Prepared, prepare_batch, tokens_by_age
+from forgerl.runloop.distill_batch import distill_batch
 from forgerl.runloop.evaluation import evaluate_samples, evaluate_trajectories, mean
 from forgerl.runloop.metrics import MetricsWriter
 from forgerl.runloop.spmd import TrainerDriver
-from forgerl.types import Problem, SamplingParams
+from forgerl.types import Problem, SamplingParams, reserved_component_error
 
 log = logging.getLogger("forgerl.runloop.loop")
 
@@ -70,6 +74,7 @@ class Loop:
         rewards: Any,
         sender: Any,
         tokenizer: Any,
+        teacher: TeacherScorer | None = None,
     ):
         self.config = config
         self.registry = registry
@@ -82,6 +87,8 @@ class Loop:
         self.task = task
         self.rewards = rewards
         self.sender = sender
+        #: ``objective: distill``: scores each step's samples (None: the rewards' GRPO).
+        self.teacher = teacher
         self.tokenizing = Tokenizing(tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.step = 0  # completed steps
@@ -307,7 +314,10 @@ class Loop:
         # False) are never stale: nothing newer exists to sample.
         min_version = self.policy_version - S if self.receives_weights else None
         stale = filter_stale(rollouts.episodes, min_version=min_version, mode=cfg.loop.stale_samples)
-        prepared = prepare_batch(
+        prepare: Callable[..., Prepared] = prepare_batch
+        if self.teacher is not None:  # objective: distill (the one place the objective decides)
+            prepare = partial(distill_batch, distill=cfg.distill, scorer=self.teacher)
+        prepared = prepare(
             stale.kept,
             cfg.algorithm,
             max_tokens=self.max_completion_tokens(),
@@ -344,6 +354,8 @@ class Loop:
             "reward/failed": rollouts.rewards_failed,
         }
         for name in sorted({n for e in eps for n in e.reward_components}):
+            if f"reward/{name}" in row:  # refused where components are made; a Loop's own rewards object may not
+                raise RewardError(f"a reward component is named {name!r}: {reserved_component_error(name)}")
             row[f"reward/{name}"] = mean(e.reward_components.get(name, 0.0) for e in eps)
         staleness = [self.policy_version - 1 - oldest_version(e.completion) for e in eps]
         row.update(
@@ -372,6 +384,7 @@ class Loop:
         train_tokens = float(prepared.batch.attention_mask.sum()) if prepared.batch is not None else 0.0
         row["throughput/train_tokens_per_s"] = train_tokens / max(train_s, 1e-9)
         row.update(rollouts.extra)  # env/* with an environment; nothing otherwise
+        row.update(prepared.metrics)  # distill/* and time/teacher under objective: distill
         row.update(train_metrics)
         return row, rollouts.task_state
 

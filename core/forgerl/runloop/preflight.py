@@ -11,6 +11,8 @@ process starts (and not a traceback in a trainer log a minute later):
   ``owner/name`` (a bare word is a typo: the close named model is suggested);
   ``loop.sampling.max_tokens`` is below the model's context length;
 * on ``--resume``, at least one of the run's checkpoints is usable;
+* under ``objective: distill``, teacher and student share one tokenizer (the same vocabulary
+  and special tokens: the teacher scores the student's token ids);
 * every backend's own ``preflight`` (the ``file`` task: its files exist, are readable and
   have the configured fields), and its ``local_preflight`` where the scheduler starts the
   processes on this machine (``runs_here``: NCCL or MPI exist where asked for, a reward's
@@ -87,9 +89,15 @@ def check_run(
             choices += [("reward", reward) for reward in config.rewards]
         if sampling and config.environment.name is not None:
             choices.append(("environment", config.environment))
+        if config.objective == "distill":
+            choices.append(("teacher", config.distill.teacher))
         for kind, choice in choices:
             assert choice.name is not None, "an environment without a name is not a choice"
             registry.get(kind, choice.name).check_before_run(choice.options, runs_here=scheduler.runs_here)
+        if config.objective == "distill":
+            from forgerl.distill.tokenizers import check_teacher_tokenizer
+
+            check_teacher_tokenizer(config, registry)
     check_job = getattr(scheduler, "check_job", None)
     if check_job is not None:
         check_job(job)
@@ -101,11 +109,20 @@ def check_objective(config: RunConfig, registry: Registry) -> None:
     name = config.trainer.name
     trainer = registry.require("trainer", name).load_factory()
     objectives = getattr(trainer, "objectives", frozenset({"grpo"}))
-    if config.objective not in objectives:
+    # A trainer lists the losses it computes; distillation trains the policy loss (grpo's)
+    # on per-token advantages, which every trainer's kit checks.
+    loss = batch_objective(config.objective)
+    if loss not in objectives:
         raise ConfigError(
             f"objective {config.objective} is not one the {name} trainer trains ({', '.join(sorted(objectives))}): "
             "use --trainer fsdp or torchtitan, or another objective"
         )
+
+
+def batch_objective(objective: str) -> str:
+    """The loss a run's ``objective`` trains (:attr:`forgerl.types.TrainBatch.objective`):
+    ``sft`` for supervised runs, the policy loss (``grpo``) for GRPO and distillation."""
+    return "sft" if objective == "sft" else "grpo"
 
 
 def check_adapter_served(config: RunConfig, registry: Registry) -> None:

@@ -25,10 +25,15 @@ it checks (each a test of :class:`EnvironmentContract`):
   are JSON, and each has a description;
 - a scoring environment (``scores = True``) ends a trajectory with a finite reward, and
   at least one of those trajectories ends within ``max_turns``; ``known_rewards`` hold;
-- a fresh instance per trajectory: playing a trajectory changes no class attribute nor the
-  shared options; two instances share no list, dict, set or bytearray; and (when
-  ``deterministic``) a trajectory plays the same on a fresh instance, after other
-  trajectories and interleaved with another instance;
+- a fresh instance per trajectory: with every trajectory in flight at once (each call on
+  a worker thread, as a run's), no mutable object is reachable from two instances (their
+  object graphs walked to any depth: :mod:`forgerl.testing.environment_state`; the
+  options, the problems and the kit's ``shared`` paths left out); playing trajectories
+  changes no class attribute of the class, nor of the objects its instances hold, nor the
+  shared options, nor the problems; and (when ``deterministic``) a trajectory plays the
+  same on a fresh instance after other trajectories, and with all the others in flight;
+- the process-global random generators (``random``; numpy's, when imported) are neither
+  reseeded nor drawn from;
 - ``close`` returns on an instance never reset, after reset and after a whole trajectory,
   and leaves no thread nor child process that the instances started;
 - hostile model text (the Reward kit's battery of texts, and garbage tool calls: not
@@ -96,6 +101,10 @@ class EnvironmentContract:
     turn_timeout_s: ClassVar[float] = 10.0
     #: Seconds (scaled) the threads and processes an instance started get to end after close.
     cleanup_wait_s: ClassVar[float] = 10.0
+    #: Attributes of an instance (dotted paths: ``"sandbox"``, ``"engine.pool"``) that hold
+    #: what every instance shares by design (a process-wide pool or cache): the state-leak
+    #: check does not look inside them. Making them safe for trajectories in flight is yours.
+    shared: ClassVar[Sequence[str]] = ()
     #: A Hugging Face model folder whose tokenizer's chat template renders the
     #: trajectories in the runner check (your model's); None: the kit's ChatML.
     tokenizer: ClassVar[str | None] = None
@@ -287,30 +296,40 @@ class EnvironmentContract:
         assert not wrong, f"environment {self.backend!r} gave other rewards than known:\n  " + "\n  ".join(wrong)
 
     def test_no_state_leaks_between_instances(self) -> None:
+        from forgerl.testing.environment_state import fingerprint, shared_between
+
         cls = self.env_class()
         options = self.record().validate_options(dict(self.options))
         make = self.make_env(options)
-        options_before = _dump(options)
+        problems, scripts = self.problems(), self.scripts()
+        options_before, problems_before = _dump(options), [_dump(p) for p in problems]
         attributes_before = _class_attributes(cls)
-        scripts = self.scripts()
-        problems = self.problems()
+        # Every trajectory at once, as a run has `environment.concurrency` of them in flight:
+        # the live instances' object graphs are walked before they are closed.
+        together, reaches = asyncio.run(self._all_at_once(make, options, problems, scripts))
+        class_level = {k: v for reach in reaches for k, v in reach.class_level.items()}
+        class_level_before = {k: fingerprint(obj) for k, (_, obj) in class_level.items()}
         first = self.play_all(scripts, make)  # each on a fresh instance, one after another
         changed = [k for k, v in _class_attributes(cls).items() if attributes_before.get(k) != v]
+        changed += [class_level[k][0] for k, v in class_level_before.items() if fingerprint(class_level[k][1]) != v]
         assert not changed, (
-            f"playing trajectories changed class attributes of {cls.__qualname__}: {', '.join(changed)}; class "
-            "attributes are shared by every instance (one per trajectory): keep trajectory state on self"
+            f"playing trajectories changed class attributes of {cls.__qualname__} or of the objects its instances "
+            f"hold: {', '.join(changed)}; class attributes are shared by every instance (one per trajectory): keep "
+            "trajectory state on self (a library class with such a mutable default: give each instance its own copy)"
         )
         assert _dump(options) == options_before, (
             f"playing trajectories changed the options every instance shares: {options_before} became {_dump(options)}"
         )
-        a, b = make(), make()
-        shared = [
-            k for k, v in vars(a).items()
-            if isinstance(v, (list, dict, set, bytearray)) and vars(b).get(k) is v
-        ]  # fmt: skip
+        changed_problems = [p.id for p, before in zip(problems, problems_before) if _dump(p) != before]
+        assert not changed_problems, (
+            f"playing trajectories changed the problems given to reset: {changed_problems}; a run gives the same "
+            "problem to every trajectory of its group: copy what you change"
+        )
+        shared = shared_between(reaches)
         assert not shared, (
-            f"two instances of {cls.__qualname__} share the same mutable object in {', '.join(shared)}: what one "
-            "trajectory puts there, the others see (make it in __init__ or reset)"
+            f"instances of {cls.__qualname__} share mutable objects: what one trajectory puts there, the others "
+            "see (make them in __init__ or reset; name a part shared by design in the kit's `shared`):\n  "
+            + "\n  ".join(shared[:20])
         )
         if not self.deterministic:
             return
@@ -320,31 +339,49 @@ class EnvironmentContract:
             "the same problem and turns played differently on a fresh instance after other trajectories "
             "(state leaks between instances; or set deterministic = False):\n  " + "\n  ".join(differ[:10])
         )
-        labels = list(scripts)
-        pairs = [(problems[0], labels[0]), (problems[-1], labels[-1])]
-        together = asyncio.run(self._interleaved(make, pairs, scripts))
         alone = {(p.problem_id, p.label): p for p in first}
         differ = [x.where() for x in together if x.record() != alone[(x.problem_id, x.label)].record()]
         assert not differ, (
-            "two trajectories played at the same time (as a run plays a group) differ from each played alone: "
-            + "; ".join(differ)
+            f"{len(together)} trajectories played at the same time (as a run plays them, each call on a worker "
+            "thread) differ from each played alone:\n  " + "\n  ".join(differ[:10])
         )
 
-    async def _interleaved(
-        self, make: Any, pairs: Sequence[tuple[Problem, str]], scripts: Mapping[str, Sequence[str]]
-    ) -> list[Played]:
-        """The trajectories of ``pairs`` on instances alive at once, turns alternating."""
-        ts = [Trajectory(make, p, label, self.timeout()) for p, label in pairs]
-        live = [t for t in ts if await t.start()]
-        for turn in range(self.max_turns):
-            for t in list(live):
-                texts = scripts[t.played.label]
-                step = await t.step(texts[min(turn, len(texts) - 1)])
-                if step is None or step.done:
-                    live.remove(t)
-        for t in ts:
-            await t.close()
-        return [t.played for t in ts]
+    def test_leaves_the_global_random_state_alone(self) -> None:
+        from forgerl.testing.environment_state import global_random_state
+
+        before = global_random_state()
+        self.play_all(self.scripts())
+        after = global_random_state()
+        changed = [name for name in before if before[name] != after.get(name)]
+        assert not changed, (
+            f"playing trajectories changed the state of the process-global random generator ({', '.join(changed)}): "
+            "the environment, or a library it calls, seeds it or draws from it; one generator serves every "
+            "trajectory in flight, so each trajectory's draws depend on the others (and a reseed on reset replays "
+            "another's). Give each instance its own random.Random(seed) (numpy: numpy.random.default_rng(seed))"
+        )
+
+    async def _all_at_once(
+        self, make: Any, options: Any, problems: Sequence[Problem], scripts: Mapping[str, Sequence[str]]
+    ) -> tuple[list[Played], list[Any]]:
+        """Every script on every problem, on instances alive at once: all reset together,
+        then each turn of all together (each call on its own worker thread, as a run's),
+        then their object graphs walked (:func:`forgerl.testing.environment_state.walk`),
+        then all closed."""
+        from forgerl.testing.environment_state import walk
+
+        ts = [Trajectory(make, p, label, self.timeout()) for p in problems for label in scripts]
+        try:
+            started = await asyncio.gather(*(t.start() for t in ts))
+            live = [t for t, ok in zip(ts, started) if ok]
+            for turn in range(self.max_turns):
+                texts = [scripts[t.played.label] for t in live]
+                steps = await asyncio.gather(*(t.step(x[min(turn, len(x) - 1)]) for t, x in zip(live, texts)))
+                live = [t for t, step in zip(live, steps) if step is not None and not step.done]
+            skip = [options, *problems]
+            reaches = [walk(t.env, skip=skip, skip_paths=self.shared) for t in ts if t.env is not None]
+        finally:
+            await asyncio.gather(*(t.close() for t in ts))
+        return [t.played for t in ts], reaches
 
     def test_close_releases_what_the_instance_holds(self) -> None:
         from forgerl.testing.generator_support import child_processes, command_line, processes_left

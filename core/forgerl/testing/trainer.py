@@ -18,6 +18,10 @@ What it checks (each a test of :class:`TrainerContract`):
 - a batch whose advantages are all 0 has a zero loss gradient: the first step leaves every
   weight where it was, up to a uniform shrink per tensor (weight decay), and a reported
   ``grad_norm`` is 0;
+- per-token advantages (``TrainBatch.advantages`` ``[B, T]``, on-policy distillation's) are
+  honoured: a ``[B, T]`` batch whose rows are constant trains exactly like the ``[B]`` one,
+  and on an on-policy batch (ratio 1) the first step's ``loss/policy`` is minus the
+  aggregate of each loss token's own advantage (read at its token, not its row's first);
 - a checkpoint resumes exactly: ``save``, then ``load`` into a fresh trainer, restores the
   weights, and the next step gives the same metrics and weights as without the break;
 - a KL term (``algorithm.kl_coef > 0``) is honoured (``kl/ref`` is reported) or refused
@@ -43,6 +47,7 @@ A subclass names the backend (``backend``), its options as a config holds them
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import sys
@@ -271,6 +276,75 @@ class TrainerContract:
         if "grad_norm" in metrics:
             assert abs(metrics["grad_norm"]) <= 1e-6, f"grad_norm {metrics['grad_norm']} with all advantages 0"
         assert abs(metrics.get("loss/policy", 0.0)) <= 1e-6, f"loss/policy {metrics['loss/policy']} with advantages 0"
+
+    def test_per_token_advantages_constant_along_rows_train_like_per_row_ones(
+        self, model_dir: Path, tmp_path: Path
+    ) -> None:
+        per_row = self.batch(model_dir, seed=11)
+        per_token = copy.copy(per_row)
+        per_token.advantages = per_row.advantages.unsqueeze(-1).expand_as(per_row.behaviour_logprobs).clone()
+        results = []
+        for name, batch in (("per-row", per_row), ("per-token", per_token)):
+            trainer = self.build(model_dir, tmp_path / name)
+            try:
+                metrics = compared_metrics(trainer.train_step(batch))
+                results.append((metrics, snapshot_one_rank(trainer, 1)))
+            finally:
+                trainer.close()
+        (row_metrics, row_weights), (token_metrics, token_weights) = results
+        differ = {k: (row_metrics[k], token_metrics.get(k)) for k in row_metrics
+                  if not math.isclose(row_metrics[k], token_metrics.get(k, math.inf), rel_tol=1e-5, abs_tol=1e-6)}
+        assert not differ, (
+            "advantages [B, T] equal to the row's [B] value at every token train differently from the [B] ones "
+            f"(per-row, per-token): {differ}; read TrainBatch.advantages per token when it is [B, T]"
+        )
+        diff, name = max_difference(row_weights, token_weights)
+        assert diff <= 1e-5, f"after the same step with [B] and [B, T] advantages {name} differs by {diff:.3g}"
+
+    def test_per_token_advantages_are_read_at_their_tokens(self, model_dir: Path, tmp_path: Path) -> None:
+        import torch
+
+        from forgerl.algorithms.loss import aggregate_loss
+        from forgerl.configuration.config import RunConfig
+
+        batch = self.batch(model_dir, seed=12)
+        gen = torch.Generator().manual_seed(12)
+        # Different at every token: a trainer that reads them one token off, or one value
+        # per row, takes another step.
+        batch.advantages = torch.randn(batch.behaviour_logprobs.shape, generator=gen) * batch.loss_mask
+        algorithm = RunConfig.model_validate(self.config_data()).algorithm  # as the trainer gets it
+        mask = batch.loss_mask[:, 1:] != 0
+        advantages = batch.advantages[:, 1:]
+        # On-policy, the first step's ratio is 1: the loss is -agg(A_t) and its gradient
+        # -agg(A_t grad log p_t), computed here with plain transformers.
+        model = reference_model(model_dir)
+        ids = torch.where(batch.attention_mask != 0, batch.input_ids, 0)
+        logits = model(input_ids=ids, attention_mask=batch.attention_mask).logits[:, :-1].float()
+        logprobs = torch.log_softmax(logits / temperature_of(self.config_data()), -1).gather(-1, ids[:, 1:, None])[..., 0]
+        per_token = -advantages * torch.exp(logprobs - logprobs.detach())
+        reference = aggregate_loss(per_token, mask, algorithm.loss_agg, algorithm.loss_norm_constant)
+        reference.backward()  # type: ignore[no-untyped-call]  # the model's output is untyped
+        expected = float(reference.detach())
+        expected_norm = float(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+        trainer = self.build(model_dir, tmp_path)
+        try:
+            metrics = trainer.train_step(batch)
+        finally:
+            trainer.close()
+        got = metrics.get("loss/policy")
+        assert got is not None, "train_step reports no loss/policy"
+        assert abs(got - expected) <= 1e-3, (
+            f"with per-token advantages loss/policy is {got:.6g}, expected {expected:.6g} (minus the "
+            f"{algorithm.loss_agg} of each loss token's advantage at ratio 1): TrainBatch.advantages[:, t] is the "
+            "advantage of token input_ids[:, t], as behaviour_logprobs[:, t] is its logprob"
+        )
+        if "grad_norm" in metrics:
+            norm = metrics["grad_norm"]
+            assert math.isclose(norm, expected_norm, rel_tol=1e-3), (
+                f"with per-token advantages the gradient's norm is {norm:.6g}, expected {expected_norm:.6g} (that of "
+                "-agg(A_t log p_t) with each token's own advantage): TrainBatch.advantages[:, t] weighs token "
+                "input_ids[:, t] alone"
+            )
 
     def test_checkpoint_resumes_exactly_in_a_fresh_trainer(self, model_dir: Path, tmp_path: Path) -> None:
         first, second = self.batch(model_dir, seed=5), self.batch(model_dir, seed=6)

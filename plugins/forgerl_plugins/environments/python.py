@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import signal
+import threading
 import time
 from typing import Any
 
@@ -130,6 +131,9 @@ class PythonEnvironment(Environment):
         )  # fmt: skip
 
 
+_SANDBOX_LOCK = threading.Lock()
+
+
 @functools.cache
 def _sandbox(options_json: str) -> Any:
     from forgerl_plugins.rewards.sandbox import Limits, Sandbox
@@ -155,7 +159,11 @@ def _sandbox(options_json: str) -> Any:
 def sandbox_for(options: PythonEnvironment.Options) -> Any:
     """The sandbox for ``options``: one per process and options (its level is probed
     once, by running a program), shared by the instances, one per trajectory."""
-    return _sandbox(options.model_dump_json())
+    # The run builds its first `environment.concurrency` instances on as many threads at
+    # once: unlocked, each would miss the cache and build a sandbox of its own (each with its
+    # own slots, so more programs than `concurrency` would run at once).
+    with _SANDBOX_LOCK:
+        return _sandbox(options.model_dump_json())
 
 
 def describe(outcome: Any, max_chars: int) -> str:

@@ -42,7 +42,7 @@ class VerifiersEnvironment(AgentEnvironment):
     @staticmethod
     def local_preflight(options: VerifiersEnvironment.Options) -> None:
         """verifiers is installed where the runner runs, and the environment loads."""
-        check(options, "environment verifiers")
+        check(options, "environment verifiers", "environment.options")
 
     def __init__(self, options: Options):
         self.options = options

@@ -67,7 +67,8 @@ def load(spec: dict[str, Any]) -> tuple[Any, Any]:
     env = vf.load_environment(spec["environment"], **spec.get("args", {}))
     if not isinstance(env, vf.Environment):
         raise ValueError(f"load_environment() of {spec['environment']!r} returned {type(env).__name__}, "
-                         "not a verifiers Environment")
+                         "not a verifiers Environment of the classic API (vf.Environment); environments of the "
+                         "verifiers.v1 API are not supported")
     if env.rubric.has_group_rewards:
         raise ValueError(f"{spec['environment']!r} has group reward functions; forgerl scores each rollout "
                          "on its own (GRPO groups are the run's), so they are not supported")

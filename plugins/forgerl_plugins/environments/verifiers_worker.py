@@ -90,9 +90,19 @@ class VerifiersSource(OptionsModel):
         return env
 
 
-def run_check(source: VerifiersSource, what: str) -> Any:
+def where_searched(source: VerifiersSource, key: str) -> str:
+    """Where the runner looks for the environment's module, naming the option (``key``:
+    ``task.options`` or ``environment.options``) that adds a directory."""
+    given = ", ".join(source.pythonpath) if source.pythonpath else "none given"
+    return (f"its module is looked for in the packages of {source.interpreter()} and in {key}.pythonpath "
+            f"({given}); the verifiers task and environment each read their own options, so a directory "
+            "goes into both")
+
+
+def run_check(source: VerifiersSource, what: str, key: str) -> Any:
     """``verifiers_runner.py check SPEC`` to its end; its JSON output, or ConfigError (one
-    line) saying what to do: build the environment, or fix the verifiers environment."""
+    line) saying what to do: build the environment, or fix the verifiers environment.
+    ``key``: where the options are in the config (``task.options``), for the message."""
     python = source.interpreter()
     if not Path(python).is_file():
         raise ConfigError(f"{what}: {python} does not exist (options.python): {HOW_TO_BUILD}")
@@ -110,7 +120,8 @@ def run_check(source: VerifiersSource, what: str) -> Any:
     if proc.returncode == NO_VERIFIERS:
         raise ConfigError(f"{what}: {last}; {HOW_TO_BUILD}")
     if proc.returncode != 0:
-        raise ConfigError(f"{what}: the verifiers environment {source.environment!r} does not load: {last}")
+        raise ConfigError(f"{what}: the verifiers environment {source.environment!r} does not load: {last} "
+                          f"({where_searched(source, key)})")
     try:
         return json.loads(proc.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):
@@ -121,14 +132,15 @@ _CHECKED: dict[str, Any] = {}
 _CHECKED_LOCK = threading.Lock()
 
 
-def check(source: VerifiersSource, what: str) -> dict[str, Any]:
+def check(source: VerifiersSource, what: str, key: str) -> dict[str, Any]:
     """Before a run: the Python has verifiers and the environment loads (once per process
-    and source: the task and the environment of one run share the answer)."""
-    key = json.dumps([source.interpreter(), source.spec(), source.pythonpath, source.env], sort_keys=True)
+    and source: the task and the environment of one run share the answer). ``key``: where
+    the options are in the config (``task.options``), for the message."""
+    cached = json.dumps([source.interpreter(), source.spec(), source.pythonpath, source.env], sort_keys=True)
     with _CHECKED_LOCK:
-        if key not in _CHECKED:
-            _CHECKED[key] = run_check(source, what)
-        return dict(_CHECKED[key])
+        if cached not in _CHECKED:
+            _CHECKED[cached] = run_check(source, what, key)
+        return dict(_CHECKED[cached])
 
 
 # ------------------------------------------------------------------ the episode server

@@ -1,4 +1,6 @@
-"""Built-in rewards: ``math_answer``, ``format``, ``code``, ``remote``, ``reward_model``."""
+"""Built-in rewards: ``math_answer``, ``format``, ``code``, ``remote``, ``reward_model``;
+and the distillation teacher ``model`` (:mod:`forgerl_plugins.teachers`), a per-token
+signal served like the reward model."""
 
 from __future__ import annotations
 
@@ -14,3 +16,8 @@ def forge_rewards():
         "forgerl_plugins.rewards.remote:RemoteReward",
         "forgerl_plugins.rewards.reward_model:RewardModelReward",
     ]
+
+
+@hookimpl
+def forge_teachers():
+    return ["forgerl_plugins.teachers.model:ModelTeacher"]

@@ -31,7 +31,8 @@ from forgerl.interfaces import Reward
 from forgerl.options import OptionsModel
 from forgerl.types import RewardInput, RewardResult
 from forgerl_plugins.rewards.code_tests import run_tests
-from forgerl_plugins.rewards.sandbox import Job, Limits, RunOutcome, Sandbox, run_all
+from forgerl_plugins.rewards.sandbox import Job, Limits, Sandbox, run_all
+from forgerl_plugins.rewards.sandbox_outcome import RunOutcome
 
 log = logging.getLogger("forgerl.rewards")
 

@@ -14,7 +14,7 @@ import time
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from forgerl_plugins.rewards.sandbox import RunOutcome
+    from forgerl_plugins.rewards.sandbox_outcome import RunOutcome
 
 #: The largest message the program may send (a test's result: a long list is fine).
 MAX_MESSAGE_BYTES = 16 << 20

@@ -23,7 +23,6 @@ server. Like the generators' launchers, this module imports neither vLLM nor tor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import secrets
 import urllib.error
@@ -32,12 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 from forgerl import events
 from forgerl_plugins.serving import launcher, vllm_server
+from forgerl_plugins.serving import roles as roles_
 from forgerl_plugins.serving.vllm_server import is_cpu_build
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
     from forgerl.types import RoleSpec
-    from forgerl_plugins.rewards.reward_model import RewardModelReward
+    from forgerl_plugins.rewards.reward_model_options import Options
 
 ENDPOINT_DIR = "rewards"
 SERVED_MODEL_NAME = "forge-reward-model"
@@ -46,7 +46,7 @@ HEALTH_INTERVAL = 2.0
 LIVENESS_TIMEOUT = 60.0
 
 
-def role_name(options: RewardModelReward.Options) -> str:
+def role_name(options: Options) -> str:
     """The role serving these options' model; equal options give equal names."""
     shaping = {
         "model": options.model,
@@ -59,8 +59,7 @@ def role_name(options: RewardModelReward.Options) -> str:
         "engine_args": options.engine_args,
         "max_restarts": options.max_restarts,
     }
-    digest = hashlib.sha256(json.dumps(shaping, sort_keys=True, default=str).encode()).hexdigest()[:8]
-    return f"reward-model-{digest}"
+    return roles_.role_name("reward-model", shaping)
 
 
 def endpoint_file(run_dir: Path, role: str, replica: int = 0) -> Path:
@@ -72,28 +71,18 @@ def log_file(run_dir: Path, role: str, replica: int = 0) -> Path:
     return launcher.log_file(run_dir, role, replica)
 
 
-def roles(options: RewardModelReward.Options, *, context: RunContext) -> list[RoleSpec]:
+def roles(options: Options, *, context: RunContext) -> list[RoleSpec]:
     """One vLLM pooling server when ``server: vllm``; none otherwise."""
-    from forgerl.rundirs.runs import server_role_command
-    from forgerl.types import Resources, RoleSpec
-
     if options.server != "vllm":
         return []
-    name = role_name(options)
-    return [
-        RoleSpec(
-            name=name,
-            command=server_role_command(context.run_dir, name),
-            resources=Resources(cpus=1, gpus=0 if is_cpu_build() else options.tensor_parallel_size),
-            max_restarts=options.max_restarts,
-        )
-    ]
+    return [roles_.served_role(role_name(options), context, tensor_parallel_size=options.tensor_parallel_size,
+                               max_restarts=options.max_restarts)]
 
 
 # ------------------------------------------------------------------- the vLLM command
 
 
-def server_command(options: RewardModelReward.Options, port: int) -> list[str]:
+def server_command(options: Options, port: int) -> list[str]:
     args = vllm_server.api_server_command(
         options.model, SERVED_MODEL_NAME, options.host, port, options.dtype or "auto", options.tensor_parallel_size
     )
@@ -115,7 +104,7 @@ def _model_positions(model: str) -> int | None:
         return None  # a hub id: vLLM reads the config itself
 
 
-def serve(options: RewardModelReward.Options, *, context: RunContext, role: str, replica: int) -> int:
+def serve(options: Options, *, context: RunContext, role: str, replica: int) -> int:
     """Run replica ``replica`` of ``role`` (the launcher, until its server ends); the exit status."""
     run_dir = context.run_dir
     # The previous instance's file points at a dead server.

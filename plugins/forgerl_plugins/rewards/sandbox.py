@@ -7,9 +7,10 @@ done by :mod:`.sandbox_launcher`, a separate small process, so that a sandboxed 
 never runs as a child of a process that holds anything worth protecting.
 
 Isolation levels (see docs/rewards.md for what each does and does not protect against):
-``namespace`` (network/PID/mount namespaces, read-only ``/``), ``bwrap`` (bubblewrap on
-PATH), ``process`` (resource limits and process tracking only). ``auto`` takes the first
-of them that works here.
+``namespace`` (network/PID/mount namespaces, a read-only root holding only what the
+interpreter needs: :mod:`.sandbox_root`), ``bwrap`` (bubblewrap on PATH, the same root),
+``process`` (resource limits and process tracking only). ``auto`` takes the first of them
+that works here.
 """
 
 from __future__ import annotations
@@ -34,13 +35,15 @@ from typing import TypedDict
 
 from forgerl.errors import ConfigError
 from forgerl_plugins.rewards.conversation import Conversation
+from forgerl_plugins.rewards.sandbox_outcome import RunOutcome
+from forgerl_plugins.rewards.sandbox_root import InterpreterUnusable, RootView, root_view
 
 log = logging.getLogger("forgerl.rewards")
 
 LAUNCHER = str(Path(__file__).with_name("sandbox_launcher.py"))
-#: Where a program sees its directory and the interpreter in the ``namespace`` level (the
-#: launcher's constants, which is run as a script and imports nothing of ours).
-VIEW_BOX, VIEW_PYTHON = "/tmp/sandbox", "/tmp/python"
+#: Where a program sees its directory in the ``namespace`` level (the launcher's constant;
+#: it is run as a script and imports nothing of ours).
+VIEW_BOX = "/tmp/sandbox"
 LEVELS = ("namespace", "bwrap", "process")
 
 #: As root, slot ``i`` runs its programs as uid/gid ``SANDBOX_UID_BASE + i``: an id of its
@@ -67,23 +70,6 @@ class Limits:
     max_output_bytes: int = 65536
 
 
-@dataclass(frozen=True)
-class RunOutcome:
-    """How one program ended. ``setup_error``: the sandbox itself failed (not the program)."""
-
-    exit_code: int | None
-    signal: int | None
-    timed_out: bool
-    stdout: str
-    stderr: str
-    seconds: float
-    setup_error: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.exit_code == 0 and not self.timed_out and self.setup_error is None
-
-
 class Sandbox:
     def __init__(
         self,
@@ -100,7 +86,15 @@ class Sandbox:
         self.workdir = workdir
         self.root = os.geteuid() == 0
         self._slots = _Slots(self.concurrency)
+        self._view: RootView | None = None
         self.level = self._choose(isolation)
+
+    def view(self) -> RootView:
+        """The program's root at the ``namespace`` and ``bwrap`` levels (asked of the
+        interpreter once: :func:`.sandbox_root.root_view`)."""
+        if self._view is None:
+            self._view = root_view(self.python)
+        return self._view
 
     # ------------------------------------------------------------------ levels
 
@@ -122,11 +116,16 @@ class Sandbox:
         """None when ``level`` runs a trivial program here, else why not."""
         if level == "bwrap" and shutil.which("bwrap") is None:
             return "bwrap is not on PATH"
-        if level in ("process", "bwrap") and self.root and self._python_bind() is not None:
+        if level in ("process", "bwrap") and self.root and not _reachable_by_anyone(self.python):
             return (
                 f"as root, programs run as an unprivileged uid, which cannot reach {self.python}; "
                 "set options.python to an interpreter every user can run (e.g. /usr/bin/python3)"
             )
+        if level in ("namespace", "bwrap"):
+            try:
+                self.view()
+            except InterpreterUnusable as exc:
+                return str(exc)
         outcome = self.run({"main.py": "print(6 * 7)\n"}, level=level)
         if outcome.ok and outcome.stdout.strip() == "42":
             return None
@@ -136,8 +135,10 @@ class Sandbox:
 
     def describe(self) -> str:
         what = {
-            "namespace": "network, PID, mount and IPC namespaces; / read-only, only the program's directory writable",
-            "bwrap": "bubblewrap namespaces; / read-only, only the program's directory writable",
+            "namespace": "network, PID, mount and IPC namespaces; a read-only root of the interpreter, its "
+            "standard library and the system's libraries only, the program's directory writable",
+            "bwrap": "bubblewrap namespaces; a read-only root of the interpreter, its standard library and "
+            "the system's libraries only, the program's directory writable",
             "process": "resource limits and process tracking only: NO network or filesystem isolation",
         }[self.level]
         who = f"; programs run as uids {SANDBOX_UID_BASE}+slot" if self.root else ""
@@ -205,20 +206,17 @@ class Sandbox:
         box.mkdir()
         for name, text in files.items():
             (box / name).write_text(text, encoding="utf-8", errors="replace")
-        interpreter, home = self.python, str(box)
+        home = str(box)
         spec_extra = {}
         if level == "namespace":
             home = VIEW_BOX
-            bind = self._python_bind() if uid is not None else None
-            if bind is not None:
-                spec_extra["python_bind"], relative = bind
-                interpreter = os.path.join(VIEW_PYTHON, relative)
+            spec_extra["root"] = self.view().as_spec()
         if uid is not None:
             for path in (box, *box.rglob("*")):
                 os.chown(path, uid, uid)
-        argv = [interpreter, "-I", "-S", "-B", "main.py"]
+        argv = [self.python, "-I", "-S", "-B", "main.py"]
         if level == "bwrap":
-            argv = [*bwrap_prefix(box, self.python), *argv]
+            argv = [*bwrap_prefix(box, self.view()), *argv]
         env = {
             "HOME": home,
             "TMPDIR": home,
@@ -260,16 +258,6 @@ class Sandbox:
             os.close(report_w)
             os.close(stop_r)
         return _Launched(proc, report_r, stop_w, out_path, err_path, lim)
-
-    def _python_bind(self) -> tuple[str, str] | None:
-        """(prefix, interpreter relative to it) when an unprivileged uid cannot run the
-        interpreter where it is (root's home), else None. The prefix is the folder above
-        the interpreter's ``bin/``, where its standard library lives too."""
-        if _reachable_by_anyone(self.python):
-            return None
-        real = os.path.realpath(self.python)
-        prefix = os.path.dirname(os.path.dirname(real))
-        return prefix, os.path.relpath(real, prefix)
 
 
 #: The least wall clock worth starting a program for (it starts in about 0.06 s).
@@ -348,18 +336,22 @@ class _Launched:
 # ---------------------------------------------------------------------- helpers
 
 
-def bwrap_prefix(box: Path, python: str) -> list[str]:
-    """bubblewrap's command line before the program's: every namespace new, ``/``
-    read-only, a fresh ``/tmp`` (the host's hidden, as at the namespace level) with the
-    program's directory bound back read-write, and the interpreter's prefix bound back
-    read-only when it lives under ``/tmp`` (a virtual environment there)."""
-    binds = ["--ro-bind", "/", "/", "--tmpfs", "/tmp"]
-    prefix = os.path.dirname(os.path.dirname(os.path.realpath(python)))
-    if prefix == "/tmp" or prefix.startswith("/tmp/"):
-        binds += ["--ro-bind", prefix, prefix]
-    binds += ["--bind", str(box), str(box)]
+def bwrap_prefix(box: Path, view: RootView) -> list[str]:
+    """bubblewrap's command line before the program's: every namespace new, a root of
+    ``view`` (bubblewrap's own is an empty tmpfs: the binds read-only, the links, the
+    package folders covered), a fresh ``/tmp`` (the host's hidden, as at the namespace
+    level) with the interpreter's files bound back where they live under it (a virtual
+    environment there) and the program's directory read-write, and the rest of the root
+    and of ``/tmp`` made read-only."""
+    under_tmp = [b for b in view.binds if b == "/tmp" or b.startswith("/tmp/")]
+    mounts = [arg for b in view.binds if b not in under_tmp for arg in ("--ro-bind", b, b)]
+    mounts += ["--tmpfs", "/tmp", *(arg for b in under_tmp for arg in ("--ro-bind", b, b))]
+    for hidden in view.hidden:
+        mounts += ["--tmpfs", hidden, "--remount-ro", hidden]
+    mounts += [arg for path, target in view.links for arg in ("--symlink", target, path)]
+    mounts += ["--bind", str(box), str(box), "--remount-ro", "/tmp"]
     return [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-            *binds, "--proc", "/proc", "--dev", "/dev", "--chdir", str(box), "--"]  # fmt: skip
+            *mounts, "--proc", "/proc", "--dev", "/dev", "--remount-ro", "/", "--chdir", str(box), "--"]  # fmt: skip
 
 
 def _head(path: Path, limit: int) -> str:

@@ -5,9 +5,12 @@ in its own session, with the program's stdin/stdout/stderr already open and a re
 (``report_fd`` of the spec). This process is the supervisor: it never runs untrusted code itself.
 
 - ``namespace``: new network, PID, mount, IPC and UTS namespaces (plus a user namespace
-  when not root). ``/`` becomes read-only, only the program's directory is writable; the
-  program is PID 1 of its namespace, so when it ends or is killed the kernel kills every
-  process left in the namespace, including ones that called setsid or double-forked.
+  when not root). The program's root is a fresh read-only tmpfs holding only what the
+  spec's ``root`` lists (the interpreter, its standard library, the system's libraries: see
+  :mod:`forgerl_plugins.rewards.sandbox_root`), a ``/proc`` of its own and ``/tmp`` with
+  its directory, the one writable place; it is chrooted there before it starts. It is PID
+  1 of its namespace, so when it ends or is killed the kernel kills every process left in
+  the namespace, including ones that called setsid or double-forked.
 - ``process``: no namespaces. This process becomes a child subreaper, so descendants
   that escape the process group are re-parented here and killed by scanning /proc.
 - ``bwrap``: like ``process``, with the program wrapped in bubblewrap's namespaces.
@@ -23,6 +26,7 @@ import os
 import resource
 import select
 import signal
+import stat
 import sys
 import time
 
@@ -34,8 +38,11 @@ PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
 SYS_MOUNT_SETATTR = 442  # the same number on every architecture that has it
 AT_FDCWD, AT_RECURSIVE, MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID = -100, 0x8000, 1, 2
 
-#: Where a program in namespaces sees its directory and, when needed, the interpreter.
-VIEW_BOX, VIEW_PYTHON = "/tmp/sandbox", "/tmp/python"
+#: Where a program in namespaces sees its directory.
+VIEW_BOX = "/tmp/sandbox"
+#: Where the program's root is built, in the launcher's mount namespace: a tmpfs over the
+#: host's /tmp (which the program must not see either).
+NEW_ROOT = "/tmp"
 
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -55,26 +62,61 @@ def mount(source, target, fstype, flags, data=None):
     check(libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), enc[3]), f"mount {target}")
 
 
-def read_only_root():
-    """Every mount of this (private) mount namespace read-only, recursively."""
+def read_only(top):
+    """Every mount at and below ``top`` (of this private mount namespace) read-only."""
 
     class MountAttr(ctypes.Structure):
         _fields_ = [(n, ctypes.c_uint64) for n in ("attr_set", "attr_clr", "propagation", "userns_fd")]
 
     attr = MountAttr(MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID, 0, 0, 0)
     done = libc.syscall(
-        SYS_MOUNT_SETATTR, AT_FDCWD, b"/", AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr)
+        SYS_MOUNT_SETATTR, AT_FDCWD, top.encode(), AT_RECURSIVE, ctypes.byref(attr), ctypes.sizeof(attr)
     )
     if done == 0:
         return
-    # Kernels before 5.12: remount each mount point read-only, deepest last is fine.
+    # Kernels before 5.12: remount each mount point read-only, outermost first.
     with open("/proc/self/mountinfo") as f:
         points = [line.split()[4] for line in f]
     for point in points:
-        try:
+        if point == top or point.startswith(top.rstrip("/") + "/"):
             mount(None, point, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID)
-        except OSError:
-            pass  # a mount we may not touch (locked); the ones that matter are / and the data dirs
+
+
+def inside(path, folders):
+    return any(path == f or path.startswith(f.rstrip("/") + "/") for f in folders)
+
+
+def build_root(root, box):
+    """The program's root at NEW_ROOT (a fresh tmpfs; the caller holds ``box``, an O_PATH
+    descriptor of the program's directory): ``root``'s binds read-only at their own paths,
+    its links, its hidden folders covered, the devices, an empty /proc, and the directory at
+    VIEW_BOX. Nothing is ever created inside a bound folder: every mount point is made in
+    the tmpfs (the spec's binds are never inside one another)."""
+    binds = root["binds"] + root["devices"]
+    # Held before the tmpfs covers /tmp: a source may live under it (an interpreter there).
+    held = [(path, os.open(path, os.O_PATH | os.O_NOFOLLOW)) for path in binds]
+    mount("tmpfs", NEW_ROOT, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    for path, fd in held:
+        target = NEW_ROOT + path
+        os.makedirs(os.path.dirname(target), 0o755, exist_ok=True)
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            os.mkdir(target, 0o755)
+        else:
+            os.close(os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644))
+        mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
+        os.close(fd)
+    for path in root["hidden"]:  # inside a bind: they exist there
+        mount("tmpfs", NEW_ROOT + path, "tmpfs", MS_NOSUID | MS_NODEV, "size=4k,mode=555")
+    for path, target in root["links"]:
+        if inside(path, binds) or os.path.lexists(NEW_ROOT + path):
+            continue  # the bound folder shows it as the host has it
+        os.makedirs(NEW_ROOT + os.path.dirname(path), 0o755, exist_ok=True)
+        os.symlink(target, NEW_ROOT + path)
+    os.makedirs(NEW_ROOT + VIEW_BOX, 0o755)
+    mount(f"/proc/self/fd/{box}", NEW_ROOT + VIEW_BOX, None, MS_BIND)
+    os.mkdir(NEW_ROOT + "/proc", 0o555)
+    read_only(NEW_ROOT)
+    mount(None, NEW_ROOT + VIEW_BOX, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
 
 
 def enter_namespaces(spec):
@@ -94,21 +136,12 @@ def enter_namespaces(spec):
         ):
             with open(f"/proc/self/{name}", "w") as f:
                 f.write(text)
-    # Hold the directories to show before /tmp is covered (they may live under it).
+    # Held before /tmp is covered (the program's directory may live under it).
     box = os.open(spec["box"], os.O_PATH | os.O_DIRECTORY)
-    python = os.open(spec["python_bind"], os.O_PATH | os.O_DIRECTORY) if spec.get("python_bind") else None
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    # A private, empty /tmp: the host's (and every path under it) disappears. The program
-    # sees its directory at VIEW_BOX and, when root's home hides the interpreter from its
-    # uid, the interpreter's prefix at VIEW_PYTHON.
-    mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
-    os.mkdir(VIEW_BOX)
-    mount(f"/proc/self/fd/{box}", VIEW_BOX, None, MS_BIND)
-    if python is not None:
-        os.mkdir(VIEW_PYTHON)
-        mount(f"/proc/self/fd/{python}", VIEW_PYTHON, None, MS_BIND | MS_REC)
-    read_only_root()
-    mount(None, VIEW_BOX, None, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV)
+    os.umask(0o022)
+    build_root(spec["root"], box)
+    os.close(box)
 
 
 def set_limits(limits):
@@ -135,9 +168,13 @@ def run_program(spec, supervisor, in_pid_namespace):
         os.setsid()
         if in_pid_namespace:
             try:
-                mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+                mount("proc", NEW_ROOT + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
             except OSError:
-                pass  # a container that masks parts of /proc forbids a fresh one; the host's stays
+                pass  # a container that masks parts of /proc forbids a fresh one: none, then
+            # Before the uid changes (it takes the capability): from here on nothing of the
+            # host's tree can be named, and a chrooted process may not make a user namespace
+            # to regain the capability.
+            os.chroot(NEW_ROOT)
         os.chdir(VIEW_BOX if in_pid_namespace else spec["box"])
         if spec.get("uid") is not None:
             os.setgroups([])

@@ -6,7 +6,9 @@ describes its engine in a :class:`ServerPlan` and calls :func:`serve`: it picks 
 port, starts the engine's server as its child, waits until it answers ``/health`` and one
 first request, and then publishes the endpoint in ``<run_dir>/<endpoint_dir>/<role>-<replica>.json``
 (host, port, API key, pids, what the first request learned, and an ``instance`` id that
-changes on every restart), atomically. The client (the generator on trainer rank 0, the
+changes on every restart), atomically; beside it, the count of liveness probes its engine
+answered (:mod:`.service`: how clients tell a server back in service from one whose API
+answers while its engine is wedged). The client (the generator on trainer rank 0, the
 reward) finds the servers through these files: no fixed ports. A start-up failure is
 written there as ``error`` (the client fails at once with it).
 
@@ -36,6 +38,7 @@ from typing import Any
 from forgerl import events
 
 from . import liveness
+from .service import AnswerCount
 
 ENDPOINT_DIR = "generators"
 # Variables the scheduler sets for torch.distributed rendezvous of trainer ranks; an engine
@@ -187,7 +190,10 @@ class ServerPlan:
     #: The run directory's folder for the endpoint file (the served reward model: "rewards").
     endpoint_dir: str = ENDPOINT_DIR
     #: ``engine_probe(url, api_key)`` → the liveness probe (``probe(timeout) -> alive``)
-    #: that goes through the engine (see :mod:`.liveness`); None: ``/health`` alone.
+    #: that goes through the engine (see :mod:`.liveness`); None: ``/health`` alone. A
+    #: probe with an ``answered`` attribute says by it whether its last success was an
+    #: answer of the engine, not only a pass between spaced probes: only answers are
+    #: counted for the clients (:mod:`.service`).
     engine_probe: Callable[[str, str], Callable[[float], bool]] | None = None
     #: What the probe asks, for the message when it kills the server.
     probe_name: str = "/health"
@@ -254,6 +260,9 @@ def serve(plan: ServerPlan, run_dir: Path, replica: int, starting: Any) -> int:
             plan.explain(answer) if plan.explain else f"{plan.engine} failed its first request ({answer})",
         )
     instance = uuid.uuid4().hex
+    # Before the endpoint: a client that finds the server finds its count too.
+    answers = AnswerCount(endpoint, instance)
+    answers.publish()
     write_endpoint(
         endpoint,
         {
@@ -275,10 +284,17 @@ def serve(plan: ServerPlan, run_dir: Path, replica: int, starting: Any) -> int:
         probe = plan.engine_probe(url, plan.api_key)
     else:
         probe = lambda timeout: healthy(url, timeout, plan.api_key)  # noqa: E731
+
+    def counted(timeout: float) -> bool:
+        alive = probe(timeout)
+        if alive and getattr(probe, "answered", True):  # not a pass between spaced probes
+            answers.add()
+        return alive
+
     try:
         hung = liveness.watch(
             child,
-            probe,
+            counted,
             interval=plan.health_interval,
             timeout=plan.liveness_timeout,
             stopping=lambda: bool(stopping),
@@ -287,6 +303,7 @@ def serve(plan: ServerPlan, run_dir: Path, replica: int, starting: Any) -> int:
         )
     finally:
         endpoint.unlink(missing_ok=True)
+        answers.remove()
     if hung:
         say(f"replica {replica}: {hung}")
         return 1  # a failure: the scheduler restarts the replica

@@ -24,7 +24,7 @@ from forgerl.epochs import EpochCursor
 from forgerl.errors import ConfigError
 from forgerl.interfaces import Task
 from forgerl.types import Problem
-from forgerl_plugins.environments.verifiers_worker import VerifiersSource, check, worker_for
+from forgerl_plugins.environments.verifiers_worker import VerifiersSource, check, where_searched, worker_for
 
 #: Seeds the choice of held-out rows; fixed, so every run seed holds out the same rows.
 EVAL_SEED = 20250101
@@ -41,7 +41,7 @@ class VerifiersTask(Task):
 
     @staticmethod
     def local_preflight(options: VerifiersTask.Options) -> None:
-        check(options, "task verifiers")
+        check(options, "task verifiers", "task.options")
 
     def __init__(self, options: Options, *, seed: int = 0):
         self.options = options
@@ -49,7 +49,8 @@ class VerifiersTask(Task):
         try:
             rows = worker_for(options).rows()  # the server the environment's episodes use: one load
         except RuntimeError as exc:
-            raise ConfigError(f"task verifiers: {exc}") from None
+            hint = f" ({where_searched(options, 'task.options')})" if "does not load" in str(exc) else ""
+            raise ConfigError(f"task verifiers: {exc}{hint}") from None
         train = self._problems(rows.get("train") or [], "train")
         if "eval" in rows:
             self._train, self._eval = train, self._problems(rows["eval"], "eval")

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from forgerl.hookspecs import hookimpl
 
+#: The forgerl plugin API this plugin is written for (docs/plugins.md, "API stability and versions").
+FORGERL_PLUGIN_API = ">=1.0,<2"
+
 
 @hookimpl
 def forge_tasks():

@@ -3,7 +3,11 @@ found through their launchers' endpoint files, spoken to over HTTP.
 
 :class:`ReplicaPool` dispatches each request to the ready replica with the fewest requests
 in flight, at most ``max_concurrency`` at once, and retries it on another replica when
-one fails. It is built of parts, each given what it needs: the engine's adapter
+one fails. A replica a request failed on is out of service until its engine answers its
+launcher again or a restarted server replaces it (:mod:`forgerl_plugins.serving.service`);
+while no replica serves, a request waits for one, as long as a restart may take, instead
+of spending its attempts; failures on servers that were since replaced do not count
+against it. It is built of parts, each given what it needs: the engine's adapter
 (:class:`.engine.Engine`: the HTTP client, how a request is sent and answered, how a
 replica is met, paused, loaded and resumed), a watcher of the replicas' health and
 restarts (:mod:`.watch`) and an updater of their weights (:mod:`.updates`). A generator
@@ -31,6 +35,7 @@ from forgerl.loop_thread import LoopThread
 from forgerl.types import Completion, GenerationRequest, GeneratorHealth
 
 from ...serving.launcher import endpoint_file, log_file
+from ...serving.service import restart_allowance
 from .replica import Replica
 from .updates import WeightUpdater
 from .watch import ReplicaWatcher
@@ -53,7 +58,7 @@ class ReplicaPool(Generator):
     """``ReplicaPool(engine, options, *, context)``: connects to the replicas of
     ``context.run_dir`` through ``engine`` and dispatches the requests (see the module
     docstring). The options need ``replicas``, ``max_concurrency``, ``startup_timeout``,
-    ``health_interval`` and ``update_policy``. ``serving_dir``: where the replicas' endpoint
+    ``liveness_timeout``, ``health_interval`` and ``update_policy``. ``serving_dir``: where the replicas' endpoint
     files are when the servers are not the run's own (a shared fleet's directory)."""
 
     def __init__(self, engine: Engine, options: Any, *, context: RunContext, serving_dir: Path | None = None) -> None:
@@ -81,6 +86,14 @@ class ReplicaPool(Generator):
             policy=options.update_policy,
             retry_after=10 * options.health_interval,
             notify=self._notify,
+        )
+        #: Seconds a request waits for a replica that serves (see :meth:`_pick`): a
+        #: replica's replacement (its launcher finds it hung, a new server starts) and
+        #: re-sync (one weight load, and a retry of a failed one).
+        self.out_of_service_limit = restart_allowance(
+            startup_timeout=options.startup_timeout,
+            liveness_timeout=options.liveness_timeout,
+            resync=context.transport_timeout + self.updater.retry_after,
         )
         self._io = LoopThread(f"forge-{role}-http")
         self._monitor: asyncio.Task | None = None
@@ -135,12 +148,20 @@ class ReplicaPool(Generator):
     async def _one(self, request: GenerationRequest) -> list[Completion]:
         import httpx
 
-        attempts = 0
-        errors: list[str] = []
+        failures: list[tuple[int, str | None, str]] = []  # (replica, its instance then, why)
         async with self._sem:
             tried: set[int] = set()
             while True:
                 r = await self._pick(tried)
+                # Failures on a server that has since been replaced (killed as hung, crashed,
+                # restarted) were the server's: the scheduler's max_restarts bounds those.
+                # The rest count: a request that fails on servers that stay is given up.
+                charged = [f for f in failures if self._replicas[f[0]].instance == f[1]]
+                if len(charged) >= 2 * len(self._replicas) + 1:
+                    raise GeneratorError(
+                        f"request {request.request_id!r} failed on every {self.engine.label} replica "
+                        f"({len(charged)} attempts): {'; '.join(f'replica {i}: {why}' for i, _, why in charged[-3:])}"
+                    )
                 version, instance, aborts = r.version, r.instance, r.aborts
                 assert version is not None, f"replica {r.index} was picked with unknown weights"
                 r.outstanding += 1
@@ -156,19 +177,16 @@ class ReplicaPool(Generator):
                 except (httpx.HTTPError, ReplicaFailed) as exc:
                     if r.aborts != aborts and r.instance == instance:
                         continue  # the abort of an update broke the request: resubmit
-                    attempts += 1
                     why = f"{type(exc).__name__}: {exc}".strip()
-                    errors.append(f"replica {r.index}: {why}")
+                    failures.append((r.index, instance, why))
                     if r.instance == instance:
+                        # Out of service until its engine answers its launcher again or
+                        # another server replaces it: the request waits for a replica
+                        # that serves (_pick) instead of spending its attempts here.
                         r.take_out(why)
                     tried.add(r.index)
                     if len(tried) >= len(self._replicas):
                         tried.clear()  # every replica failed once: let restarted ones be tried again
-                    if attempts >= 2 * len(self._replicas) + 1:
-                        raise GeneratorError(
-                            f"request {request.request_id!r} failed on every {self.engine.label} replica "
-                            f"({attempts} attempts): {'; '.join(errors[-3:])}"
-                        ) from exc
                     log.warning(
                         "%s: request %s failed on replica %d (%s); retrying",
                         self.engine.role,
@@ -182,9 +200,10 @@ class ReplicaPool(Generator):
                         r.idle.set()
 
     async def _pick(self, tried: set[int]) -> Replica:
-        """The ready replica with the fewest requests in flight; waits (up to the start-up
-        timeout: long enough for a restart) while none is ready."""
-        deadline = time.monotonic() + self.options.startup_timeout
+        """The ready replica with the fewest requests in flight; waits while none is ready
+        (every one killed, restarting, re-syncing or out of service after a failure), up to
+        :attr:`out_of_service_limit`: long enough for a restart."""
+        deadline = time.monotonic() + self.out_of_service_limit
         async with self._changed:
             while True:
                 if self._closed:
@@ -197,7 +216,8 @@ class ReplicaPool(Generator):
                 if left <= 0:
                     states = "; ".join(r.describe() for r in self._replicas)
                     raise GeneratorUnreachable(
-                        f"no {self.engine.label} replica has served for {self.options.startup_timeout:g} s: {states}"
+                        f"no {self.engine.label} replica has served for {self.out_of_service_limit:g} s "
+                        f"(as long as a restart may take): {states}"
                     )
                 try:
                     await asyncio.wait_for(

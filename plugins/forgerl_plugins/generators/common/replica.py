@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ...serving.service import Outage
 from .crossings import Flight
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class Replica:
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while nothing is outstanding
     #: Our requests on it now, by the engine's id: the updates they cross (policy ``keep``).
     flights: dict[str, Flight] = field(default_factory=dict)
+    #: Set while taken out of service: a health check alone does not bring it back
+    #: (:class:`~forgerl_plugins.serving.service.Outage`).
+    outage: Outage | None = None
 
     def __post_init__(self) -> None:
         self.idle.set()
@@ -66,6 +70,8 @@ class Replica:
         state = "updating" if self.updating else ("up" if self.up else "down")
         version = "unknown weights" if self.version is None else f"version {self.version}"
         why = f" ({self.last_error})" if self.last_error and not self.up else ""
+        if self.outage is not None and not self.up:
+            why += "; waiting for its engine to answer its launcher, or a restarted server"
         return f"replica {self.index} {state}, {version}{why}; log: {self.log}"
 
     def serves(self, current: int, loading: int | None = None) -> bool:
@@ -89,17 +95,28 @@ class Replica:
         self.model = str(data.get("model") or "")
         self.pid = data.get("pid")
         self.up = False
+        self.outage = None  # a new server: its health check decides
         self.failures = 0
         self.probed = False
         self.version = None
 
     def take_out(self, why: str) -> None:
-        """No traffic until it answers health checks again."""
+        """No traffic until it answers health checks again and its engine answers its
+        launcher (or another server replaces it): its API may answer while its engine is
+        wedged (:mod:`forgerl_plugins.serving.service`)."""
         if self.up:
             log.warning("%s: taking replica %d out of service: %s", self.engine, self.index, why)
         self.up = False
         self.failures = HEALTH_FAILURES
         self.last_error = why
+        self.outage = Outage(self.endpoint, self.instance)  # counted from the latest failure
+
+    def back_in_service(self) -> bool:
+        """Whether a replica that answers its health check may take requests again."""
+        if self.outage is not None and not self.outage.over(self.instance):
+            return False
+        self.outage = None
+        return True
 
 
 def read_endpoint(path: Path) -> dict[str, Any] | None:

@@ -1,7 +1,8 @@
 """Finding a server generator's replicas and watching them: health checks, failover, restarts.
 
-A replica that fails (killed, hung: no answer to ``/health``) takes no traffic until it
-answers again; a restarted one (a new endpoint file) is met again (the engine's
+A replica that fails (killed, hung: no answer to ``/health``, a request that failed on
+it) takes no traffic until it answers again and its engine answered its launcher since
+(:mod:`forgerl_plugins.serving.service`); a restarted one (a new endpoint file) is met again (the engine's
 ``introduce``) and brought to the current weights (:mod:`.updates`) before it takes
 traffic. The launcher beside each server kills a hung one (:mod:`.liveness`) and the
 scheduler restarts it.
@@ -91,6 +92,8 @@ class ReplicaWatcher:
             return
         if await self.engine.client.healthy(r):
             if not r.up:
+                if not r.back_in_service():
+                    return  # /health answers, its engine has not yet (or not since it failed us)
                 try:
                     await self.engine.introduce(r)
                 except httpx.HTTPError as exc:

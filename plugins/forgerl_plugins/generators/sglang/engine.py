@@ -49,7 +49,7 @@ from .payloads import generate_body, parse_generate
 from .server import ROLE
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .generator import SGLangGenerator
+    from .options import Options
 
 
 class SGLangEngine:
@@ -62,7 +62,7 @@ class SGLangEngine:
     client: SGLangClient
 
     def __init__(
-        self, options: SGLangGenerator.Options, weight_sync: str, *, context: RunContext, transport: Transport
+        self, options: Options, weight_sync: str, *, context: RunContext, transport: Transport
     ) -> None:
         self.request_timeout = options.request_timeout
         self.send_seed = options.send_seed

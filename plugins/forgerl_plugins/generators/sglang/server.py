@@ -32,7 +32,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from forgerl.adapters import LoraOptions
     from forgerl.interfaces import RunContext
     from forgerl.types import RoleSpec
-    from forgerl_plugins.generators.sglang.generator import SGLangGenerator
+
+    from .options import Options
 
 ROLE = "sglang"
 #: The weight version a fresh server reports (``--weight-version``): the model folder's.
@@ -50,7 +51,7 @@ def log_file(run_dir: Path, replica: int) -> Path:
     return launcher.log_file(run_dir, ROLE, replica)
 
 
-def roles(options: SGLangGenerator.Options, *, context: RunContext) -> list[RoleSpec]:
+def roles(options: Options, *, context: RunContext) -> list[RoleSpec]:
     """The server role the scheduler starts beside the trainer."""
     from forgerl.rundirs.runs import server_role_command
     from forgerl.types import Resources, RoleSpec
@@ -67,7 +68,7 @@ def roles(options: SGLangGenerator.Options, *, context: RunContext) -> list[Role
 
 
 def server_command(
-    options: SGLangGenerator.Options, model_dir: Path, model_dtype: str, port: int, adapter: LoraOptions | None = None
+    options: Options, model_dir: Path, model_dtype: str, port: int, adapter: LoraOptions | None = None
 ) -> list[str]:
     """``sglang.launch_server`` for ``model_dir`` on ``options.host:port`` with our options
     (and LoRA on, for the trainer's ``adapter``), run by the launch command's Python under
@@ -104,7 +105,7 @@ def server_arg_flags(server_args: dict[str, Any]) -> list[str]:
     return launcher.cli_flags(server_args, negative=False)
 
 
-def server_env(options: SGLangGenerator.Options, api_key: str) -> dict[str, str]:
+def server_env(options: Options, api_key: str) -> dict[str, str]:
     env = launcher.server_env(options.env)
     env.pop(_UNSCALED_LOGPROBS_ENV, None)  # neither from our environment nor the env option
     # For the guard, which takes it out of the environment before SGLang starts: never on a
@@ -157,7 +158,7 @@ def engine_probe(url: str, api_key: str) -> Callable[[float], bool]:
     return probe
 
 
-def serve(options: SGLangGenerator.Options, *, context: RunContext, role: str, replica: int) -> int:
+def serve(options: Options, *, context: RunContext, role: str, replica: int) -> int:
     """Run replica ``replica`` of the role (the launcher, until its server ends); the exit status."""
     run_dir, model_dir = context.run_dir, context.model_path
     assert model_dir is not None, "forgerl.server_role prepares a generator's model"

@@ -58,7 +58,7 @@ from .server import ROLE
 
 if TYPE_CHECKING:  # pragma: no cover
     from .fleet import FleetInfo
-    from .generator import VLLMGenerator
+    from .options import Options
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class VLLMEngine:
     client: ReplicaClient
 
     def __init__(
-        self, options: VLLMGenerator.Options, *, context: RunContext, transport: Transport, fleet: FleetInfo | None = None
+        self, options: Options, *, context: RunContext, transport: Transport, fleet: FleetInfo | None = None
     ) -> None:
         from . import fleet as _fleet
 

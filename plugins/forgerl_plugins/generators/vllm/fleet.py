@@ -36,7 +36,7 @@ from forgerl.errors import ConfigError
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.interfaces import RunContext
 
-    from .generator import VLLMGenerator
+    from .options import Options
 
 FLEET_FILE = "fleet.json"
 #: Seconds the local scheduler gives a server to stop before it is killed.
@@ -93,7 +93,7 @@ def read_fleet(directory: str | Path) -> FleetInfo:
     return info
 
 
-def check_attach(options: VLLMGenerator.Options, context: RunContext) -> FleetInfo:
+def check_attach(options: Options, context: RunContext) -> FleetInfo:
     """The fleet a run attaches to, after every check that makes attaching safe: the run
     trains an adapter (a full-weight update would change every other run's base model),
     on the fleet's base model, of a rank the servers hold, updated under ``wait``, and the

@@ -18,14 +18,14 @@ from forgerl_plugins.serving import launcher
 if TYPE_CHECKING:  # pragma: no cover
     import argparse
 
-    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
+    from .options import Options
 
 
 class _ParseError(Exception):
     pass
 
 
-def preflight(options: VLLMGenerator.Options) -> None:
+def preflight(options: Options) -> None:
     if not options.engine_args:
         return
     parser = _server_parser()

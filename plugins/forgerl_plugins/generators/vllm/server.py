@@ -36,7 +36,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from forgerl.adapters import LoraOptions
     from forgerl.interfaces import RunContext
     from forgerl.types import RoleSpec
-    from forgerl_plugins.generators.vllm.generator import VLLMGenerator
+
+    from .options import Options
 
 ROLE = "vllm"
 #: The name under which every replica serves the policy (requests name it as "model").
@@ -60,7 +61,7 @@ def log_file(run_dir: Path, replica: int) -> Path:
 # ----------------------------------------------------------------------------- the role
 
 
-def roles(options: VLLMGenerator.Options, *, context: RunContext) -> list[RoleSpec]:
+def roles(options: Options, *, context: RunContext) -> list[RoleSpec]:
     """The server role the scheduler starts beside the trainer."""
     from forgerl.rundirs.runs import server_role_command
     from forgerl.types import Resources, RoleSpec
@@ -81,7 +82,7 @@ def roles(options: VLLMGenerator.Options, *, context: RunContext) -> list[RoleSp
 
 
 def server_command(
-    options: VLLMGenerator.Options, model_dir: Path, model_dtype: str, port: int, adapter: LoraOptions | None = None
+    options: Options, model_dir: Path, model_dtype: str, port: int, adapter: LoraOptions | None = None
 ) -> list[str]:
     """vLLM's OpenAI server for ``model_dir`` on ``options.host:port`` with our options
     (and LoRA on, for the trainer's ``adapter``)."""
@@ -118,7 +119,7 @@ def adapter_flags(adapter: LoraOptions, slots: int = 1) -> list[str]:
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-def whole_prefill_args(options: VLLMGenerator.Options, model_dir: Path) -> dict[str, Any]:
+def whole_prefill_args(options: Options, model_dir: Path) -> dict[str, Any]:
     """Prefill every prompt in one piece, so seeded requests work on vLLM's CPU build.
 
     With chunked prefill, vLLM discards the token sampled after a partial prefill and
@@ -136,7 +137,7 @@ def whole_prefill_args(options: VLLMGenerator.Options, model_dir: Path) -> dict[
     return {"enable_chunked_prefill": False, "max_num_batched_tokens": longest}  # None: vLLM's default
 
 
-def server_env(options: VLLMGenerator.Options, api_key: str, adapter: LoraOptions | None = None) -> dict[str, str]:
+def server_env(options: Options, api_key: str, adapter: LoraOptions | None = None) -> dict[str, str]:
     env = vllm_server.server_env(options.env, api_key)
     # /collective_rpc, /pause, /resume and /reset_prefix_cache exist only in dev mode (the
     # guard, vllm_auth, makes them need the run's key like every other path).
@@ -151,7 +152,7 @@ def server_env(options: VLLMGenerator.Options, api_key: str, adapter: LoraOption
 # ----------------------------------------------------------------------- the launcher
 
 
-def serve(options: VLLMGenerator.Options, *, context: RunContext, role: str, replica: int) -> int:
+def serve(options: Options, *, context: RunContext, role: str, replica: int) -> int:
     """Run replica ``replica`` of the role (the launcher, until its server ends); the exit status."""
     run_dir, model_dir = context.run_dir, context.model_path
     assert model_dir is not None, "forgerl.server_role prepares a generator's model"
@@ -238,8 +239,13 @@ class EngineProbe:
         self.spacing = spacing
         self.seen: float | None = None  # the counters at the last probe
         self.answered_at: float | None = None  # when a one-token completion last answered
+        #: Whether the last probe that passed heard from the engine (its counters moved, or
+        #: a completion answered), not only fell within the spacing: the launcher counts
+        #: those answers for the clients (forgerl_plugins.serving.service).
+        self.answered = False
 
     def __call__(self, timeout: float) -> bool:
+        self.answered = True
         made = tokens_processed(self.url, self.api_key, timeout)
         if made is not None:
             progressed = self.seen is not None and made > self.seen
@@ -247,6 +253,7 @@ class EngineProbe:
             if progressed:
                 return True
         if self.answered_at is not None and time.monotonic() - self.answered_at < self.spacing:
+            self.answered = False
             return True
         answered = one_token(self.url, self.api_key, timeout)
         if answered:

@@ -24,14 +24,12 @@ import yaml
 
 from forgerl.errors import ConfigError
 from forgerl.types import JobSpec, RoleSpec
+from forgerl_plugins.schedulers.kubernetes.options import DNS_LABEL
 from forgerl_plugins.schedulers.slurm.syntax import memory_mb
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl_plugins.schedulers.kubernetes.scheduler import KubernetesScheduler
+    from forgerl_plugins.schedulers.kubernetes.options import Options
 
-DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-# Kubernetes resource quantity (cpu, memory, ephemeral storage): "16Gi", "500m", "1e3".
-QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[numkKMGTPE]i?)?$")
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 LABEL_JOB = "forgerl.dev/job"
 LABEL_ROLE = "forgerl.dev/role"
@@ -70,7 +68,7 @@ def job_name(name: str, role: str, replica: int) -> str:
     return f"{name}-{role}-{replica}"
 
 
-def render_objects(job: JobSpec, opts: KubernetesScheduler.Options) -> list[dict[str, Any]]:
+def render_objects(job: JobSpec, opts: Options) -> list[dict[str, Any]]:
     """Every object :meth:`KubernetesScheduler.submit` creates, in creation order."""
     if not job.roles:
         raise ConfigError(f"job {job.name!r} has no roles: nothing to run")
@@ -155,11 +153,11 @@ _Dumper.add_representer(
 )
 
 
-def render_yaml(job: JobSpec, opts: KubernetesScheduler.Options) -> str:
+def render_yaml(job: JobSpec, opts: Options) -> str:
     return yaml.dump_all(render_objects(job, opts), Dumper=_Dumper, sort_keys=False)
 
 
-def _run_dir(job: JobSpec, opts: KubernetesScheduler.Options) -> str:
+def _run_dir(job: JobSpec, opts: Options) -> str:
     run_dir = posixpath.normpath(job.run_dir)
     if not posixpath.isabs(run_dir):
         raise ConfigError(f"run directory {job.run_dir!r} must be an absolute path on a volume the pods mount")
@@ -174,7 +172,7 @@ def _run_dir(job: JobSpec, opts: KubernetesScheduler.Options) -> str:
     )
 
 
-def _config_map(job: JobSpec, name: str, opts: KubernetesScheduler.Options, run_dir: str, mode: str) -> dict:
+def _config_map(job: JobSpec, name: str, opts: Options, run_dir: str, mode: str) -> dict:
     data = {"job.yaml": yaml.safe_dump(_jsonable(asdict(job)), sort_keys=False)}
     config = Path(job.run_dir) / "config.yaml"
     if config.is_file():
@@ -200,7 +198,7 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-def _job_spec(job: JobSpec, name: str, rname: str, role: RoleSpec, opts: KubernetesScheduler.Options,
+def _job_spec(job: JobSpec, name: str, rname: str, role: RoleSpec, opts: Options,
               run_dir: str, has_config: bool, replica: int | None) -> dict[str, Any]:
     ranks = role.ranks_per_replica
     spec: dict[str, Any] = {
@@ -217,7 +215,7 @@ def _job_spec(job: JobSpec, name: str, rname: str, role: RoleSpec, opts: Kuberne
     return spec
 
 
-def _resources(role: RoleSpec, opts: KubernetesScheduler.Options) -> dict[str, dict[str, str]]:
+def _resources(role: RoleSpec, opts: Options) -> dict[str, dict[str, str]]:
     res = role.resources
     if role.ranks_per_replica < 1 or res.nodes < 1 or role.ranks_per_replica % res.nodes:
         raise ConfigError(
@@ -243,7 +241,7 @@ def _resources(role: RoleSpec, opts: KubernetesScheduler.Options) -> dict[str, d
     return out
 
 
-def _env(job: JobSpec, name: str, rname: str, role: RoleSpec, opts: KubernetesScheduler.Options,
+def _env(job: JobSpec, name: str, rname: str, role: RoleSpec, opts: Options,
          run_dir: str, has_config: bool, replica: int | None) -> list[dict[str, Any]]:
     def field(path: str) -> dict[str, Any]:
         return {"valueFrom": {"fieldRef": {"fieldPath": path}}}
@@ -274,7 +272,7 @@ def _env(job: JobSpec, name: str, rname: str, role: RoleSpec, opts: KubernetesSc
     return env
 
 
-def _pod_template(job: JobSpec, name: str, rname: str, role: RoleSpec, opts: KubernetesScheduler.Options,
+def _pod_template(job: JobSpec, name: str, rname: str, role: RoleSpec, opts: Options,
                   run_dir: str, has_config: bool, replica: int | None) -> dict[str, Any]:
     if not role.command:
         raise ConfigError(f"role {role.name!r} has no command")

@@ -28,7 +28,7 @@ from forgerl.types import JobSpec, RoleSpec
 from forgerl_plugins.schedulers.slurm.syntax import memory_mb
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl_plugins.schedulers.slurm.scheduler import SlurmScheduler
+    from forgerl_plugins.schedulers.slurm.options import Options
 
 # Rendezvous ports: below Linux's default ephemeral range (32768+), so that an outgoing
 # connection never holds the port a job derives; 40 consecutive ports per job.
@@ -70,7 +70,7 @@ class Placement:
     mem_mb_per_node: int | None
 
 
-def place(job: JobSpec, opts: SlurmScheduler.Options) -> Placement:
+def place(job: JobSpec, opts: Options) -> Placement:
     """Pack replicas onto nodes, first fit: multi-node replicas take whole nodes of their
     own; single-node replicas share nodes within ``gpus_per_node`` and ``cpus_per_node``."""
     if not job.roles:
@@ -138,7 +138,7 @@ def place(job: JobSpec, opts: SlurmScheduler.Options) -> Placement:
 
 
 def _first_fit(load: list[list[int]], shared: list[bool], gpus: int, cpus: int, mem: int,
-               opts: SlurmScheduler.Options) -> int:
+               opts: Options) -> int:
     for i, (g, c, _) in enumerate(load):
         if not shared[i]:
             continue
@@ -192,7 +192,7 @@ def log_path(run_dir: str, role: str, replica: int) -> str:
     return os.path.join(run_dir, "logs", f"{role}-{replica}.log")
 
 
-def render_script(job: JobSpec, opts: SlurmScheduler.Options) -> str:
+def render_script(job: JobSpec, opts: Options) -> str:
     plan = place(job, opts)
     run_dir = run_dir_of(job)
     q = shlex.quote
@@ -283,7 +283,7 @@ def _var(step: Step) -> str:
     return str(step.index)
 
 
-def _step_block(step: Step, opts: SlurmScheduler.Options, run_dir: str) -> list[str]:
+def _step_block(step: Step, opts: Options, run_dir: str) -> list[str]:
     q = shlex.quote
     role = step.role
     hosts = ",".join(f"${{FORGE_NODES[{i}]}}" for i in step.nodes)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from forgerl_plugins.transports.common.control import Backoff, timedelta
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl_plugins.transports.nccl.transport import NcclTransport
+    from forgerl_plugins.transports.nccl.options import Options
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ def resolve_backend(backend: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def local_preflight(options: NcclTransport.Options) -> None:
+def local_preflight(options: Options) -> None:
     """Before ``forge run`` starts anything on this machine: an explicit ``backend: nccl``
     (or gloo) can form a group here. Without it, vLLM started and the run failed 155 s
     later on the transport's connect timeout."""

@@ -43,7 +43,7 @@ from forgerl_plugins.transports.nccl.protocol import (
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from forgerl_plugins.transports.nccl.transport import NcclTransport
+    from forgerl_plugins.transports.nccl.options import Options
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class NcclReceiver(StoreReceiver):
     namespace = NAMESPACE
 
     def __init__(
-        self, options: NcclTransport.Options, worker_id: str, host: str, port: int, timeout: float, secret: str
+        self, options: Options, worker_id: str, host: str, port: int, timeout: float, secret: str
     ) -> None:
         super().__init__(options, worker_id, host, port, timeout, secret)
         self._seq = 0

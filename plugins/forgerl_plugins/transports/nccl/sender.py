@@ -47,7 +47,7 @@ from forgerl_plugins.transports.nccl.protocol import (
 from forgerl_plugins.transports.nccl.staging import Slot, Staging, Version
 
 if TYPE_CHECKING:  # pragma: no cover
-    from forgerl_plugins.transports.nccl.transport import NcclTransport
+    from forgerl_plugins.transports.nccl.options import Options
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class NcclSender(StoreSender):
 
     def __init__(
         self,
-        options: NcclTransport.Options,
+        options: Options,
         server: Any,
         store_host: str,
         port: int,

@@ -38,15 +38,13 @@ fsdp trainer's ``export_weights`` returns fresh tensors.
 
 from __future__ import annotations
 
-from typing import Any, Literal
-
-from pydantic import Field
+from typing import Any, TypeAlias
 
 from forgerl.interfaces import EngineReceiver, Transport
 from forgerl_plugins.transports.common.hosting import StoreHostedTransport
-from forgerl_plugins.transports.common.options import StoreHostedOptions
 from forgerl_plugins.transports.nccl import groups
 from forgerl_plugins.transports.nccl.engine import EngineBoard, NcclBroadcastEngineReceiver
+from forgerl_plugins.transports.nccl.options import Options as _Options
 from forgerl_plugins.transports.nccl.protocol import NAMESPACE
 from forgerl_plugins.transports.nccl.receiver import NcclReceiver
 from forgerl_plugins.transports.nccl.sender import NcclSender
@@ -63,19 +61,8 @@ class NcclTransport(StoreHostedTransport, Transport):
     description = "broadcast from trainer rank 0 over private process groups (gloo on CPU)"
     requires = ("torch",)
 
-    class Options(StoreHostedOptions):
-        """The store-hosted transports' options (host, port, timeouts, ...) and nccl's own."""
-
-        bucket_mb: int = Field(256, ge=1, description="Tensors are moved in chunks of at most this many MiB.")
-        backend: Literal["auto", "nccl", "gloo"] = Field(
-            "auto", description="Process-group backend: auto = nccl where CUDA is available, else gloo."
-        )
-        stall_timeout: float = Field(
-            10.0,
-            gt=0,
-            description="Seconds a receiver may go without a chunk completing (or without acknowledging after "
-            "its last one) before it is dropped as dead, so that the others go on.",
-        )
+    #: The options model, in a module of its own that the parts import (not this class).
+    Options: TypeAlias = _Options
 
     @staticmethod
     def local_preflight(options: NcclTransport.Options) -> None:

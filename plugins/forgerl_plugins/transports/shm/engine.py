@@ -14,7 +14,7 @@ from pathlib import Path
 from forgerl.errors import TransportError
 from forgerl.interfaces import FilesEngineReceiver
 
-from .transport import ShmReceiver, version_file
+from .receiver import ShmReceiver, version_file
 
 #: The file's name in a staged folder: what ``save_pretrained`` names a one-file model.
 STAGED_NAME = "model.safetensors"
