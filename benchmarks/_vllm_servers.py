@@ -72,7 +72,7 @@ def resolved_config(model: str, sets: list[str], transport: str = "shm") -> Any:
 
 
 def model_folder(config: Any) -> Path:
+    from forgerl.models.resolve import resolve_model
     from forgerl.registry.plugins import build_registry
-    from forgerl.rundirs.models import resolve_model
 
     return resolve_model(config.model, build_registry())

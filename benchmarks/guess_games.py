@@ -32,10 +32,10 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from forgerl.interfaces import RunContext
+    from forgerl.models.resolve import resolve_model
     from forgerl.registry.plugins import build_registry
     from forgerl.rollouts.trajectory import Limits, TrajectoryRunner
     from forgerl.rundirs import runs
-    from forgerl.rundirs.models import resolve_model
     from forgerl.types import SamplingParams
     from forgerl_plugins.environments.guess import GuessEnvironment
     from forgerl_plugins.generators.hf.generator import HFGenerator

@@ -149,7 +149,7 @@ def render(data: Path, model: Path) -> list[dict]:
     """forgerl's token ids and loss masks of the file's rows, in file order."""
     from transformers import AutoTokenizer
 
-    from forgerl.sft.config import SFTConfig
+    from forgerl.configuration.sft import SFTConfig
     from forgerl.sft.data import file_demonstrations, render_all
     from forgerl.sft.render import Renderer
 

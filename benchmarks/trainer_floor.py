@@ -60,9 +60,9 @@ def model_folder(name: str, tmp: Path) -> Path:
 
         return build_tiny_model(TinyModel.Options(), cache_dir=tmp)
     from forgerl.configuration.config import build_config
+    from forgerl.models.resolve import resolve_model
     from forgerl.registry.plugins import build_registry
     from forgerl.registry.resolve import resolve
-    from forgerl.rundirs.models import resolve_model
 
     config = resolve(build_config(flags={"model": name}, sets=[]), build_registry())
     return resolve_model(config.model, build_registry())

@@ -180,7 +180,7 @@ def ensure_trl_venv(say) -> Path:
 
 def model_folder() -> Path:
     """The SmolLM2-135M-Instruct folder forgerl itself trains (converted once, then cached)."""
-    from forgerl.rundirs.models import default_cache_dir
+    from forgerl.models.resolve import default_cache_dir
     from forgerl_plugins.models.smollm2 import convert_smollm2
 
     folder = convert_smollm2(None, cache_dir=default_cache_dir())

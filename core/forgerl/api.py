@@ -83,7 +83,7 @@ def plan(
     directory is then created and config.yaml written: a mistake found before that leaves
     nothing behind. ``restart`` (with ``resume_dir``) trains that run again from step 0:
     allowed only where it has no checkpoint; its finished metrics rows are set aside."""
-    from forgerl import run_model
+    from forgerl.models import from_run as run_model
     from forgerl.runloop import preflight, resuming
 
     registry = registry or build_registry()

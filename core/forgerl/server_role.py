@@ -50,9 +50,9 @@ def serve_role(run_dir: Path, role: str, replica: int) -> int:
     from forgerl import events
     from forgerl.deprecation import ForgeDeprecationWarning
     from forgerl.interfaces import RunContext
+    from forgerl.models.resolve import resolve_model
     from forgerl.registry.plugins import build_registry
     from forgerl.rundirs import runs
-    from forgerl.rundirs.models import resolve_model
 
     # A plugin's use of a deprecated name goes to this replica's log: say it where the user looks.
     events.forward_warnings(ForgeDeprecationWarning, run_dir=run_dir)

@@ -104,7 +104,7 @@ def run_worker(run_dir: Path) -> int:
     torch.manual_seed(config.loop.seed)
 
     from forgerl.interfaces import RunContext
-    from forgerl.rundirs.models import resolve_model
+    from forgerl.models.resolve import resolve_model
     from forgerl.runloop.spmd import TrainerDriver
 
     # On rank 0, a run that fails before its loop starts (a backend whose module does not
@@ -134,9 +134,9 @@ def run_worker(run_dir: Path) -> int:
 
     from transformers import AutoTokenizer
 
+    from forgerl.configuration.needs import uses_generator, uses_task
     from forgerl.rewards.rewarding import RewardSet
     from forgerl.runloop.loop import Loop, install_stop_handlers
-    from forgerl.sft.needs import uses_generator, uses_task
 
     driver = TrainerDriver(trainer, world)
     generator = sender = transport = rewards = teacher = None
@@ -162,7 +162,7 @@ def run_worker(run_dir: Path) -> int:
             tokenizer = AutoTokenizer.from_pretrained(model_path)
             loop: Loop
             if config.objective == "sft":
-                from forgerl.sft.run import build_loop
+                from forgerl.runloop.sft_run import build_loop
 
                 loop = build_loop(config, registry, ctx, driver, tokenizer, task=task, generator=generator,
                                   rewards=rewards, sender=sender)  # fmt: skip

@@ -201,7 +201,7 @@ def test_a_real_lora_run_exports_one_policy_both_ways(tmp_path: Path, capsys) ->
     from peft import PeftModel
 
     from forgerl.configuration.config import ModelConfig
-    from forgerl.rundirs.models import resolve_model
+    from forgerl.models.resolve import resolve_model
     from forgerl.testing.registry import registry_for
 
     from ..helpers.timing import scaled

@@ -103,8 +103,8 @@ def test_second_call_reuses_the_cache(converted):
 
 def test_resolved_by_name_through_the_registry(converted):
     from forgerl.configuration.config import ModelConfig
+    from forgerl.models.resolve import resolve_model
     from forgerl.registry.plugins import build_registry
-    from forgerl.rundirs.models import resolve_model
 
     cache, folder = converted
     assert (

@@ -263,7 +263,7 @@ def loop_metric_keys() -> set[str]:
 
 
 def sft_loop_metric_keys() -> set[str]:
-    """Every key a supervised run's loop (core/forgerl/sft/loop.py) puts in a row, with
+    """Every key a supervised run's loop (core/forgerl/runloop/sft_loop.py) puts in a row, with
     where it is in its data (core/forgerl/sft/data.py)."""
     sft = REPO / "core" / "forgerl" / "sft"
     keys = dict_literal_keys(function(sft / "loop.py", "train_one"))

@@ -11,8 +11,8 @@ from forgerl.backends import ModelBackend
 from forgerl.configuration.config import ModelConfig
 from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.hookspecs import hookimpl
+from forgerl.models.resolve import default_cache_dir, resolve_model
 from forgerl.registry.plugins import build_registry
-from forgerl.rundirs.models import default_cache_dir, resolve_model
 
 
 class FakeModels:

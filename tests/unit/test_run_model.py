@@ -1,4 +1,4 @@
-"""Which model names name a run (forgerl.run_model.find): a run directory, run:NAME (the
+"""Which model names name a run (forgerl.models.from_run.find): a run directory, run:NAME (the
 directory, else runs/NAME) and a checkpoint folder do; model names, model folders and hub
 ids do not; a run without a checkpoint is refused in one line."""
 
@@ -12,7 +12,7 @@ import pytest
 from forgerl.checkpoints import checkpoint
 from forgerl.checkpoints.checkpoint_format import Snapshot
 from forgerl.errors import ConfigError
-from forgerl.run_model import find
+from forgerl.models.from_run import find
 
 
 def make_run(root: Path, steps: tuple[int, ...]) -> Path:

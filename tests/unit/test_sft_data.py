@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from forgerl.sft.config import SFTConfig
+from forgerl.configuration.sft import SFTConfig
 from forgerl.sft.data import check_files
 from forgerl.sft.files import MAX_LINE_BYTES
 from forgerl.sft.rows import MAX_MESSAGES, Chat, DataError, Text, parse_row

@@ -37,8 +37,8 @@ from forgerl.configuration.limits import (
     MAX_TOKENS,
     is_int,
 )
+from forgerl.configuration.sft import SFTConfig
 from forgerl.options import OptionsModel
-from forgerl.sft.config import SFTConfig
 from forgerl.types import reserved_component_error
 
 DEFAULT_MODEL = "smollm2-135m-instruct"

@@ -38,7 +38,7 @@ def check_teacher_tokenizer(config: RunConfig, registry: Registry) -> None:
     """ConfigError (one line) when the teacher of ``config`` does not share the student's
     tokenizer. Builds a named model (student or teacher) if it is not built yet."""
     from forgerl.events import announce
-    from forgerl.rundirs.models import resolve_model
+    from forgerl.models.resolve import resolve_model
 
     choice = config.distill.teacher
     backend = registry.require("teacher", choice.name)

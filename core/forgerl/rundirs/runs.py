@@ -283,9 +283,9 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
     """The JobSpec of a run: trainer ranks (primary; rank 0 drives the loop) plus any
     server roles the generator (e.g. vLLM replicas) and the rewards (e.g. a served reward
     model) need; none of those for a supervised run that does not evaluate."""
+    from forgerl.configuration.needs import uses_generator
     from forgerl.interfaces import RunContext
     from forgerl.rundirs.allocator import trainer_allocator_env
-    from forgerl.sft.needs import uses_generator
 
     roles: list[RoleSpec] = [
         RoleSpec(

@@ -437,7 +437,7 @@ class Loop:
 
     def evaluates(self) -> bool:
         """Whether the run evaluates at all (an RL run always does; a supervised run only
-        with ``sft.evaluate``, :class:`forgerl.sft.loop.SFTLoop`)."""
+        with ``sft.evaluate``, :class:`forgerl.runloop.sft_loop.SFTLoop`)."""
         return True
 
     def evaluate(self) -> dict[str, float]:

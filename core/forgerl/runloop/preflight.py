@@ -54,8 +54,8 @@ def check_run(
     fresh: bool,
 ) -> None:
     """Raise a one-line UserError for anything that would make the run fail to start."""
+    from forgerl.configuration import needs
     from forgerl.configuration.kinds import SINGLE_BACKEND_FIELDS
-    from forgerl.sft import needs
     from forgerl.sft.preflight import check_before_run
 
     if fresh:
@@ -144,7 +144,7 @@ def check_adapter_served(config: RunConfig, registry: Registry) -> None:
 def model_context_length(config: RunConfig, registry: Registry, *, local_files: bool = True) -> int | None:
     """The model's context length where it can be known without building or fetching it;
     raises for a named model that cannot be built here and for a bad local folder."""
-    from forgerl.rundirs.models import _looks_like_path, check_cache_dir, check_hub_id, resolve_model
+    from forgerl.models.resolve import _looks_like_path, check_cache_dir, check_hub_id, resolve_model
 
     name = config.model.name
     if name in registry.backends("model"):
@@ -155,7 +155,7 @@ def model_context_length(config: RunConfig, registry: Registry, *, local_files: 
         return length if _positive_int(length) else None
     if not local_files:
         return None
-    from forgerl import run_model
+    from forgerl.models import from_run as run_model
 
     found = run_model.find(name)
     if found is not None:  # another run's weights: its model's length, nothing exported yet

@@ -24,8 +24,8 @@ from forgerl.sft.render import Example, Renderer
 from forgerl.sft.rows import DataError, Demonstration, parse_row
 
 if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.configuration.sft import SFTConfig
     from forgerl.interfaces import Task
-    from forgerl.sft.config import SFTConfig
 
 log = logging.getLogger("forgerl.sft")
 

@@ -77,10 +77,10 @@ class Options(OptionsModel):
 
 def teacher_folder(options: Options) -> Path:
     """The local Hugging Face folder of ``options.model``, resolved as ``model.name`` is
-    (:func:`forgerl.rundirs.models.resolve_model`: a named model is built on first use)."""
+    (:func:`forgerl.models.resolve.resolve_model`: a named model is built on first use)."""
     from forgerl.configuration.config import ModelConfig
+    from forgerl.models.resolve import resolve_model
     from forgerl.registry.plugins import build_registry
-    from forgerl.rundirs.models import resolve_model
 
     registry = build_registry()
     if options.model_options and options.model not in registry.backends("model"):

@@ -36,8 +36,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from forgerl.adapters import LoraOptions
 
-    from .base import ShardedTrainer
-
 #: The DCP key prefix of the model's tensors (beside ``optimizer.``).
 MODEL_PREFIX = "model."
 #: What PEFT puts before a base model's parameter names.
@@ -91,20 +89,20 @@ def export_run(run_dir: str, output: str, step: int | None, adapter_only: bool) 
     return target
 
 
-def _sharded_trainer(registry: Any, name: str, run: Path) -> type[ShardedTrainer]:
+def _sharded_trainer(registry: Any, name: str, run: Path) -> Any:
     """The class of the run's trainer, which converts its checkpoints' names
     (:meth:`.base.ShardedTrainer.checkpoint_as_hf`); BackendUnavailable (one line) when
     its packages are not installed here (TorchTitan for a torchtitan run)."""
     from forgerl.errors import BackendUnavailable
-
-    from .base import ShardedTrainer
 
     backend = registry.get("trainer", name)
     reason = backend.unavailable_reason()
     if reason is not None:
         raise BackendUnavailable(f"exporting {run} needs the {name} trainer it was trained with, unavailable here: {reason}")
     trainer_class = backend.load_factory()
-    if not (isinstance(trainer_class, type) and issubclass(trainer_class, ShardedTrainer)):
+    # A sharded trainer (.base.ShardedTrainer) converts its checkpoints' names; asked by
+    # what it can do, not by its class, which would make this part import its assembler.
+    if not (isinstance(trainer_class, type) and callable(getattr(trainer_class, "checkpoint_as_hf", None))):
         raise NotSupported(
             f"forge export reads checkpoints of the fsdp and torchtitan trainers (DCP, written by a sharded "
             f"trainer); {run} was trained with {name!r}"
@@ -146,7 +144,7 @@ def _check_output(target: Path) -> Path:
 
 def _model_path(config: Any, registry: Any) -> Path:
     """The run's base model folder, from the local cache only (nothing is downloaded)."""
-    from forgerl.rundirs.models import resolve_model
+    from forgerl.models.resolve import resolve_model
 
     before = os.environ.get("HF_HUB_OFFLINE")
     os.environ["HF_HUB_OFFLINE"] = "1"  # a hub model must already be in the hub cache

@@ -2,7 +2,7 @@
 
 A name is, in this order: a named model a plugin provides (``forge plugins list`` shows
 them; built or converted once into the cache directory), another run (its run directory,
-``run:NAME`` or one of its checkpoint folders: its weights, :mod:`forgerl.run_model`), an
+``run:NAME`` or one of its checkpoint folders: its weights, :mod:`forgerl.models.from_run`), an
 existing local folder with a ``config.json``, or a hub id ``owner/name``, fetched with huggingface_hub where the network
 allows (``HF_HUB_OFFLINE=1`` uses only what the hub cache already holds). A bare word that
 is none of these is a typo, refused with the close named model, never asked of the hub.
@@ -52,7 +52,7 @@ def resolve_model(model_config: ModelConfig, registry: Registry, cache_dir: Path
             raise ConfigError(format_validation_error(exc, prefix="model.options")) from None
         return backend.build(options, cache_dir=cache)
 
-    from forgerl import run_model
+    from forgerl.models import from_run as run_model
 
     found = run_model.find(name)
     if found is not None:  # another run's weights, written once as a folder in the cache

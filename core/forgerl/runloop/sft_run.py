@@ -11,9 +11,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from forgerl.configuration.config import RunConfig
     from forgerl.interfaces import Generator, RunContext, Task
     from forgerl.registry.plugins import Registry
+    from forgerl.runloop.sft_loop import SFTLoop
     from forgerl.runloop.spmd import TrainerDriver
     from forgerl.sft.data import Demonstrations
-    from forgerl.sft.loop import SFTLoop
 
 log = logging.getLogger("forgerl.sft")
 
@@ -54,7 +54,7 @@ def build_loop(
     sender: Any,
 ) -> SFTLoop:
     """The loop of a supervised run on trainer rank 0."""
-    from forgerl.sft.loop import SFTLoop
+    from forgerl.runloop.sft_loop import SFTLoop
 
     data = load_demonstrations(config, task, tokenizer, ctx.run_dir)
     evaluation = task if config.sft.evaluate else None

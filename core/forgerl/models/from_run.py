@@ -135,7 +135,7 @@ def resolve(
     """The Hugging Face folder of ``found``'s weights in the cache, written on first use
     (under a file lock: the run's processes resolve it at the same time). The run's own
     model (a model, or another run) is resolved with ``resolve_model`` (that of
-    :mod:`forgerl.rundirs.models`, which calls this)."""
+    :mod:`forgerl.models.resolve`, which calls this)."""
     from filelock import FileLock
 
     config = run_config(found)
