@@ -266,7 +266,7 @@ def sft_loop_metric_keys() -> set[str]:
     """Every key a supervised run's loop (core/forgerl/runloop/sft_loop.py) puts in a row, with
     where it is in its data (core/forgerl/sft/data.py)."""
     sft = REPO / "core" / "forgerl" / "sft"
-    keys = dict_literal_keys(function(sft / "loop.py", "train_one"))
+    keys = dict_literal_keys(function(REPO / "core" / "forgerl" / "runloop" / "sft_loop.py", "train_one"))
     for node in ast.walk(ast.parse((sft / "data.py").read_text())):
         if isinstance(node, ast.FunctionDef) and node.name == "progress":  # each source's
             keys |= dict_literal_keys(node)
