@@ -252,6 +252,7 @@ def _start_failure_summary(run_dir: Path, status: str, exc: BaseException) -> di
         "policy_version": before.get("policy_version", 0),
         "eval_accuracy_start": before.get("eval_accuracy_start"),
         "eval_accuracy_end": before.get("eval_accuracy_end"),
+        "eval_start": before.get("eval_start"),
         "time": {},
         "run_dir": str(run_dir),
         "error": " ".join(error.split()),

@@ -46,8 +46,15 @@ def test_forge_run_with_the_calculator_environment(tmp_path):
         assert key in rows[0], f"{key} missing from {sorted(rows[0])}"
     assert rows[0]["env/failed"] == 0 and rows[0]["logprob_gap/max"] < 1e-4, rows[0]
     assert "eval/accuracy" in rows[-1]
+    # The held-out rows carry the environment's components: the tool-call rate among them.
+    for key in ("eval/reward/used_tool", "eval/reward/correct", "eval/reward/tagged"):
+        assert 0.0 <= rows[-1][key] <= 1.0, f"{key} missing from {sorted(rows[-1])}"
+    assert rows[-1]["eval/reward/correct"] == rows[-1]["eval/accuracy"]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 2
+    # The evaluation before the first step, whole.
+    assert summary["eval_start"]["eval/accuracy"] == summary["eval_accuracy_start"]
+    assert summary["eval_start"]["eval/samples"] == 4 and "eval/reward/used_tool" in summary["eval_start"]
     config = (out / "config.yaml").read_text()
     assert "name: calculator" in config
 

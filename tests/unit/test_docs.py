@@ -72,8 +72,11 @@ def subscript_keys(func: ast.FunctionDef, target: str) -> set[str]:
 
 
 def dict_literal_keys(func: ast.FunctionDef) -> set[str]:
+    """Keys of the dict displays in ``func``, comprehensions' f-string keys included."""
     dicts = [node for node in ast.walk(func) if isinstance(node, ast.Dict)]
-    return {k for node in dicts for k in map(string_of, node.keys) if k}
+    keys = {k for node in dicts for k in map(string_of, node.keys) if k}
+    comprehensions = [node for node in ast.walk(func) if isinstance(node, ast.DictComp)]
+    return keys | {k for node in comprehensions if (k := string_of(node.key))}
 
 
 def placeholders(name: str) -> str:

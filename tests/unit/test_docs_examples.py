@@ -16,6 +16,14 @@ from pathlib import Path
 
 import pytest
 
+from forgerl.testing import (
+    EnvironmentContract,
+    GeneratorContract,
+    RewardContract,
+    SchedulerContract,
+    TrainerContract,
+    TransportContract,
+)
 from tests.helpers.timing import scaled
 
 REPO = Path(__file__).resolve().parents[2]
@@ -83,7 +91,7 @@ def test_plugin_tutorial_reward_passes_the_reward_kit_as_its_conformance_test_sa
         capture_output=True, text=True, timeout=scaled(120), env=env, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "6 passed" in done.stdout, done.stdout[-3000:]
+    assert_every_check_ran(done, RewardContract)
 
 
 def test_tracker_example_in_plugins_md_forwards_metrics(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
@@ -133,6 +141,23 @@ MINI_FILES = (
     "src/forgerl_mini/generator.py", "src/forgerl_mini/trainer.py",
     "src/forgerl_myengine/generator.py", "src/forgerl_myengine/worker.py",
 )
+
+
+
+def assert_every_check_ran(done: subprocess.CompletedProcess, kit: type, classes: int = 1, skips: int = 0) -> None:
+    """The tutorial's conformance test ran every check its kit has, on each of its `classes`
+    subclasses, and they passed: counted from the kit itself, so a check added to the kit is
+    a check the tutorial must pass too (a tutorial whose kit class silently collects nothing,
+    or whose checks skip, fails here)."""
+    checks = [name for name in dir(kit) if name.startswith("test_")]
+    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+    passed = re.search(r"(\d+) passed", summary)
+    skipped = re.search(r"(\d+) skipped", summary)
+    assert passed, done.stdout[-3000:]
+    assert int(passed.group(1)) + (int(skipped.group(1)) if skipped else 0) == len(checks) * classes, (
+        f"{kit.__name__} has {len(checks)} checks x {classes}: {summary}"
+    )
+    assert (int(skipped.group(1)) if skipped else 0) <= skips, summary
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +357,7 @@ def test_transport_tutorial_passes_the_transport_kit_as_its_conformance_test_say
         capture_output=True, text=True, timeout=scaled(300), env=child_env(mini_src), cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "3 passed" in done.stdout, done.stdout[-3000:]
+    assert_every_check_ran(done, TransportContract)
 
 
 @pytest.mark.integration
@@ -347,7 +372,7 @@ def test_generator_tutorial_passes_the_generator_kit_as_its_conformance_test_say
         capture_output=True, text=True, timeout=scaled(600), env=child_env(mini_src), cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "12 passed" in done.stdout, done.stdout[-3000:]
+    assert_every_check_ran(done, GeneratorContract, classes=2)  # TestMiniGenerator and TestHosted
 
 
 def test_generator_and_trainer_tutorials_keep_the_logprob_and_weight_contracts(
@@ -493,7 +518,7 @@ def test_trainer_tutorial_passes_the_trainer_kit_as_its_conformance_test_says(mi
         capture_output=True, text=True, timeout=scaled(400), env=child_env(mini_src), cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "11 passed" in done.stdout, done.stdout[-3000:]
+    assert_every_check_ran(done, TrainerContract)
 
 
 def test_a_run_on_the_three_tutorial_backends(mini_src: Path, tmp_path: Path):
@@ -570,7 +595,7 @@ def test_scheduler_tutorial_passes_the_scheduler_kit_as_its_conformance_test_say
         capture_output=True, text=True, timeout=scaled(300), env=env, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "7 passed" in done.stdout, done.stdout[-3000:]
+    assert_every_check_ran(done, SchedulerContract)
 
 
 # ------------------------------------------------- the environment tutorial's `wordle`
@@ -623,7 +648,7 @@ def test_environment_tutorial_passes_the_environment_kit_as_its_conformance_test
         capture_output=True, text=True, timeout=scaled(180), env=env, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert "14 passed" in done.stdout, done.stdout[-3000:]
+    assert_every_check_ran(done, EnvironmentContract)
 
 
 def test_the_verifiers_config_of_environments_md_gives_the_task_and_the_environment_one_source():

@@ -12,7 +12,7 @@ key, arrays that do not add up) is refused with a
     {"format": "forgerl.loop-state", "version": 1,
      "step": int, "policy_version": int, "next_rollout_index": int,
      "task_state": {...}, "time_totals": {name: float}, "eval_start": float|null,
-     "eval_last": float|null,
+     "eval_last": float|null, "eval_start_row": {eval key: float}|null (optional),
      "rng": {"python": {"version": 3, "state": [625 ints], "gauss_next": float|null},
              "numpy": {"bit_generator": "MT19937", "key": [624 ints], "pos": int,
                        "has_gauss": 0|1, "gauss": float}},

@@ -107,6 +107,8 @@ class LoopState(_Layout):
     time_totals: dict[str, float]
     eval_start: float | None
     eval_last: float | None
+    #: The evaluation before the first step, whole; absent from 0.2.0's checkpoints.
+    eval_start_row: dict[str, float] | None = None
     rng: Rng
     pending_rollouts: list[BatchState]
 

@@ -1,7 +1,8 @@
 """Held-out evaluation: the task's eval split sampled at ``loop.eval_temperature`` (one
 sample per problem, or one whole trajectory where an environment runs the episodes),
-scored by the run's rewards, and summed up as ``eval/accuracy``, ``eval/reward`` and
-``eval/samples``.
+scored by the run's rewards, and summed up as ``eval/accuracy``, ``eval/reward``,
+``eval/samples`` and the mean of every reward component over the held-out problems,
+``eval/reward/<name>`` (an environment's ``used_tool``: the tool-call rate on them).
 
 A sample is correct when the primary (first) reward says so: its ``correct``
 sub-component where it reports one, else a full score. A trajectory whose environment
@@ -11,7 +12,7 @@ gave the reward is judged by the environment's ``correct`` component instead.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,7 @@ def evaluate_samples(
         return await rewards.score(inputs)
 
     scores = asyncio.run(go())
-    return _row([is_correct(s, cfg) for s in scores], [s.value for s in scores])
+    return _row([is_correct(s, cfg) for s in scores], [s.value for s in scores], [s.components for s in scores])
 
 
 def evaluate_trajectories(
@@ -68,7 +69,7 @@ def evaluate_trajectories(
             correct.append(float(s.result.components.get("correct", float(s.result.value >= 1.0))))
         else:
             correct.append(is_correct(s.result, cfg))
-    return _row(correct, [s.result.value for s in scored])
+    return _row(correct, [s.result.value for s in scored], [s.result.components for s in scored])
 
 
 def is_correct(score: Any, cfg: RunConfig) -> float:
@@ -85,5 +86,13 @@ def mean(xs: Iterable[Any]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def _row(correct: list[float], rewards: list[float]) -> dict[str, float]:
-    return {"eval/accuracy": mean(correct), "eval/reward": mean(rewards), "eval/samples": len(correct)}
+def _row(correct: list[float], rewards: list[float], components: list[Mapping[str, float]]) -> dict[str, float]:
+    # A component a sample does not report counts 0 (a trajectory that failed reports none),
+    # as the training rows' reward/<name> count it.
+    names = dict.fromkeys(name for c in components for name in c)
+    return {
+        "eval/accuracy": mean(correct),
+        "eval/reward": mean(rewards),
+        "eval/samples": len(correct),
+        **{f"eval/reward/{name}": mean(c.get(name, 0.0) for c in components) for name in names},
+    }

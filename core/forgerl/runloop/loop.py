@@ -95,6 +95,8 @@ class Loop:
         self.policy_version = 0
         self.time_totals = {p: 0.0 for p in PHASES}
         self.eval_start: float | None = None
+        #: The whole evaluation before the first step (every eval/* key), for summary.json.
+        self.eval_start_row: dict[str, float] | None = None
         self.eval_last: float | None = None
         self.stop_requested = threading.Event()
         self.last_batch_task_state: dict[str, Any] = {}
@@ -120,6 +122,7 @@ class Loop:
             "next_rollout_index": self.step + len(pending),
             "time_totals": self.time_totals,
             "eval_start": self.eval_start,
+            "eval_start_row": self.eval_start_row,
             "eval_last": self.eval_last,
             "rng": rng,
         }
@@ -144,6 +147,7 @@ class Loop:
         self.task.load_state_dict(task_state)
         self.time_totals.update(state["time_totals"])
         self.eval_start = state["eval_start"]
+        self.eval_start_row = state.get("eval_start_row")  # absent from 0.2.0's checkpoints
         self.eval_last = state["eval_last"]
         # Task state after the last batch that exists (trained or pending): the producer
         # continues from there.
@@ -198,7 +202,7 @@ class Loop:
                     with events.phase("evaluating the base model on the held-out problems", stage="eval",
                                       key=f"eval:{cfg.generator.name}:{cfg.model.name}", run_dir=self.run_dir):
                         row = self.evaluate()
-                    self.eval_start = row["eval/accuracy"]
+                    self.eval_start, self.eval_start_row = row["eval/accuracy"], row
                     self.eval_last = self.eval_start
                 producer.start()
                 events.announce(f"training: steps {self.step + 1} to {steps}", stage="loop", state="start",
@@ -491,6 +495,7 @@ class Loop:
             "policy_version": self.policy_version,
             "eval_accuracy_start": self.eval_start,
             "eval_accuracy_end": self.eval_last,
+            "eval_start": self.eval_start_row,
             "time": {k: round(v, 3) for k, v in self.time_totals.items()},
             "run_dir": str(self.run_dir),
         }
