@@ -87,11 +87,11 @@ def test_plugin_tutorial_reward_passes_the_reward_kit_as_its_conformance_test_sa
     shims = [str(shim)] if shim.is_dir() else []  # a worktree's import shim, when there is one
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "src"), *shims, *sys.path])}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=kit.xml", "tests/test_conformance.py"],
         capture_output=True, text=True, timeout=scaled(120), env=env, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert_every_check_ran(done, RewardContract)
+    assert_every_check_ran(done, tmp_path / "kit.xml", RewardContract)
 
 
 def test_tracker_example_in_plugins_md_forwards_metrics(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
@@ -144,20 +144,20 @@ MINI_FILES = (
 
 
 
-def assert_every_check_ran(done: subprocess.CompletedProcess, kit: type, classes: int = 1, skips: int = 0) -> None:
-    """The tutorial's conformance test ran every check its kit has, on each of its `classes`
-    subclasses, and they passed: counted from the kit itself, so a check added to the kit is
-    a check the tutorial must pass too (a tutorial whose kit class silently collects nothing,
-    or whose checks skip, fails here)."""
-    checks = [name for name in dir(kit) if name.startswith("test_")]
-    summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-    passed = re.search(r"(\d+) passed", summary)
-    skipped = re.search(r"(\d+) skipped", summary)
-    assert passed, done.stdout[-3000:]
-    assert int(passed.group(1)) + (int(skipped.group(1)) if skipped else 0) == len(checks) * classes, (
-        f"{kit.__name__} has {len(checks)} checks x {classes}: {summary}"
-    )
-    assert (int(skipped.group(1)) if skipped else 0) <= skips, summary
+def assert_every_check_ran(done: subprocess.CompletedProcess, report: Path, kit: type, skips: int = 0) -> None:
+    """The tutorial's conformance test (run with ``--junitxml=REPORT``) ran every check its
+    kit has, and each passed: the checks are read from the kit itself, so a check added to
+    the kit is one the tutorial must pass too, and a kit class that silently collects
+    nothing, or checks that skip, fail here."""
+    import xml.etree.ElementTree as ET
+
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    cases = list(ET.parse(report).getroot().iter("testcase"))
+    ran = {case.get("name", "").split("[")[0] for case in cases if case.find("skipped") is None}
+    skipped = [case.get("name") for case in cases if case.find("skipped") is not None]
+    checks = {name for name in dir(kit) if name.startswith("test_")}
+    assert checks <= ran, f"checks of {kit.__name__} that did not run: {sorted(checks - ran)}"
+    assert len(skipped) <= skips, f"skipped: {skipped}"
 
 
 @pytest.fixture(scope="module")
@@ -353,11 +353,11 @@ def test_transport_tutorial_passes_the_transport_kit_as_its_conformance_test_say
     test = code_blocks("plugins-transport.md")["tests/test_conformance.py"]
     (tmp_path / "test_conformance.py").write_text(test)
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_conformance.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=kit.xml", "test_conformance.py"],
         capture_output=True, text=True, timeout=scaled(300), env=child_env(mini_src), cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert_every_check_ran(done, TransportContract)
+    assert_every_check_ran(done, tmp_path / "kit.xml", TransportContract)
 
 
 @pytest.mark.integration
@@ -368,11 +368,11 @@ def test_generator_tutorial_passes_the_generator_kit_as_its_conformance_test_say
     test = code_blocks("plugins-generator.md")["tests/test_conformance.py"]
     (tmp_path / "test_conformance.py").write_text(test)
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_conformance.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=kit.xml", "test_conformance.py"],
         capture_output=True, text=True, timeout=scaled(600), env=child_env(mini_src), cwd=tmp_path,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert_every_check_ran(done, GeneratorContract, classes=2)  # TestMiniGenerator and TestHosted
+    assert_every_check_ran(done, tmp_path / "kit.xml", GeneratorContract)
 
 
 def test_generator_and_trainer_tutorials_keep_the_logprob_and_weight_contracts(
@@ -514,11 +514,11 @@ def test_trainer_tutorial_passes_the_trainer_kit_as_its_conformance_test_says(mi
     test = code_blocks("plugins-trainer.md")["tests/test_trainer_conformance.py"]
     (tmp_path / "test_trainer_conformance.py").write_text(test)
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_trainer_conformance.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=kit.xml", "test_trainer_conformance.py"],
         capture_output=True, text=True, timeout=scaled(400), env=child_env(mini_src), cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert_every_check_ran(done, TrainerContract)
+    assert_every_check_ran(done, tmp_path / "kit.xml", TrainerContract)
 
 
 def test_a_run_on_the_three_tutorial_backends(mini_src: Path, tmp_path: Path):
@@ -591,11 +591,11 @@ def test_scheduler_tutorial_passes_the_scheduler_kit_as_its_conformance_test_say
     with pytest, and passes."""
     env = write_procs_package(tmp_path)
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_conformance.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=kit.xml", "tests/test_conformance.py"],
         capture_output=True, text=True, timeout=scaled(300), env=env, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert_every_check_ran(done, SchedulerContract)
+    assert_every_check_ran(done, tmp_path / "kit.xml", SchedulerContract)
 
 
 # ------------------------------------------------- the environment tutorial's `wordle`
@@ -644,11 +644,11 @@ def test_environment_tutorial_passes_the_environment_kit_as_its_conformance_test
     tests and the whole environment kit on the tutorial's `wordle` with pytest, and pass."""
     env = write_wordle_package(tmp_path)
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml=kit.xml", "tests"],
         capture_output=True, text=True, timeout=scaled(180), env=env, cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
-    assert_every_check_ran(done, EnvironmentContract)
+    assert_every_check_ran(done, tmp_path / "kit.xml", EnvironmentContract)
 
 
 def test_the_verifiers_config_of_environments_md_gives_the_task_and_the_environment_one_source():
