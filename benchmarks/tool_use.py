@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--generator", default="vllm")
     parser.add_argument("--demos", type=int, default=300, help="tool-using demonstrations for SFT")
     parser.add_argument("--sft-steps", type=int, default=40, help="SFT steps (sft.batch_size demonstrations each)")
+    parser.add_argument("--sft-lr", type=float, default=3e-5, help="the SFT run's learning rate (RL keeps the trainer's)")
     parser.add_argument("--rl-steps", type=int, default=20, help="RL steps of each RL run")
     parser.add_argument("--output", type=Path, default=None, help="folder of every run (default runs/tool-use-<time>)")
     parser.add_argument("--set", dest="sets", action="append", default=[], help="more --set for every run")
@@ -73,7 +74,7 @@ def main() -> None:
 
     rl = _forge(out / "rl", ["run", *common, "--model", model, "--steps", str(args.rl_steps)])
     sft = _forge(out / "sft", ["sft", *common, "--model", model, "--data", str(demos), "--steps", str(args.sft_steps),
-                               "--set", "loop.eval_at_start=false"])  # fmt: skip
+                               "--set", f"trainer.options.lr={args.sft_lr}", "--set", "loop.eval_at_start=false"])  # fmt: skip
     sft_rl = _forge(out / "sft-rl", ["run", *common, "--model", str(out / "sft"), "--steps", str(args.rl_steps),
                                      "--set", "loop.eval_at_start=false"])  # fmt: skip
     stages = [
@@ -83,7 +84,7 @@ def main() -> None:
         {"stage": "sft+rl", **sft_rl["end"], "wall_s": sft_rl["wall_s"]},
     ]
     report = {"model": model, "demos": args.demos, "demos_s": round(demos_s, 1),
-              "sft_steps": args.sft_steps, "rl_steps": args.rl_steps, "stages": stages,
+              "sft_steps": args.sft_steps, "sft_lr": args.sft_lr, "rl_steps": args.rl_steps, "stages": stages,
               "verdict": verdict(stages, demos_s), "dir": str(out)}  # fmt: skip
     (out / "report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2) if args.json else render(report))
