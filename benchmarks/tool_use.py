@@ -72,11 +72,13 @@ def main() -> None:
             "--output", str(demos)], "scripts/calculator_demos.py")  # fmt: skip
     demos_s = time.perf_counter() - start
 
-    rl = _forge(out / "rl", ["run", *common, "--model", model, "--steps", str(args.rl_steps)])
+    # SFT first: its stages answer the question, and the RL-alone run (long, and with no
+    # reward signal when the base model never calls the tool) comes last.
     sft = _forge(out / "sft", ["sft", *common, "--model", model, "--data", str(demos), "--steps", str(args.sft_steps),
                                "--set", f"trainer.options.lr={args.sft_lr}", "--set", "loop.eval_at_start=false"])  # fmt: skip
     sft_rl = _forge(out / "sft-rl", ["run", *common, "--model", str(out / "sft"), "--steps", str(args.rl_steps),
                                      "--set", "loop.eval_at_start=false"])  # fmt: skip
+    rl = _forge(out / "rl", ["run", *common, "--model", model, "--steps", str(args.rl_steps)])
     stages = [
         {"stage": "base", **rl["start"], "wall_s": None},
         {"stage": "rl", **rl["end"], "wall_s": rl["wall_s"]},
