@@ -29,14 +29,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-FORGE = [sys.executable, "-m", "forgerl.cli"]
+from _forge_cli import FORGE, FinishedRun, check, forge  # benchmarks/ is the script's folder
+
 #: The tiny model's runs: small and quick, every part of the pipeline exercised.
 SMOKE = ["--model", "tiny", "--generator", "hf", "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=2",
          "--set", "loop.sampling.max_tokens=12", "--set", "loop.eval_size=4",
@@ -101,7 +100,7 @@ def teacher_folder(teacher: Path, out: Path) -> Path:
     if (teacher / "config.yaml").is_file() and (teacher / "checkpoints").is_dir():
         folder = out / "teacher-hf"
         if not (folder / "config.json").is_file():
-            _check([*FORGE, "export", str(teacher), "--output", str(folder)], "forge export of the teacher run")
+            check([*FORGE, "export", str(teacher), "--output", str(folder)], "forge export of the teacher run")
         return folder
     if (teacher / "config.json").is_file():
         return teacher
@@ -144,24 +143,20 @@ def verdict(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _forge_run(run_dir: Path, args: list[str]) -> dict[str, Any]:
-    if (run_dir / "summary.json").is_file():  # already made by an earlier invocation: reuse it
-        return _result(run_dir, wall=None)
-    load = os.getloadavg()
-    start = time.perf_counter()
-    _check([*FORGE, "run", *args, "--output", str(run_dir), "--set", "logging.progress=false"], f"forge run {run_dir}")
-    result = _result(run_dir, wall=time.perf_counter() - start)
-    result["load"] = [round(x, 1) for x in (*load, *os.getloadavg())]
+    run = forge(run_dir, ["run", *args])
+    result = _result(run)
+    if run.load:
+        result["load"] = run.load
     return result
 
 
-def _result(run_dir: Path, wall: float | None) -> dict[str, Any]:
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def _result(run: FinishedRun) -> dict[str, Any]:
+    summary, rows = run.summary, run.rows
     curve = [(0, summary["eval_accuracy_start"])] if summary.get("eval_accuracy_start") is not None else []
     curve += [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
     return {
-        "dir": run_dir,
-        "wall_s": None if wall is None else round(wall, 1),
+        "dir": run.dir,
+        "wall_s": run.wall_s,
         "eval_start": summary.get("eval_accuracy_start"),
         "eval_end": summary.get("eval_accuracy_end"),
         "curve": curve,
@@ -174,12 +169,6 @@ def _result(run_dir: Path, wall: float | None) -> dict[str, Any]:
 
 def _public(run: dict[str, Any]) -> dict[str, Any]:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in run.items()}
-
-
-def _check(command: list[str], what: str) -> None:
-    done = subprocess.run(command)
-    if done.returncode != 0:
-        sys.exit(f"{what} failed with exit status {done.returncode}")
 
 
 def print_report(report: dict[str, Any]) -> None:

@@ -26,15 +26,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from _forge_cli import check, forge  # benchmarks/ is the script's folder
+
 REPO = Path(__file__).resolve().parents[1]
-FORGE = [sys.executable, "-m", "forgerl.cli"]
 TASK = ["--task", "arithmetic", "--environment", "calculator",
         "--set", "task.options.min_value=100", "--set", "task.options.max_value=999",
         "--set", "task.options.operations=['*']"]  # fmt: skip
@@ -68,7 +67,7 @@ def main() -> None:
 
     demos = out / "calculator-demos.jsonl"
     start = time.perf_counter()
-    _check([sys.executable, str(REPO / "scripts" / "calculator_demos.py"), "--count", str(args.demos),
+    check([sys.executable, str(REPO / "scripts" / "calculator_demos.py"), "--count", str(args.demos),
             "--output", str(demos)], "scripts/calculator_demos.py")  # fmt: skip
     demos_s = time.perf_counter() - start
 
@@ -111,28 +110,15 @@ def verdict(stages: list[dict[str, Any]], demos_s: float) -> dict[str, Any]:
 
 
 def _forge(run_dir: Path, args: list[str]) -> dict[str, Any]:
-    """Run ``forge ARGS`` into ``run_dir`` (reused when an earlier invocation finished it)."""
-    wall = None
-    if not (run_dir / "summary.json").is_file():
-        start = time.perf_counter()
-        _check([*FORGE, *args, "--output", str(run_dir), "--set", "logging.progress=false"], f"forge {args[0]} {run_dir}")
-        wall = round(time.perf_counter() - start, 1)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    last = next((r for r in reversed(rows) if "eval/accuracy" in r), {})
-    return {"start": _eval(summary.get("eval_start") or {}), "end": _eval(last), "wall_s": wall,
-            "load": [round(x, 1) for x in os.getloadavg()]}  # fmt: skip
+    run = forge(run_dir, args)
+    last = next((r for r in reversed(run.rows) if "eval/accuracy" in r), {})
+    return {"start": _eval(run.summary.get("eval_start") or {}), "end": _eval(last), "wall_s": run.wall_s,
+            "load": run.load}  # fmt: skip
 
 
 def _eval(row: dict[str, Any]) -> dict[str, Any]:
     return {"accuracy": row.get("eval/accuracy", 0.0), "tool_rate": row.get("eval/reward/used_tool"),
             "tagged": row.get("eval/reward/tagged"), "samples": row.get("eval/samples")}  # fmt: skip
-
-
-def _check(command: list[str], what: str) -> None:
-    done = subprocess.run(command)
-    if done.returncode != 0:
-        sys.exit(f"{what} failed with exit status {done.returncode}")
 
 
 def render(report: dict[str, Any]) -> str:
