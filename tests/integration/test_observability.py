@@ -121,11 +121,18 @@ def test_wandb_offline_run_holds_every_row_of_metrics_jsonl(tiny_run):
 
     run_dir, stderr = tiny_run
     assert f"wandb: writing {run_dir / 'wandb'}" in stderr
+    from forgerl_plugins.trackers.wandb import SAMPLES_KEY
+
     (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     logged, rows = history(log), metrics(run_dir)
     assert [r["_step"] for r in logged] == [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    table = SAMPLES_KEY + "/"
     for got, row in zip(logged, rows):
-        assert {k: v for k, v in got.items() if not k.startswith("_")} == pytest.approx(scalars(row)), row["step"]
+        assert {k: v for k, v in got.items() if not k.startswith(("_", table))} == pytest.approx(scalars(row)), \
+            row["step"]
+        # Each step's samples table: its 8 training samples and 4 held-out ones (step 1: the
+        # evaluation before training; 2 and 3: after the step, loop.eval_every=2 and the end).
+        assert got[table + "nrows"] == 8 + 4, row["step"]
     assert exit_code(log) == 0
 
 
@@ -148,6 +155,8 @@ def test_mlflow_file_store_holds_every_row_of_metrics_jsonl(tiny_run, monkeypatc
         for key, value in scalars(row).items():
             expected.setdefault(key.replace("/", "."), []).append((row["step"], value))
     assert set(run.data.metrics) == set(expected)
+    tables = {a.path for a in client.list_artifacts(run.info.run_id, "samples")}
+    assert tables == {f"samples/step-{s:06d}.json" for s in range(1, STEPS + 1)}
     for key, points in expected.items():
         got = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
         assert [s for s, _ in got] == [s for s, _ in points], key

@@ -258,3 +258,20 @@ def test_run_keys_are_read_from_the_run_directory(tmp_path):
     (tmp_path / "generators" / "broken.json").write_text("{")
     assert run_keys(tmp_path) == ["a" * 64, "server-key-1234"]
     assert run_keys(tmp_path / "missing") == []
+
+
+def test_a_recorder_that_fails_does_not_fail_the_run(tmp_path, caplog):
+    from forgerl.samples.capture import Recorder
+
+    class Broken:
+        def decode(self, ids, skip_special_tokens=False):
+            raise RuntimeError("no vocabulary")
+
+    class Options:
+        enabled, share, per_step, max_chars, max_file_bytes, keep_files = True, 1.0, 64, 8000, 1 << 20, 2
+
+    rec = Recorder.for_run(Options(), run_dir=tmp_path, tokenizer=Broken())
+    assert rec.train([episode(0, 1.0)], step=1, trained=set()) == 0
+    assert rec.train([episode(0, 1.0)], step=2, trained=set()) == 0
+    assert sum("samples are not recorded" in r.message for r in caplog.records) == 1
+    assert rec.take() == []

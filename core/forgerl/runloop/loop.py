@@ -240,6 +240,8 @@ class Loop:
                     saved_step = self.step
                     self.time_totals["checkpoint"] += time.perf_counter() - t
                 metrics.publish(self.step, written)
+                if self.samples is not None and (recorded := self.samples.take()):
+                    self.registry.hooks.step_samples(step=self.step, samples=recorded, run_dir=self.run_dir)
         except Interrupted:
             status = "interrupted"
             buffer.stop()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from forgerl.samples.redact import Redactor, run_keys
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.types import Episode, Problem
+
+log = logging.getLogger("forgerl.samples")
 
 Decode = Callable[[Sequence[int]], str]
 #: A record's text longer than this is cut (its head and tail kept) unless options say otherwise.
@@ -177,6 +180,9 @@ class Recorder:
     def __init__(self, capture: Capture, writer: Any):
         self.capture = capture
         self.writer = writer
+        #: Records made since :meth:`take` (for the ``forge_step_samples`` hook).
+        self.recorded: list[SampleRecord] = []
+        self._failed = False
 
     @classmethod
     def for_run(
@@ -190,6 +196,8 @@ class Recorder:
             return None
 
         def decode(ids: Sequence[int]) -> str:
+            if not hasattr(tokenizer, "decode"):  # a test's stand-in: the ids themselves
+                return " ".join(map(str, ids))
             return str(tokenizer.decode(list(ids), skip_special_tokens=False))
 
         capture = Capture(
@@ -205,7 +213,23 @@ class Recorder:
         return cls(capture, writer)
 
     def train(self, episodes: Sequence[Episode], *, step: int, trained: set[int]) -> int:
-        return int(self.writer.write(self.capture.train(episodes, step=step, trained=trained)))
+        return self._write(lambda: self.capture.train(episodes, step=step, trained=trained))
 
     def evaluation(self, **kwargs: Any) -> int:
-        return int(self.writer.write(self.capture.evaluation(**kwargs)))
+        return self._write(lambda: self.capture.evaluation(**kwargs))
+
+    def take(self) -> list[SampleRecord]:
+        """The records made since the last call."""
+        taken, self.recorded = self.recorded, []
+        return taken
+
+    def _write(self, make: Callable[[], list[SampleRecord]]) -> int:
+        try:
+            records = make()
+        except Exception as exc:  # samples are for looking at: never the run's failure
+            if not self._failed:
+                log.warning("samples are not recorded: %s: %s", type(exc).__name__, exc, exc_info=True)
+                self._failed = True
+            return 0
+        self.recorded.extend(records)
+        return int(self.writer.write(records))
