@@ -60,9 +60,13 @@ class Capture:
         for e in episodes:
             positions.append(within.get(e.group_id, 0))
             within[e.group_id] = positions[-1] + 1
+        prompts: dict[tuple[int, ...], str] = {}  # a group's samples share their prompt: decoded once
         for i in chosen:
             e = episodes[i]
             c = e.completion
+            key = tuple(e.prompt_token_ids)
+            if key not in prompts:
+                prompts[key] = self.decode(e.prompt_token_ids)
             # A trajectory's completion holds environment tokens too: its decoded tokens show them.
             completion = self.decode(c.token_ids) if c.mask is not None else c.text
             out.append(self._clean(SampleRecord(
@@ -73,7 +77,7 @@ class Capture:
                 group=e.group_id - first_group,
                 index=positions[i],
                 source=_source(e.problem),
-                prompt=self.decode(e.prompt_token_ids),
+                prompt=prompts[key],
                 messages=e.messages,
                 completion=completion,
                 reward=float(e.reward),
@@ -175,7 +179,8 @@ def _cut(text: str, limit: int) -> str:
 class Recorder:
     """A run's sample recording: :class:`Capture` (which records, how) writing through a
     :class:`~forgerl.samples.writer.SampleWriter`. Runs in the loop's process and thread,
-    at most ``per_step`` records a step: a few milliseconds beside a training step."""
+    at most ``per_step`` records a step (64 of 1,300 tokens: about 50 ms on a busy CPU,
+    beside steps of seconds)."""
 
     def __init__(self, capture: Capture, writer: Any):
         self.capture = capture
