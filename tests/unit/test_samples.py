@@ -275,3 +275,23 @@ def test_a_recorder_that_fails_does_not_fail_the_run(tmp_path, caplog):
     assert rec.train([episode(0, 1.0)], step=2, trained=set()) == 0
     assert sum("samples are not recorded" in r.message for r in caplog.records) == 1
     assert rec.take() == []
+
+
+def test_forge_samples_imports_nothing_heavy(tmp_path):
+    import subprocess
+    import sys
+
+    from tests.helpers.timing import scaled
+
+    run = sample_run(tmp_path)
+    code = (
+        "import sys\n"
+        "from forgerl.cli import main\n"
+        "try:\n"
+        f"    main(['samples', {str(run)!r}])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('HEAVY', [m for m in ('torch', 'transformers', 'numpy', 'pydantic') if m in sys.modules])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60))
+    assert "HEAVY []" in out.stdout, out.stdout[-500:] + out.stderr[-2000:]
