@@ -183,6 +183,14 @@ def test_a_raising_reward_does_not_stop_the_run(tmp_path):
     assert len(rows) == 2
     assert all(r["reward/failed"] > 0 for r in rows)
     assert all(0 < r["reward/flaky"] < 1 for r in rows)
+    # Its samples say which failed and why; `forge samples --failed` shows just those.
+    from forgerl.samples import read_samples
+
+    failed = [r for r in read_samples(out) if r.error is not None]  # the held-out ones too
+    assert len([r for r in failed if r.kind == "train"]) == sum(r["reward/failed"] for r in rows)
+    assert all("reward service exploded" in r.error for r in failed), failed[0].error
+    shown = forge("samples", str(out), "--failed", "--json", "--limit", "100")
+    assert [json.loads(line)["error"] for line in shown.stdout.splitlines()] == [r.error for r in failed]
 
 
 # Registration is light and imports fine; the implementation module names a dependency
