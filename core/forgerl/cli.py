@@ -19,6 +19,7 @@ import click
 
 from forgerl import __version__
 from forgerl.api_version import PLUGIN_API_VERSION
+from forgerl.commands.samples import samples as samples_command
 from forgerl.configuration.env import debug_enabled
 from forgerl.configuration.kinds import FLAGS, REGISTRATION_HOOKS
 from forgerl.errors import ForgeError, NotSupported
@@ -87,6 +88,7 @@ def cli(debug: bool) -> None:
     forge run --model runs/sft      RL from another run's weights
     forge plugins list              backends and whether they can run here
     forge report runs/A runs/B      plots of runs, overlaid, as one HTML page
+    forge samples RUN_DIR --worst   what the model wrote, lowest reward first
     forge export RUN_DIR --output DIR   the trained model as a Hugging Face folder
     """
     _State.debug = _State.debug or debug
@@ -488,6 +490,9 @@ def report(run_dirs: tuple[str, ...], output: str | None, fmt: str, labels: tupl
 
     for path in build_report(list(run_dirs), output, fmt, list(labels)):
         click.echo(str(path))
+
+
+cli.add_command(samples_command)
 
 
 # ------------------------------------------------------------------------------ main

@@ -8,7 +8,7 @@ docs/hooks.md (a test checks).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import pluggy
@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # pragma: no cover
         TransportBackend,
     )
     from forgerl.configuration.config import RunConfig
+    from forgerl.samples.records import SampleRecord
 
 PROJECT = "forgerl"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -112,6 +113,13 @@ def forge_run_start(config: RunConfig, run_dir: Path) -> None:
 def forge_step_end(step: int, metrics: Mapping[str, float], run_dir: Path) -> None:
     """A training step finished; ``metrics`` is the row written to metrics.jsonl
     (e.g. forward it to an experiment tracker such as W&B)."""
+
+
+@hookspec
+def forge_step_samples(step: int, samples: Sequence[SampleRecord], run_dir: Path) -> None:
+    """The sample records written since the last call (a step's, and any evaluation's), once
+    the step's ``forge_step_end`` was called; not called when none were recorded (e.g. show
+    them in an experiment tracker as a table)."""
 
 
 @hookspec

@@ -180,6 +180,10 @@ class Episode:
     reward_components: dict[str, float] = field(default_factory=dict)
     reward_failed: bool = False
     advantage: float = 0.0
+    #: Why the reward or the environment failed it (None: it did not); for sample records.
+    error: str | None = None
+    #: The whole trajectory as chat messages, when an environment ran it (sample records).
+    messages: list[dict[str, Any]] | None = None
 
 
 @dataclass

@@ -57,6 +57,17 @@ def test_forge_run_with_the_calculator_environment(tmp_path):
     assert summary["eval_start"]["eval/samples"] == 4 and "eval/reward/used_tool" in summary["eval_start"]
     config = (out / "config.yaml").read_text()
     assert "name: calculator" in config
+    # Its samples hold each trajectory's conversation as messages, and its tokens' text.
+    from forgerl.samples import read_samples
+
+    records = read_samples(out)
+    train = [r for r in records if r.kind == "train"]
+    assert [r.step for r in train] == [1] * 8 + [2] * 8
+    for r in records:
+        assert r.messages and r.messages[0]["role"] in ("system", "user"), r
+        assert r.messages[-1]["role"] == "assistant" and r.messages[-1]["content"] in r.completion, r
+        assert r.prompt and r.completion_tokens >= 1 and r.components, r
+    assert sorted({r.step for r in records if r.kind == "eval"}) == [0, 2]
 
 
 # ------------------------------------------------------------------ exactness

@@ -121,11 +121,18 @@ def test_wandb_offline_run_holds_every_row_of_metrics_jsonl(tiny_run):
 
     run_dir, stderr = tiny_run
     assert f"wandb: writing {run_dir / 'wandb'}" in stderr
+    from forgerl_plugins.trackers.wandb import SAMPLES_KEY
+
     (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     logged, rows = history(log), metrics(run_dir)
     assert [r["_step"] for r in logged] == [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    table = SAMPLES_KEY + "/"
     for got, row in zip(logged, rows):
-        assert {k: v for k, v in got.items() if not k.startswith("_")} == pytest.approx(scalars(row)), row["step"]
+        assert {k: v for k, v in got.items() if not k.startswith(("_", table))} == pytest.approx(scalars(row)), \
+            row["step"]
+        # Each step's samples table: its 8 training samples and 4 held-out ones (step 1: the
+        # evaluation before training; 2 and 3: after the step, loop.eval_every=2 and the end).
+        assert got[table + "nrows"] == 8 + 4, row["step"]
     assert exit_code(log) == 0
 
 
@@ -148,7 +155,42 @@ def test_mlflow_file_store_holds_every_row_of_metrics_jsonl(tiny_run, monkeypatc
         for key, value in scalars(row).items():
             expected.setdefault(key.replace("/", "."), []).append((row["step"], value))
     assert set(run.data.metrics) == set(expected)
+    tables = {a.path for a in client.list_artifacts(run.info.run_id, "samples")}
+    assert tables == {f"samples/step-{s:06d}.json" for s in range(1, STEPS + 1)}
     for key, points in expected.items():
         got = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, key))
         assert [s for s, _ in got] == [s for s, _ in points], key
         assert [v for _, v in got] == pytest.approx([v for _, v in points]), key
+
+
+def test_the_run_records_its_samples(tiny_run):
+    """Every sample of each step (2 prompts x 4) and of each held-out evaluation (at start,
+    step 2 and the end), with what the metrics row says of them; `forge samples` shows them."""
+    from forgerl.samples import read_samples
+
+    run_dir, _ = tiny_run
+    records = read_samples(run_dir)
+    rows = {r["step"]: r for r in metrics(run_dir)}
+    for step in range(1, STEPS + 1):
+        train = [r for r in records if r.kind == "train" and r.step == step]
+        assert len(train) == 2 * 4, step
+        assert [(r.group, r.index) for r in train] == [(g, i) for g in range(2) for i in range(4)]
+        assert sum(r.reward for r in train) / len(train) == pytest.approx(rows[step]["reward/mean"])
+        assert all(r.policy_version == step - 1 and r.prompt and r.completion_tokens >= 1 for r in train)
+        assert all(r.advantage is not None and r.finish_reason in ("stop", "length") for r in train)
+        # Advantages are group-relative: they sum to zero within a group.
+        for g in range(2):
+            assert sum(r.advantage for r in train if r.group == g) == pytest.approx(0.0, abs=1e-5)
+    evals = {}
+    for r in records:
+        if r.kind == "eval":
+            evals.setdefault(r.step, []).append(r)
+    assert sorted(evals) == [0, 2, 3]
+    for step, recs in evals.items():
+        assert len(recs) == 4 and all(r.correct is not None for r in recs), step
+        if step:
+            assert sum(r.correct for r in recs) / 4 == pytest.approx(rows[step]["eval/accuracy"])
+    proc = forge("samples", str(run_dir), "--step", "2", "--kind", "train", "--worst", "--json")
+    assert proc.returncode == 0, proc.stderr
+    shown = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(shown) == 8 and [s["reward"] for s in shown] == sorted(s["reward"] for s in shown)

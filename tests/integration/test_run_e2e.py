@@ -150,6 +150,8 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, trainer):
 
 
 RAISING_REWARD = """
+import os
+
 from forgerl.backends import RewardBackend
 from forgerl.hookspecs import hookimpl
 from forgerl.interfaces import Reward
@@ -162,7 +164,8 @@ class Flaky(Reward):
     def score(self, sample):
         self.calls += 1
         if self.calls % 2:
-            raise RuntimeError("reward service exploded")
+            # A service's error that quotes its token: never written into the run's samples.
+            raise RuntimeError("reward service exploded; token " + os.environ.get("FLAKY_API_TOKEN", ""))
         return 1.0
 
 
@@ -175,7 +178,8 @@ def forge_rewards():
 def test_a_raising_reward_does_not_stop_the_run(tmp_path):
     site = make_dist(tmp_path / "site", "fake-flaky", "1.0", {"flaky": RAISING_REWARD})
     out = tmp_path / "run"
-    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    token = "flaky-token-3141592653"
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "FLAKY_API_TOKEN": token}
     proc = forge("run", *BASE, "--steps", "2", "--reward", "flaky", "--reward", "format", "--output", str(out),
                  "--set", "loop.eval_at_start=false", "--set", "rewards.1.options.pattern=\\d", env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -183,6 +187,15 @@ def test_a_raising_reward_does_not_stop_the_run(tmp_path):
     assert len(rows) == 2
     assert all(r["reward/failed"] > 0 for r in rows)
     assert all(0 < r["reward/flaky"] < 1 for r in rows)
+    # Its samples say which failed and why; `forge samples --failed` shows just those.
+    from forgerl.samples import read_samples
+
+    failed = [r for r in read_samples(out) if r.error is not None]  # the held-out ones too
+    assert len([r for r in failed if r.kind == "train"]) == sum(r["reward/failed"] for r in rows)
+    assert all(r.error.endswith("reward service exploded; token [redacted]") for r in failed), failed[0].error
+    assert not [p for p in (out / "samples").iterdir() if token in p.read_text()]
+    shown = forge("samples", str(out), "--failed", "--json", "--limit", "100")
+    assert [json.loads(line)["error"] for line in shown.stdout.splitlines()] == [r.error for r in failed]
 
 
 # Registration is light and imports fine; the implementation module names a dependency

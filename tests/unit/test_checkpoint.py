@@ -50,6 +50,8 @@ def rollouts(start: int, n: int = 2) -> list[RolloutBatch]:
                 reward_components={"format": 1.0, "math/correct": 0.0},
                 reward_failed=g == 2,
                 advantage=-0.7 + g,
+                error="reward timed out" if g == 2 else None,  # sample records keep them
+                messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "4"}] if g == 1 else None,
             )
             for g in range(3)
         ]

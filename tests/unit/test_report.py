@@ -216,3 +216,34 @@ def test_cli_report_and_its_user_errors(tmp_path):
     assert_one_line_error(forge("report", str(run_dir), "--label", "a", "--label", "b"), "--label")
     assert_one_line_error(forge("report", str(run_dir), "--output", str(tmp_path)), "is a folder")
     assert_one_line_error(forge("report"), "Missing argument")
+
+
+def test_report_has_a_page_of_samples_per_step(tmp_path):
+    """The run's samples, at most PER_STEP per step (the worst and the best), kept as JSON
+    in the page for its filters; markup in a completion stays text; a run without samples
+    has no samples section."""
+    from forgerl.report.samples import PER_STEP, SAMPLES_ID
+    from forgerl.samples import SampleRecord, SampleWriter
+
+    bare = copy_run(tmp_path, "bare")
+    build_report([str(bare)], tmp_path / "bare.html")
+    assert SAMPLES_ID not in (tmp_path / "bare.html").read_text()
+
+    run = copy_run(tmp_path)
+    records = [SampleRecord(kind="train", step=s, reward=float(i), completion=f"s{s} r{i}", group=i // 4, index=i % 4)
+               for s in (1, 2) for i in range(PER_STEP + 4)]
+    records.append(SampleRecord(kind="eval", step=2, reward=0.0, completion="</script><b>bold</b>", error="boom"))
+    SampleWriter.for_run(run).write(records)
+    out = tmp_path / "report.html"
+    build_report([str(run)], out)
+    text = out.read_text()
+    match = re.search(rf'<script type="application/json" id="{SAMPLES_ID}">(.*?)</script>', text, re.S)
+    assert match, "no samples data in the page"
+    (shown,) = json.loads(match.group(1))
+    assert shown["label"] == "run"
+    train = [r for r in shown["records"] if r["kind"] == "train" and r["step"] == 1]
+    rewards = sorted(r["reward"] for r in train)
+    assert len(train) == PER_STEP and rewards[0] == 0.0 and rewards[-1] == PER_STEP + 3
+    (ev,) = [r for r in shown["records"] if r["kind"] == "eval"]
+    assert ev["completion"] == "</script><b>bold</b>" and ev["error"] == "boom"
+    assert "<b>bold</b>" not in text  # only inside the JSON, escaped

@@ -40,14 +40,18 @@ def events(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def run_through_hooks(name: str, run_dir: Path, *sets: str, status: str = "completed") -> None:
-    """What the loop does: forge_run_start, forge_step_end per row, forge_run_end."""
+def run_through_hooks(name: str, run_dir: Path, *sets: str, status: str = "completed",
+                      samples: dict[int, list] | None = None) -> None:
+    """What the loop does: forge_run_start, forge_step_end per row (then forge_step_samples
+    with ``samples[step]`` where given), forge_run_end."""
     run_dir.mkdir(parents=True, exist_ok=True)
     registry = build_registry(entry_points=False, plugins=[TRACKERS[name]], disabled=set())
     config = build_config(sets=list(sets))
     registry.hooks.run_start(config=config, run_dir=run_dir)
     for row in rows():
         registry.hooks.step_end(step=row["step"], metrics=row, run_dir=run_dir)
+        if samples and row["step"] in samples:
+            registry.hooks.step_samples(step=row["step"], samples=samples[row["step"]], run_dir=run_dir)
     registry.hooks.run_end(summary={"status": status, "eval_accuracy_end": 0.25}, run_dir=run_dir)
 
 
@@ -176,3 +180,63 @@ def test_trackers_are_registered_plugins_whose_modules_stay_light():
             + "print(sorted(m for m in ('torch', 'pydantic', 'wandb', 'mlflow', 'tensorboard') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def step_samples() -> dict[int, list]:
+    from forgerl.samples import SampleRecord
+
+    return {
+        2: [SampleRecord(kind="train", step=2, group=0, index=i, reward=float(i), completion=f"answer {i}",
+                         prompt="2+2?", advantage=i - 0.5) for i in range(2)],
+        4: [SampleRecord(kind="eval", step=4, index=0, reward=0.0, completion="wrong", correct=False,
+                         messages=[{"role": "user", "content": "hi"}], error="boom")],
+    }
+
+
+def test_wandb_logs_each_step_s_samples_as_a_table(tmp_path):
+    require_tracker("wandb", "pip install 'forgerl[wandb]'")
+    from forgerl_plugins.trackers.common import SAMPLE_COLUMNS
+    from forgerl_plugins.trackers.wandb import SAMPLES_KEY
+    from tests.helpers.wandb_log import history
+
+    run_through_hooks("wandb", tmp_path, "logging.wandb.enabled=true", "logging.tensorboard=false",
+                      samples=step_samples())
+    (log,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    logged = history(log)
+    assert [r["_step"] for r in logged] == [r["step"] for r in rows()]  # the tables join their steps' rows
+    # A table is logged as nested keys: samples/_type, samples/path, samples/nrows, ...
+    prefix = SAMPLES_KEY + "/"
+    tables = {r["_step"]: {k[len(prefix):]: v for k, v in r.items() if k.startswith(prefix)} for r in logged}
+    tables = {step: t for step, t in tables.items() if t}
+    assert sorted(tables) == [2, 4] and all(t["_type"] == "table-file" for t in tables.values())
+    assert tables[2]["nrows"] == 2 and tables[4]["nrows"] == 1
+    (table_file,) = log.parent.glob(f"files/{tables[4]['path']}")
+    table = json.loads(table_file.read_text())
+    assert table["columns"] == list(SAMPLE_COLUMNS)
+    (row,) = table["data"]
+    assert dict(zip(SAMPLE_COLUMNS, row)) == {
+        "step": 4, "kind": "eval", "group": None, "index": 0, "problem_id": None, "policy_version": None,
+        "reward": 0.0, "advantage": None, "correct": False, "finish_reason": None, "error": "boom", "prompt": "",
+        "completion": "wrong", "messages": "[user] hi"}
+    for got, row in zip(logged, rows()):  # the metrics are still every row's
+        assert {k: v for k, v in got.items() if not k.startswith(("_", prefix))} == pytest.approx(scalars(row))
+
+
+def test_mlflow_logs_each_step_s_samples_as_a_table(tmp_path):
+    require_tracker("mlflow", "pip install 'forgerl[mlflow]'")
+    from mlflow.tracking import MlflowClient
+
+    from forgerl_plugins.trackers.common import SAMPLE_COLUMNS
+
+    run_through_hooks("mlflow", tmp_path, "logging.mlflow.enabled=true", samples=step_samples())
+    client = MlflowClient(tracking_uri=(tmp_path / "mlruns").resolve().as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("forgerl").experiment_id])
+    assert {a.path for a in client.list_artifacts(run.info.run_id, "samples")} == {
+        "samples/step-000002.json", "samples/step-000004.json"}
+    local = Path(client.download_artifacts(run.info.run_id, "samples/step-000002.json", str(tmp_path / "dl")))
+    table = json.loads(local.read_text())
+    assert table["columns"] == list(SAMPLE_COLUMNS)
+    got = [dict(zip(table["columns"], row)) for row in table["data"]]
+    assert [(r["step"], r["index"], r["reward"], r["completion"], r["advantage"]) for r in got] == [
+        (2, 0, 0.0, "answer 0", -0.5), (2, 1, 1.0, "answer 1", 0.5)]
+    assert run.info.status == "FINISHED"

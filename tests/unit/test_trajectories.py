@@ -152,6 +152,10 @@ def test_a_tool_turn_is_token_exact_and_masked(tokenizer):
     ])
     rendered = tokenizer.apply_chat_template(conversation, tokenize=False)
     assert tokenizer.decode(traj.prompt_ids + c.token_ids) + "\n" == rendered
+    # The conversation as messages, for sample records (forgerl.samples).
+    assert [(m["role"], m["content"]) for m in traj.messages] == [
+        ("system", "Be exact."), ("user", "What is 2 + 2?"), ("assistant", f"Let me compute. {CALL}"),
+        ("tool", "4"), ("assistant", "<answer>4</answer>")]
 
 
 def test_the_batch_trains_only_on_sampled_tokens(tokenizer):

@@ -101,6 +101,9 @@ def encode(snapshot: Snapshot) -> tuple[str, dict[str, np.ndarray]]:
                     "reward_components": {k: float(v) for k, v in e.reward_components.items()},
                     "reward_failed": bool(e.reward_failed),
                     "advantage": float(e.advantage),
+                    # Only where there are some: a checkpoint without them stays as it was.
+                    **({"error": e.error} if e.error is not None else {}),
+                    **({"messages": e.messages} if e.messages is not None else {}),
                 }
             )
         batches.append(
@@ -251,6 +254,8 @@ def _rollouts(loop: LoopState, arrays: dict[str, np.ndarray], where: Path) -> li
                     reward_components=dict(e.reward_components),
                     reward_failed=e.reward_failed,
                     advantage=e.advantage,
+                    error=e.error,
+                    messages=e.messages,
                 )
             )
             at_prompt += n_prompt

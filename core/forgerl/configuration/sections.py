@@ -310,6 +310,32 @@ class MlflowConfig(_Strict):
     experiment: str = Field("forgerl", min_length=1, description="The MLflow experiment.")
 
 
+class SamplesConfig(_Strict):
+    """What the model wrote, recorded in <run_dir>/samples/ (docs/samples.md, `forge samples`)."""
+
+    enabled: bool = Field(
+        True, description="Record samples of each step and of each held-out evaluation in <run_dir>/samples/."
+    )
+    share: float = Field(
+        1.0, gt=0, le=1, description="Each sample is recorded with this probability (1: all, up to per_step)."
+    )
+    per_step: int = Field(
+        64, ge=1, le=MAX_SAMPLES_PER_STEP,
+        description="Most samples recorded per step and per evaluation (the first groups, whole).",
+    )
+    max_chars: int = Field(
+        8000, ge=100, le=10_000_000, description="Longest text kept per prompt, completion or message (cut in the "
+        "middle beyond).",
+    )
+    max_file_bytes: int = Field(
+        16 << 20, ge=4096, le=1 << 40, description="Size of one samples file before a new one is begun."
+    )
+    keep_files: int = Field(
+        4, ge=1, le=10_000, description="Samples files kept; the oldest is deleted beyond (total at most "
+        "keep_files x max_file_bytes).",
+    )
+
+
 class LoggingConfig(_Strict):
     level: Literal["debug", "info", "warning", "error"] = "info"
     progress: bool = Field(
@@ -322,6 +348,7 @@ class LoggingConfig(_Strict):
     )
     wandb: WandbConfig = Field(default_factory=WandbConfig)
     mlflow: MlflowConfig = Field(default_factory=MlflowConfig)
+    samples: SamplesConfig = Field(default_factory=SamplesConfig)
 
 
 def default_rewards() -> list[RewardChoice]:

@@ -259,6 +259,9 @@ class Hooks:
     def step_end(self, step: int, metrics: Mapping[str, float], run_dir: Any) -> None:
         self._hook.forge_step_end(step=step, metrics=metrics, run_dir=run_dir)
 
+    def step_samples(self, step: int, samples: Any, run_dir: Any) -> None:
+        self._hook.forge_step_samples(step=step, samples=samples, run_dir=run_dir)
+
     def run_end(self, summary: Mapping[str, Any], run_dir: Any) -> None:
         self._hook.forge_run_end(summary=summary, run_dir=run_dir)
 

@@ -13,6 +13,8 @@ from typing import Any
 from forgerl.errors import UserError
 from forgerl.report.data import RunData, Series, config_differences, default_config
 from forgerl.report.panels import PANELS, draw, figure_png, overview
+from forgerl.report.samples import CSS as SAMPLES_CSS
+from forgerl.report.samples import section as samples_section
 
 DATA_ID = "forge-report-data"
 
@@ -86,7 +88,7 @@ def page(runs_: list[RunData], per_panel: dict[str, list[list[Series]]]) -> str:
     title = "forge report: " + ", ".join(r.label for r in runs_)
     parts = [
         "<!doctype html>", '<html lang="en"><head><meta charset="utf-8">', f"<title>{e(title)}</title>",
-        f"<style>{_CSS}</style></head><body>", f"<h1>{e(title)}</h1>",
+        f"<style>{_CSS}{SAMPLES_CSS}</style></head><body>", f"<h1>{e(title)}</h1>",
         f'<p class="muted">made {e(time.strftime("%Y-%m-%d %H:%M:%S"))} by <code>forge report</code></p>',
         _runs_table(runs_), _config_table(runs_),
     ]
@@ -105,6 +107,7 @@ def page(runs_: list[RunData], per_panel: dict[str, list[list[Series]]]) -> str:
         parts.append("</section>")
     if missing:
         parts.append(f'<p class="muted">No data in these runs for: {e(", ".join(missing))}.</p>')
+    parts.append(samples_section(runs_))
     data = json.dumps(series_data(runs_, per_panel)).replace("</", "<\\/")
     parts += [f'<script type="application/json" id="{DATA_ID}">{data}</script>', "</body></html>"]
     return "\n".join(parts)

@@ -175,6 +175,7 @@ class AgentRunner:
         self._chats_lock = threading.Lock()
         self.plain = self.chat_for([])  # a template that cannot serve trajectories fails now
         self._endpoint: AgentEndpoint | None = None
+        self._keys: list[str] = []
         self._endpoint_lock = threading.Lock()
         self._closed = False
 
@@ -200,7 +201,12 @@ class AgentRunner:
                     model=self.model, port=self.options.port, max_request_bytes=self.options.max_request_bytes
                 )
                 log.info("agent endpoint serving on 127.0.0.1:%d", self._endpoint.port)
+                self._keys.append(self._endpoint.api_key)
             return self._endpoint
+
+    def secrets(self) -> list[str]:
+        """The keys of the endpoints this runner started (kept out of sample records)."""
+        return list(self._keys)
 
     def close(self) -> None:
         with self._endpoint_lock:

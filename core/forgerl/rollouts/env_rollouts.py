@@ -114,6 +114,11 @@ class EnvironmentRollouts:
         """Release what the runner holds (an agent endpoint's server). Idempotent."""
         self.runner.close()
 
+    def secrets(self) -> list[str]:
+        """Keys the runner hands out (an agent endpoint's): never written into sample records."""
+        secrets = getattr(self.runner, "secrets", None)
+        return list(secrets()) if callable(secrets) else []
+
     async def scored(
         self, generator: Generator, jobs: Sequence[tuple[Problem, str, int]], score: Score,
         sampling: SamplingParams | None = None,
@@ -162,6 +167,8 @@ class EnvironmentRollouts:
                 reward=float(s.result.value),
                 reward_components=dict(s.result.components),
                 reward_failed=bool(s.result.failed),
+                error=s.result.error if s.result.failed else None,
+                messages=s.trajectory.messages or None,
             )
             for k, s in enumerate(scored)
         ]

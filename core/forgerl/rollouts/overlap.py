@@ -170,6 +170,7 @@ class ContinuousBuffer:
                 reward=float(s.value),
                 reward_components=dict(s.components),
                 reward_failed=bool(s.failed),
+                error=s.error if s.failed else None,
             )
             for position, g in enumerate(groups)
             for c, s in zip(g.completions, g.scores)

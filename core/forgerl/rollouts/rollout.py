@@ -216,6 +216,7 @@ class RolloutProducer(threading.Thread):
                         reward=float(s.value),
                         reward_components=dict(s.components),
                         reward_failed=bool(s.failed),
+                        error=s.error if s.failed else None,
                     )
                 )
         return RolloutBatch(

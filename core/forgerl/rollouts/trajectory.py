@@ -69,6 +69,8 @@ class Trajectory:
     #: history rewrites), and the sampled tokens in them (not trained on).
     rewrites: int = 0
     dropped_tokens: int = 0
+    #: The conversation as chat messages (reset's, then each turn and observation), for sample records.
+    messages: list[dict[str, Any]] = field(default_factory=list)
 
 
 class GarbageError(Exception):
@@ -192,6 +194,7 @@ class TrajectoryRunner:
             if not messages:
                 raise GarbageError("reset returned no messages")
             traj.prompt_ids = self.chat.prompt_ids(messages)
+            traj.messages = list(messages)
             await self._turns(batcher, env, traj, request_id, seed, sampling or self.sampling)
         except _GeneratorFailed as exc:
             assert exc.__cause__ is not None, "raised from the generator's exception"
@@ -244,6 +247,7 @@ class TrajectoryRunner:
             c.versions += sampled.versions or [sampled.policy_version] * len(sampled.token_ids)
             c.text += sampled.text
             traj.last_text = sampled.text
+            traj.messages.append({"role": "assistant", "content": sampled.text})
             step = check_step(await call_bounded(env.step, sampled.text, timeout=lim.turn_timeout, what="step"))
             if step.done:
                 traj.reward = None if step.reward is None else float(step.reward)
@@ -253,12 +257,14 @@ class TrajectoryRunner:
                 # No turn left to read an observation: it would be tokens nobody answers.
                 traj.limit = "turns"
                 break
-            observation = self.chat.observation_ids(sampled.token_ids, check_messages(list(step.messages), "step"))
+            observed = check_messages(list(step.messages), "step")
+            observation = self.chat.observation_ids(sampled.token_ids, observed)
             traj.observations += 1
             # An observation must leave room for at least one more sampled token.
             if len(c.token_ids) + len(observation) >= lim.max_total_tokens:
                 traj.limit = "total_tokens"
                 break
+            traj.messages.extend(observed)
             c.token_ids += observation
             c.logprobs += [0.0] * len(observation)
             c.mask += [0] * len(observation)

@@ -83,6 +83,10 @@ class EpisodeState(_Layout):
     reward_components: dict[str, float]
     reward_failed: bool
     advantage: float
+    #: Why a reward or the environment failed it, and a trajectory's messages (sample
+    #: records); absent when None, and from every checkpoint written before samples existed.
+    error: str | None = None
+    messages: list[dict[str, Any]] | None = None
 
 
 class BatchState(_Layout):

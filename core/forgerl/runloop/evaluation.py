@@ -12,7 +12,7 @@ gave the reward is judged by the environment's ``correct`` component instead.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +26,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from forgerl.rollouts.rollout import Tokenizing
 
 
+#: Where an evaluation hands its samples (keywords problems, prompt_ids, completions, scores,
+#: correct and, for trajectories, messages).
+Record = Callable[..., Any]
+
+
 def eval_sampling(cfg: RunConfig) -> SamplingParams:
     """The run's sampling settings at the eval temperature."""
     s = cfg.loop.sampling
@@ -33,9 +38,11 @@ def eval_sampling(cfg: RunConfig) -> SamplingParams:
 
 
 def evaluate_samples(
-    cfg: RunConfig, problems: list[Any], generator: Generator, rewards: Any, tokenizing: Tokenizing
+    cfg: RunConfig, problems: list[Any], generator: Generator, rewards: Any, tokenizing: Tokenizing,
+    record: Record | None = None,
 ) -> dict[str, float]:
-    """One sample per problem, scored: the eval row."""
+    """One sample per problem, scored: the eval row. ``record`` gets the samples (sample
+    records: :meth:`forgerl.samples.capture.Capture.evaluation`'s keywords)."""
     sampling = eval_sampling(cfg)
     requests = [
         GenerationRequest(
@@ -47,19 +54,28 @@ def evaluate_samples(
         for i, p in enumerate(problems)
     ]
 
+    completions: list[Any] = []
+
     async def go() -> list[RewardResult]:
         results = await generator.generate(requests)
+        completions.extend(r[0] for r in results)
         inputs = [RewardInput(p, r[0].text, r[0].finish_reason) for p, r in zip(problems, results)]
         return await rewards.score(inputs)
 
     scores = asyncio.run(go())
-    return _row([is_correct(s, cfg) for s in scores], [s.value for s in scores], [s.components for s in scores])
+    correct = [is_correct(s, cfg) for s in scores]
+    if record is not None:
+        record(problems=problems, prompt_ids=[r.prompt_token_ids for r in requests], completions=completions,
+               scores=scores, correct=correct)
+    return _row(correct, [s.value for s in scores], [s.components for s in scores])
 
 
 def evaluate_trajectories(
-    cfg: RunConfig, problems: list[Any], generator: Generator, rewards: Any, environment: EnvironmentRollouts
+    cfg: RunConfig, problems: list[Any], generator: Generator, rewards: Any, environment: EnvironmentRollouts,
+    record: Record | None = None,
 ) -> dict[str, float]:
-    """One whole trajectory per problem, scored: the eval row."""
+    """One whole trajectory per problem, scored: the eval row (``record``: as for
+    :func:`evaluate_samples`)."""
     jobs = [(p, f"eval-{i}", sampling_seed(cfg.loop.seed + 1, -1, i)) for i, p in enumerate(problems)]
     turn = replace(eval_sampling(cfg), max_tokens=environment.runner.limits.max_turn_tokens)
     scored, _ = asyncio.run(environment.scored(generator, jobs, rewards.score, turn))
@@ -69,6 +85,10 @@ def evaluate_trajectories(
             correct.append(float(s.result.components.get("correct", float(s.result.value >= 1.0))))
         else:
             correct.append(is_correct(s.result, cfg))
+    if record is not None:
+        record(problems=problems, prompt_ids=[s.trajectory.prompt_ids for s in scored],
+               completions=[s.trajectory.completion for s in scored], scores=[s.result for s in scored],
+               correct=correct, messages=[s.trajectory.messages or None for s in scored])
     return _row(correct, [s.result.value for s in scored], [s.result.components for s in scored])
 
 

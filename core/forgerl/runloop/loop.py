@@ -47,6 +47,8 @@ from forgerl.runloop.distill_batch import distill_batch
 from forgerl.runloop.evaluation import evaluate_samples, evaluate_trajectories, mean
 from forgerl.runloop.metrics import MetricsWriter
 from forgerl.runloop.spmd import TrainerDriver
+from forgerl.samples.capture import Recorder
+from forgerl.samples.redact import reward_secrets
 from forgerl.types import Problem, SamplingParams, reserved_component_error
 
 log = logging.getLogger("forgerl.runloop.loop")
@@ -108,6 +110,16 @@ class Loop:
         #: Multi-turn rollouts through the configured environment; None: single-turn.
         self.environment = EnvironmentRollouts.from_config(
             config, registry, tokenizer, ctx.run_dir, context_length=_context_length(ctx.model_path)
+        )
+        #: What the model wrote, in <run_dir>/samples/ (None: logging.samples.enabled is off).
+        self.samples = Recorder.for_run(
+            config.logging.samples,
+            run_dir=ctx.run_dir,
+            tokenizer=tokenizer,
+            seed=config.loop.seed,
+            primary_reward=config.rewards[0].name,
+            secrets=reward_secrets(config),
+            sources=[s for s in (getattr(o, "secrets", None) for o in (generator, self.environment)) if callable(s)],
         )
 
     # -------------------------------------------------------------------- state
@@ -228,6 +240,8 @@ class Loop:
                     saved_step = self.step
                     self.time_totals["checkpoint"] += time.perf_counter() - t
                 metrics.publish(self.step, written)
+                if self.samples is not None and (recorded := self.samples.take()):
+                    self.registry.hooks.step_samples(step=self.step, samples=recorded, run_dir=self.run_dir)
         except Interrupted:
             status = "interrupted"
             buffer.stop()
@@ -330,6 +344,9 @@ class Loop:
             min_version=min_version,
         )
         ages = tokens_by_age(prepared.batch) if prepared.batch is not None else {}
+        if self.samples is not None:
+            # Before the step trains: a step that fails still shows what it was given.
+            self.samples.train(rollouts.episodes, step=k + 1, trained={id(e) for e in stale.kept})
         t = time.perf_counter()
         train_metrics: dict[str, float] = {}
         if prepared.batch is not None:
@@ -451,11 +468,14 @@ class Loop:
         problems = self.task.eval_problems()
         if cfg.loop.eval_size:
             problems = problems[: cfg.loop.eval_size]
+        record = None
+        if self.samples is not None:
+            record = partial(self.samples.evaluation, step=self.step, policy_version=self.policy_version)
         if self.environment is not None:
-            row = evaluate_trajectories(cfg, problems, self.generator, self.rewards, self.environment)
+            row = evaluate_trajectories(cfg, problems, self.generator, self.rewards, self.environment, record)
             what = "trajectories"
         else:
-            row = evaluate_samples(cfg, problems, self.generator, self.rewards, self.tokenizing)
+            row = evaluate_samples(cfg, problems, self.generator, self.rewards, self.tokenizing, record)
             what = "problems"
         self.time_totals["eval"] += time.perf_counter() - t
         log.info(

@@ -8,13 +8,14 @@ point names)::
 
     _tracker = MyTracker()
     forge_run_start, forge_step_end, forge_run_end = _tracker.run_hooks()
+    forge_step_samples = _tracker.forge_step_samples  # where it shows samples (write_samples)
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,21 @@ log = logging.getLogger("forgerl.trackers")
 
 #: Row keys that are not a series to plot: the step is the x axis, time/wall a clock.
 NOT_SCALARS = {"step", "time/wall"}
+#: The columns of a tracker's samples table (forgerl.samples.SampleRecord's fields, messages
+#: as text).
+SAMPLE_COLUMNS = ("step", "kind", "group", "index", "problem_id", "policy_version", "reward", "advantage",
+                  "correct", "finish_reason", "error", "prompt", "completion", "messages")
+
+
+def sample_rows(samples: Sequence[Any]) -> list[list[Any]]:
+    """A samples table's rows, one per record, in :data:`SAMPLE_COLUMNS` order."""
+    rows = []
+    for r in samples:
+        messages = "\n".join(f"[{m.get('role', '?')}] {m.get('content', '')}" for m in r.messages or []
+                              if isinstance(m, dict))
+        rows.append([r.step, r.kind, r.group, r.index, r.problem_id, r.policy_version, r.reward, r.advantage,
+                     r.correct, r.finish_reason, r.error, r.prompt, r.completion, messages or None])
+    return rows
 
 
 def scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
@@ -61,6 +77,9 @@ class Tracker:
     def close(self, handle: Any, summary: Mapping[str, Any]) -> None:
         raise NotImplementedError
 
+    def write_samples(self, handle: Any, step: int, samples: Sequence[Any]) -> None:
+        """Show a step's sample records (a tracker without tables does nothing)."""
+
     # -- the run hooks
     def run_hooks(self) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
         """``forge_run_start``, ``forge_step_end``, ``forge_run_end`` of this tracker, in
@@ -96,6 +115,17 @@ class Tracker:
         except Exception as exc:  # noqa: BLE001 - a tracker must not stop training
             self.open_runs.pop(run_dir, None)
             self._skip(run_dir, f"stopped after a failed write at step {step}: {type(exc).__name__}: {exc}", exc)
+
+    @hookimpl
+    def forge_step_samples(self, step: int, samples: Sequence[Any], run_dir: Path) -> None:
+        handle = self.open_runs.get(run_dir)
+        if handle is None:
+            return
+        try:
+            self.write_samples(handle, step, samples)
+        except Exception as exc:  # noqa: BLE001 - a tracker must not stop training
+            # The metrics matter more than the table: the tracker goes on without samples.
+            log.warning("%s: samples of step %d not logged: %s: %s", self.name, step, type(exc).__name__, exc)
 
     @hookimpl
     def forge_run_end(self, summary: Mapping[str, Any], run_dir: Path) -> None:

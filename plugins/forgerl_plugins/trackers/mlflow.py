@@ -8,17 +8,19 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forgerl_plugins.trackers.common import Tracker
+from forgerl_plugins.trackers.common import SAMPLE_COLUMNS, Tracker, sample_rows
 
 LOG_DIR = "mlruns"
 #: MLflow refuses longer parameter values.
 MAX_PARAM_CHARS = 500
 STATUS = {"completed": "FINISHED", "interrupted": "KILLED"}
+#: Each step's samples table, an artifact of the MLflow run.
+SAMPLES_ARTIFACT = "samples/step-{step:06d}.json"
 
 
 @dataclass
@@ -85,6 +87,15 @@ class MLflow(Tracker):
         metrics = [Metric(k.replace("/", "."), v, now, step) for k, v in values.items()]
         handle.client.log_batch(handle.run_id, metrics=metrics)
 
+    def write_samples(self, handle: _Run, step: int, samples: Sequence[Any]) -> None:
+        rows = sample_rows(samples)
+        table = {c: [row[i] for row in rows] for i, c in enumerate(SAMPLE_COLUMNS)}
+        artifact = SAMPLES_ARTIFACT.format(step=step)
+        try:
+            handle.client.log_table(handle.run_id, data=table, artifact_file=artifact)
+        except ImportError:  # log_table needs pandas, which mlflow-skinny does not bring: the same columns as JSON
+            handle.client.log_dict(handle.run_id, {"columns": list(SAMPLE_COLUMNS), "data": rows}, artifact)
+
     def close(self, handle: _Run, summary: Mapping[str, Any]) -> None:
         handle.client.set_terminated(handle.run_id, STATUS.get(str(summary.get("status")), "FAILED"))
 
@@ -92,3 +103,4 @@ class MLflow(Tracker):
 _tracker = MLflow()
 
 forge_run_start, forge_step_end, forge_run_end = _tracker.run_hooks()
+forge_step_samples = _tracker.forge_step_samples

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from forgerl_plugins.trackers.common import Tracker
+from forgerl_plugins.trackers.common import SAMPLE_COLUMNS, Tracker, sample_rows
 
 LOG_DIR = "wandb"
+#: The history key of each step's samples table (not "samples": the metrics samples/* are there).
+SAMPLES_KEY = "samples_table"
 
 
 def run_id(run_dir: Path) -> str:
@@ -53,6 +55,12 @@ class WandB(Tracker):
     def write(self, handle: Any, step: int, values: dict[str, float]) -> None:
         handle.log(values, step=step)
 
+    def write_samples(self, handle: Any, step: int, samples: Sequence[Any]) -> None:
+        import wandb
+
+        # At the step of the metrics just logged: the table joins that step's history row.
+        handle.log({SAMPLES_KEY: wandb.Table(columns=list(SAMPLE_COLUMNS), data=sample_rows(samples))}, step=step)
+
     def close(self, handle: Any, summary: Mapping[str, Any]) -> None:
         for key in ("eval_accuracy_start", "eval_accuracy_end", "status"):
             if summary.get(key) is not None:
@@ -69,3 +77,4 @@ class WandB(Tracker):
 _tracker = WandB()
 
 forge_run_start, forge_step_end, forge_run_end = _tracker.run_hooks()
+forge_step_samples = _tracker.forge_step_samples

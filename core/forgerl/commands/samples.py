@@ -1,0 +1,104 @@
+"""``forge samples RUN_DIR``: what the model wrote, read from the run's sample records."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import TYPE_CHECKING
+
+import click
+
+if TYPE_CHECKING:  # pragma: no cover
+    from forgerl.samples.records import SampleRecord
+
+#: Characters of a prompt shown without --full (its end: where the question usually is).
+PROMPT_CHARS = 400
+
+
+@click.command("samples")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--step", type=click.IntRange(min=0), help="Only this step (0: the evaluation before training).")
+@click.option("--kind", type=click.Choice(["train", "eval"]), help="Only training or only held-out samples.")
+@click.option("--worst", "order", flag_value="worst", help="Lowest reward first.")
+@click.option("--best", "order", flag_value="best", help="Highest reward first.")
+@click.option("--failed", is_flag=True, help="Only samples a reward or the environment failed.")
+@click.option("--grep", "grep", metavar="TEXT", help="Only samples whose prompt, messages, completion or error "
+              "contain TEXT (any case).")
+@click.option("--limit", "-n", type=click.IntRange(min=1), default=20, show_default=True,
+              help="Most samples shown.")
+@click.option("--full", is_flag=True, help="Show whole prompts (default: their last characters).")
+@click.option("--json", "as_json", is_flag=True, help="Print the matching records as JSON lines.")
+def samples(run_dir: str, step: int | None, kind: str | None, order: str | None, failed: bool, grep: str | None,
+            limit: int, full: bool, as_json: bool) -> None:
+    """Show what the model wrote during a run: each sample's prompt, completion, reward and
+    its components, advantage, policy version, finish reason and failure (recorded in
+    RUN_DIR/samples/; docs/samples.md)."""
+    from forgerl.errors import UserError
+    from forgerl.samples.reader import read_samples, select
+
+    records = read_samples(run_dir)
+    if step is not None and not any(r.step == step for r in records):
+        steps = sorted({r.step for r in records})
+        held = f"steps {steps[0]} to {steps[-1]}" if steps else "no samples"
+        raise UserError(f"{run_dir} has no samples of step {step} (it holds {held})")
+    shown = select(records, step=step, kind=kind, failed=failed, grep=grep, order=order, limit=limit)
+    if as_json:
+        for r in shown:
+            click.echo(r.to_json())
+        return
+    if not shown:
+        click.echo("no samples match", err=True)
+        return
+    for r in shown:
+        click.echo(render(r, full=full))
+    matched = len(select(records, step=step, kind=kind, failed=failed, grep=grep))
+    if matched > len(shown):
+        click.echo(f"({len(shown)} of {matched} matching samples shown; --limit shows more)", err=True)
+
+
+def render(r: SampleRecord, *, full: bool = False) -> str:
+    """One record as a few readable lines."""
+    where = [f"step {r.step}", r.kind]
+    if r.group is not None:
+        where.append(f"group {r.group}" + (f" #{r.index}" if r.index is not None else ""))
+    elif r.index is not None:
+        where.append(f"#{r.index}")
+    if r.problem_id:
+        where.append(f"problem {r.problem_id}")
+    if r.source:
+        where.append(f"source {r.source}")
+    if r.policy_version is not None:
+        where.append(f"version {r.policy_version}")
+    score = []
+    if r.reward is not None:
+        parts = ", ".join(f"{k} {v:.3g}" for k, v in sorted(r.components.items()))
+        score.append(f"reward {r.reward:.4g}" + (f" ({parts})" if parts else ""))
+    if r.advantage is not None:
+        score.append(f"advantage {r.advantage:+.3f}")
+    if r.correct is not None:
+        score.append("correct" if r.correct else "wrong")
+    if r.finish_reason:
+        score.append(f"finish {r.finish_reason}")
+    score.append(f"{r.prompt_tokens}+{r.completion_tokens} tokens")
+    lines = [click.style("── " + " · ".join(where), bold=True), "   " + " · ".join(score)]
+    if r.error:
+        lines.append(click.style(f"   FAILED: {r.error}", fg="red"))
+    if r.messages:
+        lines.append("   messages:")
+        for m in r.messages:
+            content = m.get("content", "") if isinstance(m, dict) else m
+            role = m.get("role", "?") if isinstance(m, dict) else "?"
+            lines.append(f"   [{role}]")
+            lines.append(_indent(str(content) if full or role != "system" else _tail(str(content))))
+    else:
+        prompt = r.prompt if full else _tail(r.prompt)
+        lines += ["   prompt:", _indent(prompt)]
+    lines += ["   completion:", _indent(r.completion), ""]
+    return "\n".join(lines)
+
+
+def _tail(text: str) -> str:
+    return text if len(text) <= PROMPT_CHARS else "…" + text[-PROMPT_CHARS:]
+
+
+def _indent(text: str) -> str:
+    return textwrap.indent(text.rstrip("\n") or "(empty)", "     ", lambda line: True)
