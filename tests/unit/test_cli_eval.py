@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,13 @@ def test_a_run_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
     (tmp_path / "runs" / "empty" / "config.yaml").write_text("model:\n  name: tiny\n")
     proc = forge("eval", "runs/empty", "--dry-run", cwd=tmp_path)
     assert_one_line_error(proc, "model 'runs/empty' is a run without a checkpoint yet")
+
+
+def test_a_mistyped_run_directory_is_not_asked_of_the_hub(tmp_path: Path) -> None:
+    (tmp_path / "runs").mkdir()
+    proc = forge("eval", "runs/typo", "--dry-run", cwd=tmp_path)
+    assert_one_line_error(proc, "model 'runs/typo': no such folder or run (runs holds no 'typo')")
+    assert os.listdir(tmp_path / "runs") == []
 
 
 def test_the_dry_run_is_one_worker_without_a_trainer(tmp_path: Path) -> None:

@@ -7,6 +7,7 @@ the run's own evaluation scored it. Flags and ``--set`` values given here come a
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from forgerl.errors import ConfigError
@@ -50,8 +51,22 @@ def implied_sets(k: int | None, temperature: float | None, problems: int | None,
 
 
 def check_model_argument(model: str | None, resume_dir: str | None) -> None:
+    """A missing MODEL, and a mistyped run directory (``runs/typo`` reads as a hub id
+    ``owner/name``, which would fail only in the worker, after launch): one line now."""
     if resume_dir is None and (model is None or not model.strip()):
         raise ConfigError(
             "forge eval needs the model to evaluate: a named model (tiny), a Hugging Face folder, a hub id "
             "owner/name, or a run directory (runs/NAME, its newest checkpoint); or --resume DIR"
+        )
+    if model is None or "/" not in model:
+        return
+    path = Path(model).expanduser()
+    try:
+        missing = not path.exists() and str(path.parent) not in ("", ".") and path.parent.is_dir()
+    except (OSError, ValueError):
+        return
+    if missing:
+        raise ConfigError(
+            f"model {model!r}: no such folder or run ({path.parent} holds no {path.name!r}); a hub id owner/name "
+            "must not name a folder that exists here"
         )
