@@ -35,6 +35,9 @@ def test_a_run_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
     (tmp_path / "runs" / "empty" / "config.yaml").write_text("model:\n  name: tiny\n")
     proc = forge("eval", "runs/empty", "--dry-run", cwd=tmp_path)
     assert_one_line_error(proc, "model 'runs/empty' is a run without a checkpoint yet")
+    # A training run's directory is not an evaluation to finish.
+    proc = forge("eval", "--resume", "runs/empty", "--dry-run", cwd=tmp_path)
+    assert_one_line_error(proc, "objective cannot change when resuming", "given 'eval'")
 
 
 def test_a_mistyped_run_directory_is_not_asked_of_the_hub(tmp_path: Path) -> None:
