@@ -86,6 +86,7 @@ def cli(debug: bool) -> None:
     forge run run.yaml --generator vllm --scheduler slurm
     forge sft --data demos.jsonl --output runs/sft     supervised fine-tuning (docs/sft.md)
     forge run --model runs/sft      RL from another run's weights
+    forge eval runs/rl --k 8        pass@k of a run's checkpoint (docs/eval.md)
     forge plugins list              backends and whether they can run here
     forge report runs/A runs/B      plots of runs, overlaid, as one HTML page
     forge samples RUN_DIR --worst   what the model wrote, lowest reward first
@@ -196,6 +197,59 @@ def sft(
     _launch(config_file, (*implied, *sets), resume_dir, restart_dir, dry_run, wait, quiet, kwargs)
 
 
+@cli.command("eval")
+@click.argument("model", required=False)
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="A run config file to start from.")
+@click.option("--task", help="Task whose held-out problems are evaluated (default: the run's, for a run).")
+@click.option("--environment", help="Environment for multi-turn episodes (calculator, guess, ...).")
+@click.option("--reward", "rewards", multiple=True, help="Reward (repeatable; default: the run's, for a run).")
+@click.option("--k", "k", type=click.IntRange(min=1, max=1024), help="Samples per problem (default 1).")
+@click.option("--temperature", type=click.FloatRange(min=0, max=100), help="Sampling temperature (loop.eval_temperature).")
+@click.option("--problems", type=click.IntRange(min=0), help="Evaluate the first N held-out problems (0: all).")
+@click.option("--confidence", type=click.FloatRange(min=0, max=1, min_open=True, max_open=True),
+              help="Level of the confidence intervals (default 0.95).")
+@click.option("--batch-size", type=click.IntRange(min=1), help="Samples generated and scored at once (default 64).")
+@click.option("--generator", help="Generator backend (vllm, sglang, hf, ...).")
+@click.option("--transport", help="Weight transport (shm, nccl, rdma, ...).")
+@click.option("--scheduler", help="Scheduler (local, slurm, kubernetes, ...).")
+@click.option("--output", help="Results directory (default runs/<timestamp>).")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Set any config key, e.g. loop.sampling.max_tokens=256.")
+@click.option("--resume", "resume_dir", type=click.Path(file_okay=False),
+              help="Finish the evaluation in this directory (finished samples are kept, not redone).")
+@click.option("--dry-run", is_flag=True, help="Print what would be started or submitted; start nothing.")
+@click.option("--wait/--no-wait", default=None, help="Follow a submitted job to its end (default for local runs).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines (the summary is still printed).")
+def eval_command(
+    model: str | None,
+    config_file: str | None,
+    k: int | None,
+    temperature: float | None,
+    problems: int | None,
+    confidence: float | None,
+    batch_size: int | None,
+    sets: tuple[str, ...],
+    resume_dir: str | None,
+    dry_run: bool,
+    wait: bool | None,
+    quiet: bool,
+    **kwargs: Any,
+) -> None:
+    """Score a model on a task's held-out problems (docs/eval.md): k samples per problem,
+    mean@k and pass@k with confidence intervals, per source and per reward component,
+    written to DIR/eval_samples.jsonl and DIR/eval_summary.json. MODEL is a named model, a
+    Hugging Face folder or a run (runs/NAME: its newest checkpoint, with its task, rewards
+    and sampling). Generation goes through the generator and scheduler as `forge run`'s."""
+    from forgerl.runloop import eval_command as ev
+
+    ev.check_model_argument(model, resume_dir)
+    base, note = ev.run_base(model) if model and resume_dir is None else (None, None)
+    if note:
+        click.echo(f"forge: {note}", err=True)
+    kwargs["model"] = model
+    implied = ev.implied_sets(k, temperature, problems, confidence, batch_size)
+    _launch(config_file, (*implied, *sets), resume_dir, None, dry_run, wait, quiet, kwargs, base=base)
+
+
 def _launch(
     config_file: str | None,
     sets: tuple[str, ...],
@@ -205,6 +259,7 @@ def _launch(
     wait: bool | None,
     quiet: bool,
     kwargs: dict[str, Any],
+    base: dict[str, Any] | None = None,
 ) -> None:
     from forgerl import api
     from forgerl.configuration.config import build_config, read_yaml
@@ -218,7 +273,6 @@ def _launch(
         resume_dir = restart_dir  # the same run directory and saved config; only the start differs
     _refuse_conflicting_flags(config_file, resume_dir, kwargs.get("output"))
     registry = _registry()
-    base = None
     if resume_dir:
         base = read_yaml(runs.existing_run_dir(resume_dir) / runs.CONFIG_FILE)
         base.pop("output", None)

@@ -116,6 +116,8 @@ def run_worker(run_dir: Path) -> int:
                     key=f"model:{config.model.name}", detail="a named model is built or converted on first use only"):
             model_path = resolve_model(config.model, registry)
         ctx = RunContext.for_run(config, run_dir, model_path=model_path, rank=rank, world_size=world)
+        if config.objective == "eval":  # forge eval: one worker, the generator alone
+            return _run_eval(config, registry, ctx, model_path, log)
         log.info("model %s; trainer %s on %d rank(s)", model_path, config.trainer.name, world)
         with _phase(rank, run_dir, f"building trainer {config.trainer.name} on {world} rank(s)", stage="trainer",
                     key=f"trainer:{config.trainer.name}:{config.model.name}"):
@@ -183,6 +185,42 @@ def run_worker(run_dir: Path) -> int:
                 except Exception:
                     log.exception("closing %s failed", type(part).__name__)
         faulthandler.cancel_dump_traceback_later()
+    return 143 if summary["status"] == "interrupted" else 0
+
+
+def _run_eval(config: Any, registry: Registry, ctx: Any, model_path: Path, log: logging.Logger) -> int:
+    """``objective: eval`` (``forge eval``): task, rewards, transport and generator as an RL
+    run builds them, then :func:`forgerl.runloop.eval_run.run_eval` instead of a loop."""
+    from transformers import AutoTokenizer
+
+    from forgerl import events
+    from forgerl.rewards.rewarding import RewardSet
+    from forgerl.runloop.eval_run import install_stop_handler, run_eval
+
+    run_dir = ctx.run_dir
+    generator = transport = rewards = None
+    try:
+        with _ends_run_if_start_fails(registry, run_dir, log):
+            task = registry.require("task", config.task.name).build(config.task.options, seed=config.loop.seed)
+            rewards = RewardSet.from_config(config, registry)
+            transport = registry.require("transport", config.transport.name).build(
+                config.transport.options, context=ctx
+            )
+            with events.phase(f"starting generator {config.generator.name}", stage="generator", run_dir=run_dir,
+                              key=f"generator:{config.generator.name}:{config.model.name}"):  # fmt: skip
+                generator = registry.require("generator", config.generator.name).build(
+                    config.generator.options, context=ctx, transport=transport
+                )
+            tokenizer = AutoTokenizer.from_pretrained(model_path)
+            stop = install_stop_handler()
+        summary = run_eval(config, registry, ctx, task, generator, rewards, tokenizer, stop=stop)
+    finally:
+        for part in (rewards, generator, transport):
+            if part is not None:
+                try:
+                    part.close()
+                except Exception:
+                    log.exception("closing %s failed", type(part).__name__)
     return 143 if summary["status"] == "interrupted" else 0
 
 

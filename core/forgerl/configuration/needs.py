@@ -21,3 +21,9 @@ def uses_generator(config: RunConfig) -> bool:
 def uses_task(config: RunConfig) -> bool:
     """Whether the run builds its task: for problems, held-out problems or demonstrations."""
     return uses_generator(config) or config.sft.task_demonstrations
+
+
+def uses_trainer(config: RunConfig) -> bool:
+    """Whether the run builds its trainer: not an evaluation (``forge eval``), whose one
+    worker drives the generator alone."""
+    return config.objective != "eval"

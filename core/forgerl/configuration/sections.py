@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from forgerl.algorithms.config import PRESETS, AlgorithmConfig, fill_length_defaults
+from forgerl.configuration.eval_config import EvalConfig
 from forgerl.configuration.limits import (
     MAX_GROUP_SIZE,
     MAX_PROMPTS_PER_STEP,
@@ -359,12 +360,13 @@ class RunConfig(_Strict):
     """Everything that defines a run."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
-    objective: Literal["grpo", "sft", "distill"] = Field(
+    objective: Literal["grpo", "sft", "distill", "eval"] = Field(
         "grpo",
         description="What the run trains for: grpo (reinforcement learning on the rewards' group-relative "
         "advantages of its own samples, the algorithm section), sft (supervised fine-tuning on demonstrations, "
         "the sft section; docs/sft.md) or distill (a teacher's per-token reverse KL on the student's own "
-        "samples, the distill section; docs/distillation.md).",
+        "samples, the distill section; docs/distillation.md) or eval (no training: the model's samples on the task's "
+        "held-out problems scored and summed up, the eval section; what `forge eval` runs, docs/eval.md).",
     )
     task: TaskChoice = Field(default_factory=TaskChoice)
     generator: GeneratorChoice = Field(default_factory=GeneratorChoice)
@@ -381,6 +383,7 @@ class RunConfig(_Strict):
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     distill: DistillConfig = Field(default_factory=DistillConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)

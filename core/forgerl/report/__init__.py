@@ -1,4 +1,5 @@
-"""`forge report`: plots of one or more runs, as one self-contained HTML file or as PNGs.
+"""`forge report`: plots of one or more runs, as one self-contained HTML file or as PNGs;
+``forge eval`` results folders side by side as one table (:mod:`forgerl.report.evals`).
 
 :func:`build_report` is what the command calls. The series plotted come from
 :mod:`forgerl.report.data` (plain lists read from metrics.jsonl); the HTML keeps them as
@@ -42,9 +43,21 @@ def build_report(
 ) -> list[Path]:
     """Draw the report of ``run_dirs``; returns the files written (the HTML file, or the
     PNGs in the folder ``output``)."""
-    from forgerl.report import render
+    from forgerl.report import evals, render
     from forgerl.report.panels import all_series
 
+    kinds = [evals.is_eval_dir(d) for d in run_dirs]
+    if any(kinds):
+        from forgerl.errors import UserError
+
+        if not all(kinds):
+            raise UserError("give forge eval results folders or training runs, not both: evaluations are a table of "
+                            "scores, runs are plots over steps")  # fmt: skip
+        if fmt != "html":
+            raise UserError("the report of forge eval results is a table: use --format html")
+        if len(labels or []) > len(run_dirs):
+            raise UserError(f"{len(labels or [])} --label for {len(run_dirs)} directories: give at most one per folder")
+        return [evals.write_html(run_dirs, list(labels or []), Path(output) if output else default_output(run_dirs, fmt))]
     runs_ = load_runs(run_dirs, labels)
     out = Path(output) if output else default_output(run_dirs, fmt)
     per_panel = all_series(runs_)

@@ -283,7 +283,7 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
     """The JobSpec of a run: trainer ranks (primary; rank 0 drives the loop) plus any
     server roles the generator (e.g. vLLM replicas) and the rewards (e.g. a served reward
     model) need; none of those for a supervised run that does not evaluate."""
-    from forgerl.configuration.needs import uses_generator
+    from forgerl.configuration.needs import uses_generator, uses_trainer
     from forgerl.interfaces import RunContext
     from forgerl.rundirs.allocator import trainer_allocator_env
 
@@ -292,7 +292,8 @@ def build_job(config: RunConfig, registry: Registry, run_dir: Path) -> JobSpec:
             name="trainer",
             command=worker_command(run_dir),
             replicas=1,
-            ranks_per_replica=config.trainer.ranks,
+            # An evaluation's one worker drives the generator; it trains nothing.
+            ranks_per_replica=config.trainer.ranks if uses_trainer(config) else 1,
             resources=Resources(cpus=1),
             primary=True,
             env=trainer_allocator_env(_launch_env(config)),

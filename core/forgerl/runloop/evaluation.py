@@ -1,8 +1,14 @@
-"""Held-out evaluation: the task's eval split sampled at ``loop.eval_temperature`` (one
-sample per problem, or one whole trajectory where an environment runs the episodes),
-scored by the run's rewards, and summed up as ``eval/accuracy``, ``eval/reward``,
-``eval/samples`` and the mean of every reward component over the held-out problems,
-``eval/reward/<name>`` (an environment's ``used_tool``: the tool-call rate on them).
+"""Held-out evaluation: the task's eval split sampled at ``loop.eval_temperature``, scored
+by the run's rewards (or the environment), one code path for the run's own evaluation and
+for ``forge eval`` (:mod:`forgerl.runloop.eval_run`).
+
+A run evaluates one sample per problem (or one whole trajectory where an environment runs
+the episodes), summed up as ``eval/accuracy``, ``eval/reward``, ``eval/samples`` and the
+mean of every reward component over the held-out problems, ``eval/reward/<name>`` (an
+environment's ``used_tool``: the tool-call rate on them). ``forge eval`` draws ``k``
+samples per problem through :func:`score_samples`: sample 0 of a problem is exactly the
+sample the run's own evaluation draws (same request, same seed), the others differ only
+in their seed.
 
 A sample is correct when the primary (first) reward says so: its ``correct``
 sub-component where it reports one, else a full score. A trajectory whose environment
@@ -12,12 +18,12 @@ gave the reward is judged by the environment's ``correct`` component instead.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from forgerl.rollouts.rollout import sampling_seed
-from forgerl.types import GenerationRequest, RewardInput, RewardResult, SamplingParams
+from forgerl.types import GenerationRequest, Problem, RewardInput, RewardResult, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.configuration.config import RunConfig
@@ -25,9 +31,35 @@ if TYPE_CHECKING:  # pragma: no cover
     from forgerl.rollouts.env_rollouts import EnvironmentRollouts
     from forgerl.rollouts.rollout import Tokenizing
 
+#: Seeds of a problem's further samples step by this prime from its first sample's seed.
+_SAMPLE_STRIDE = 104_729
 
-#: Where an evaluation hands its samples (keywords problems, prompt_ids, completions, scores,
-#: correct and, for trajectories, messages).
+
+@dataclass
+class EvalSample:
+    """One scored held-out sample: problem ``group`` (its index in the held-out list),
+    sample ``index`` of that problem."""
+
+    group: int
+    index: int
+    problem: Problem
+    completion: str
+    result: RewardResult
+    correct: float
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    policy_version: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    #: The generator's completion (a trajectory's, where an environment ran), its prompt's
+    #: tokens and a trajectory's chat messages: what sample records are made of.
+    output: Any = None
+    prompt_ids: Sequence[int] = ()
+    messages: list[dict[str, Any]] | None = None
+
+
+#: Where an evaluation hands its samples (:meth:`forgerl.samples.capture.Capture.evaluation`'s
+#: keywords: problems, prompt_ids, completions, scores, correct, messages).
 Record = Callable[..., Any]
 
 
@@ -37,37 +69,82 @@ def eval_sampling(cfg: RunConfig) -> SamplingParams:
     return SamplingParams(max_tokens=s.max_tokens, temperature=cfg.loop.eval_temperature, top_p=s.top_p, top_k=s.top_k)
 
 
+def sample_seed(cfg: RunConfig, group: int, index: int) -> int:
+    """The seed of sample ``index`` of held-out problem ``group``."""
+    return sampling_seed(cfg.loop.seed + 1, -1, group) + _SAMPLE_STRIDE * index
+
+
+def _request_id(group: int, index: int) -> str:
+    return f"eval-{group}" if index == 0 else f"eval-{group}-{index}"
+
+
+def score_samples(
+    cfg: RunConfig,
+    problems: Sequence[Problem],
+    pairs: Sequence[tuple[int, int]],
+    generator: Generator,
+    rewards: Any,
+    tokenizing: Tokenizing | None = None,
+    environment: EnvironmentRollouts | None = None,
+) -> list[EvalSample]:
+    """Sample and score ``(group, index)`` pairs of the held-out ``problems``: single
+    completions through ``tokenizing``, or whole trajectories through ``environment``."""
+    if environment is not None:
+        return _score_trajectories(cfg, problems, pairs, generator, rewards, environment)
+    assert tokenizing is not None, "single-turn evaluation tokenizes its prompts"
+    sampling = eval_sampling(cfg)
+    prompts = {g: list(tokenizing.prompt_ids(problems[g])) for g in dict.fromkeys(g for g, _ in pairs)}
+    requests = [
+        GenerationRequest(request_id=_request_id(g, j), prompt_token_ids=prompts[g], n=1,
+                          sampling=replace(sampling, seed=sample_seed(cfg, g, j)))
+        for g, j in pairs
+    ]  # fmt: skip
+
+    async def go() -> tuple[list[Any], list[RewardResult]]:
+        results = await generator.generate(requests)
+        inputs = [RewardInput(problems[g], r[0].text, r[0].finish_reason) for (g, _), r in zip(pairs, results)]
+        return results, await rewards.score(inputs)
+
+    results, scores = asyncio.run(go())
+    return [
+        EvalSample(g, j, problems[g], r[0].text, s, is_correct(s, cfg), r[0].finish_reason, len(prompts[g]),
+                   len(r[0].token_ids), r[0].policy_version, output=r[0], prompt_ids=prompts[g])
+        for (g, j), r, s in zip(pairs, results, scores)
+    ]  # fmt: skip
+
+
+def _score_trajectories(
+    cfg: RunConfig,
+    problems: Sequence[Problem],
+    pairs: Sequence[tuple[int, int]],
+    generator: Generator,
+    rewards: Any,
+    environment: EnvironmentRollouts,
+) -> list[EvalSample]:
+    jobs = [(problems[g], _request_id(g, j), sample_seed(cfg, g, j)) for g, j in pairs]
+    turn = replace(eval_sampling(cfg), max_tokens=environment.runner.limits.max_turn_tokens)
+    scored, _ = asyncio.run(environment.scored(generator, jobs, rewards.score, turn))
+    out = []
+    for (g, j), s in zip(pairs, scored):
+        t = s.trajectory
+        if t.reward is not None:  # the environment's own verdict
+            correct = float(s.result.components.get("correct", float(s.result.value >= 1.0)))
+        else:
+            correct = is_correct(s.result, cfg)
+        out.append(EvalSample(g, j, problems[g], t.completion.text or t.last_text, s.result, correct,
+                              t.completion.finish_reason, len(t.prompt_ids), len(t.completion.token_ids),
+                              t.completion.policy_version, {"turns": t.turns, "failure": t.failure},
+                              output=t.completion, prompt_ids=t.prompt_ids, messages=t.messages or None))  # fmt: skip
+    return out
+
+
 def evaluate_samples(
     cfg: RunConfig, problems: list[Any], generator: Generator, rewards: Any, tokenizing: Tokenizing,
     record: Record | None = None,
 ) -> dict[str, float]:
-    """One sample per problem, scored: the eval row. ``record`` gets the samples (sample
-    records: :meth:`forgerl.samples.capture.Capture.evaluation`'s keywords)."""
-    sampling = eval_sampling(cfg)
-    requests = [
-        GenerationRequest(
-            request_id=f"eval-{i}",
-            prompt_token_ids=tokenizing.prompt_ids(p),
-            n=1,
-            sampling=replace(sampling, seed=sampling_seed(cfg.loop.seed + 1, -1, i)),
-        )
-        for i, p in enumerate(problems)
-    ]
-
-    completions: list[Any] = []
-
-    async def go() -> list[RewardResult]:
-        results = await generator.generate(requests)
-        completions.extend(r[0] for r in results)
-        inputs = [RewardInput(p, r[0].text, r[0].finish_reason) for p, r in zip(problems, results)]
-        return await rewards.score(inputs)
-
-    scores = asyncio.run(go())
-    correct = [is_correct(s, cfg) for s in scores]
-    if record is not None:
-        record(problems=problems, prompt_ids=[r.prompt_token_ids for r in requests], completions=completions,
-               scores=scores, correct=correct)
-    return _row(correct, [s.value for s in scores], [s.components for s in scores])
+    """One sample per problem, scored: the eval row. ``record`` gets the samples."""
+    pairs = [(i, 0) for i in range(len(problems))]
+    return row_of(_recorded(score_samples(cfg, problems, pairs, generator, rewards, tokenizing), record))
 
 
 def evaluate_trajectories(
@@ -76,20 +153,22 @@ def evaluate_trajectories(
 ) -> dict[str, float]:
     """One whole trajectory per problem, scored: the eval row (``record``: as for
     :func:`evaluate_samples`)."""
-    jobs = [(p, f"eval-{i}", sampling_seed(cfg.loop.seed + 1, -1, i)) for i, p in enumerate(problems)]
-    turn = replace(eval_sampling(cfg), max_tokens=environment.runner.limits.max_turn_tokens)
-    scored, _ = asyncio.run(environment.scored(generator, jobs, rewards.score, turn))
-    correct = []
-    for s in scored:
-        if s.trajectory.reward is not None:  # the environment's own verdict
-            correct.append(float(s.result.components.get("correct", float(s.result.value >= 1.0))))
-        else:
-            correct.append(is_correct(s.result, cfg))
+    pairs = [(i, 0) for i in range(len(problems))]
+    return row_of(_recorded(score_samples(cfg, problems, pairs, generator, rewards, environment=environment), record))
+
+
+def _recorded(samples: list[EvalSample], record: Record | None) -> list[EvalSample]:
     if record is not None:
-        record(problems=problems, prompt_ids=[s.trajectory.prompt_ids for s in scored],
-               completions=[s.trajectory.completion for s in scored], scores=[s.result for s in scored],
-               correct=correct, messages=[s.trajectory.messages or None for s in scored])
-    return _row(correct, [s.result.value for s in scored], [s.result.components for s in scored])
+        record(problems=[s.problem for s in samples], prompt_ids=[s.prompt_ids for s in samples],
+               completions=[s.output for s in samples], scores=[s.result for s in samples],
+               correct=[s.correct for s in samples], messages=[s.messages for s in samples])  # fmt: skip
+    return samples
+
+
+def row_of(samples: Sequence[EvalSample]) -> dict[str, float]:
+    """The eval row of scored samples."""
+    return _row([s.correct for s in samples], [s.result.value for s in samples],
+                [s.result.components for s in samples])  # fmt: skip
 
 
 def is_correct(score: Any, cfg: RunConfig) -> float:

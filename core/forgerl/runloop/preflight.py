@@ -60,7 +60,8 @@ def check_run(
 
     if fresh:
         runs.check_output_location(run_dir)
-    check_objective(config, registry)
+    if needs.uses_trainer(config):
+        check_objective(config, registry)
     local_files = scheduler.shares_filesystem
     context = model_context_length(config, registry, local_files=local_files)
     max_tokens = config.loop.sampling.max_tokens
@@ -82,7 +83,8 @@ def check_run(
         if not fresh:
             check_checkpoints(run_dir, keep=config.checkpoint.keep)
         # What the run does not build (a supervised run: no generator, maybe no task) is not checked.
-        built = {"generator": sampling, "transport": sampling, "task": needs.uses_task(config)}
+        built = {"generator": sampling, "transport": sampling, "task": needs.uses_task(config),
+                 "trainer": needs.uses_trainer(config)}  # fmt: skip
         choices = [(kind, getattr(config, field)) for field, kind in SINGLE_BACKEND_FIELDS.items()
                    if built.get(field, True)]  # fmt: skip
         if sampling:

@@ -258,7 +258,9 @@ def print_summary(run_dir: Path, status: JobStatus) -> None:
     full = disk_full_note(run_dir) if status.state.value == "failed" else None
     if full:
         print(f"forge: error: {full}", file=out)
-    if summary:
+    if summary and summary.get("objective") == "eval":
+        _print_eval(summary, out)
+    elif summary:
         before, after = summary.get("eval_accuracy_start"), summary.get("eval_accuracy_end")
         if before is not None or after is not None:
             print(f"  held-out accuracy: {_fmt(before)} -> {_fmt(after)}", file=out)
@@ -272,7 +274,19 @@ def print_summary(run_dir: Path, status: JobStatus) -> None:
         if phases:
             print("  time: " + ", ".join(f"{k} {v:.1f}s" for k, v in phases.items()), file=out)
     print(f"  run directory: {run_dir}", file=out)
-    print(f"  plots: forge report {run_dir}", file=out)
+    print(f"  {'table' if summary and summary.get('objective') == 'eval' else 'plots'}: forge report {run_dir}",
+          file=out)  # fmt: skip
+
+
+def _print_eval(summary: dict[str, Any], out: Any) -> None:
+    """The lines of a finished ``forge eval`` (its eval_summary.json has the intervals)."""
+    ev = summary.get("eval") or {}
+    k = ev.get("k")
+    scores = [(f"mean@{k}", ev.get(f"mean@{k}") or {}), *sorted((ev.get("pass") or {}).items(),
+              key=lambda kv: int(kv[0].split("@")[1]))]  # fmt: skip
+    print(f"  {ev.get('problems')} problems x {k} samples ({ev.get('samples')} scored): " + ", ".join(
+        f"{name} {_fmt(v.get('mean'))}" for name, v in scores), file=out)  # fmt: skip
+    print(f"  results: {summary.get('run_dir')}/eval_samples.jsonl, eval_summary.json", file=out)
 
 
 #: Free bytes below which a run directory's disk counts as full: less than a metrics row and
