@@ -75,6 +75,7 @@ _LONG_MODULES = (
     "tests/integration/test_environment_run.py",
     "tests/integration/test_sft_run.py",
     "tests/conformance/test_transport_runs.py",
+    "contrib/units/tests/test_units_run.py",  # a forge run, collected last of all
 )
 
 
