@@ -65,21 +65,54 @@ def worker_group(nodeid: str) -> str | None:
     return None
 
 
+#: Modules of other tests that take a minute or more of one worker (measured with
+#: ``--durations``), longest first: handed out right after the groups, so that what is
+#: left for the end of a session is short modules that keep both workers busy to the end.
+_LONG_MODULES = (
+    "tests/integration/test_sglang_double.py",
+    "tests/integration/test_run_e2e.py",
+    "tests/unit/test_docs_examples.py",
+    "tests/integration/test_environment_run.py",
+    "tests/integration/test_sft_run.py",
+    "tests/conformance/test_transport_runs.py",
+    "contrib/units/tests/test_units_run.py",  # a forge run, collected last of all
+)
+
+
+def work_unit(nodeid: str) -> str:
+    """What one worker takes as a whole: a test's group, else its module, so that a module's
+    (or class's) expensive fixtures (servers, runs whose outputs several tests check) are
+    set up once, not once on each worker that happens to take one of its tests."""
+    return worker_group(nodeid) or nodeid.split("::", 1)[0]
+
+
+def _hand_out_order(item: pytest.Item) -> tuple[int, int]:
+    group = worker_group(item.nodeid)
+    if group is not None:  # the vllm group (a third of the suite's time) first, then the others
+        return (0, 0 if group == "vllm" else 1)
+    module = item.nodeid.split("::", 1)[0]
+    return (1, _LONG_MODULES.index(module)) if module in _LONG_MODULES else (2, 0)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # The vllm group is the longest unit of work (a third of the suite's time): handed out
-    # first, it runs on one worker while the other takes everything else.
-    items.sort(key=lambda item: worker_group(item.nodeid) != "vllm")
+    # The longest units of work are handed out first: the vllm group runs on one worker
+    # while the other takes everything else; a long module never starts last. (A stable
+    # sort: each module's tests stay together and in their order.)
+    items.sort(key=_hand_out_order)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
-    """xdist's scheduler, handing out each group as one unit and every other test alone.
-    (Its own ``--dist loadgroup`` renames tests by their group, which pytest 9 no longer
-    lets a plugin do: there, every test went anywhere.)"""
+    """xdist's scheduler, handing out each group, and each other module, as one unit, in
+    the order of the collection (above). (Its own ``--dist loadgroup`` renames tests by
+    their group, which pytest 9 no longer lets a plugin do: there, every test went
+    anywhere; and ``loadscope`` orders units by their number of tests, not their length.)"""
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return worker_group(nodeid) or nodeid
+            return work_unit(nodeid)
 
     return GroupScheduling(config, log)

@@ -14,10 +14,13 @@ the same way. tests/gpu/test_sglang_cuda.py runs against real SGLang servers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 
 import pytest
 
 from forgerl.testing import GeneratorContract
+from forgerl.testing.generator import GeneratorSite
 
 from ..helpers.sglang_double_plugin import DOUBLE_COMMAND
 from ..helpers.timing import scaled
@@ -39,10 +42,47 @@ def _options(**more):
     }
 
 
+@dataclasses.dataclass
+class _SiteOver(GeneratorSite):
+    """The kit's servers (one double), opened with generators of their own update policy
+    over another transport: the servers take whichever transport an update names, and a
+    new generator brings them back to the model folder's weights."""
+
+    transport_name: str = "shm"
+
+    def open(self, transport: str | None = None):  # type: ignore[override]
+        return super().open(transport or self.transport_name)
+
+
+@pytest.fixture(scope="module")
+def kit_double(tmp_path_factory):
+    """One double (a replica) for both kit classes below: starting one takes a process with
+    the model in transformers, so the second class takes the first's instead of its own.
+    Stopped by the last class's ``generator_site`` (below), before the two-replica cluster."""
+    from forgerl.testing.generator_support import open_site, tiny_model
+
+    model = tiny_model(tmp_path_factory.mktemp("kit-model"), {}, (PLUGIN,))
+    with contextlib.ExitStack() as stack:
+        run = tmp_path_factory.mktemp("kit-run")
+        site = stack.enter_context(open_site("sglang_double", _options(), (PLUGIN,), model, run))
+        yield site, stack
+
+
+def _kit_site(kit_double, transport: str, **options) -> GeneratorSite:
+    site, _ = kit_double
+    return _SiteOver(site.backend, {**site.options, **options}, site.plugins, site.model_dir, site.run_dir,
+                     site.config, site._serial, transport_name=transport)  # fmt: skip
+
+
 class TestSGLangGeneratorOverShm(GeneratorContract):
     backend = "sglang_double"
     plugins = (PLUGIN,)
     options = _options()
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def generator_site(cls, kit_double):
+        yield _kit_site(kit_double, "shm")
 
 
 class TestSGLangGeneratorOverNcclAbortPolicy(GeneratorContract):
@@ -50,6 +90,12 @@ class TestSGLangGeneratorOverNcclAbortPolicy(GeneratorContract):
     plugins = (PLUGIN,)
     options = _options(update_policy="abort")
     settings = ("transport.name=nccl", "transport.options={}")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def generator_site(cls, kit_double):
+        yield _kit_site(kit_double, "nccl", update_policy="abort")
+        kit_double[1].close()  # the double's last class: its server goes before the cluster's start
 
 
 # ------------------------------------------------- update policies and failover, 2 replicas
@@ -407,7 +453,9 @@ def _double_env(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize(("transport", "policy"), [("shm", "wait"), ("nccl", "abort")])
+# shm with the wait policy (the defaults) is test_forge_run_end_to_end_survives_a_killed_replica's
+# run: the same command, asserted on the same way (steps, versions, logprob gaps), and more.
+@pytest.mark.parametrize(("transport", "policy"), [("nccl", "abort")])
 def test_forge_run_three_steps_against_the_double(tmp_path, transport, policy):
     """`forge run` end to end with the sglang generator's code (registered as sglang_double
     through FORGE_PLUGINS, servers from the double): trained weights reach the servers each
@@ -435,7 +483,9 @@ def test_forge_run_end_to_end_survives_a_killed_replica(tmp_path):
     """A replica's server killed mid-run (held after step 1): the run fails its requests over
     to the other replica, the scheduler restarts the dead one, and every step trains on
     the current weights. The pool, its watcher and the loop are the vllm generator's too
-    (tests/integration/test_vllm.py kills a real vLLM replica at the pool's level)."""
+    (tests/integration/test_vllm.py kills a real vLLM replica at the pool's level). This is
+    also the three-step run over shm with the wait policy (the defaults): trained weights
+    reach the servers each step, the trainer's logprobs match the served ones."""
     import json
     import os
     import signal
