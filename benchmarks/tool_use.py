@@ -49,7 +49,10 @@ def main() -> None:
     parser.add_argument("--demos", type=int, default=300, help="tool-using demonstrations for SFT")
     parser.add_argument("--sft-steps", type=int, default=40, help="SFT steps (sft.batch_size demonstrations each)")
     parser.add_argument("--sft-lr", type=float, default=3e-5, help="the SFT run's learning rate (RL keeps the trainer's)")
-    parser.add_argument("--rl-steps", type=int, default=20, help="RL steps of each RL run")
+    parser.add_argument("--rl-steps", type=int, default=20, help="RL steps of the SFT+RL run")
+    parser.add_argument("--rl-alone-steps", type=int, default=None,
+                        help="RL steps of the RL-alone run (default: --rl-steps); a base model that never "
+                             "calls the tool earns reward 0 on every sample, so RL alone has no signal to follow")  # fmt: skip
     parser.add_argument("--output", type=Path, default=None, help="folder of every run (default runs/tool-use-<time>)")
     parser.add_argument("--set", dest="sets", action="append", default=[], help="more --set for every run")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, end to end, in minutes")
@@ -77,7 +80,8 @@ def main() -> None:
                                "--set", f"trainer.options.lr={args.sft_lr}", "--set", "loop.eval_at_start=false"])  # fmt: skip
     sft_rl = _forge(out / "sft-rl", ["run", *common, "--model", str(out / "sft"), "--steps", str(args.rl_steps),
                                      "--set", "loop.eval_at_start=false"])  # fmt: skip
-    rl = _forge(out / "rl", ["run", *common, "--model", model, "--steps", str(args.rl_steps)])
+    rl_alone_steps = args.rl_steps if args.rl_alone_steps is None else args.rl_alone_steps
+    rl = _forge(out / "rl", ["run", *common, "--model", model, "--steps", str(rl_alone_steps)])
     stages = [
         {"stage": "base", **rl["start"], "wall_s": None},
         {"stage": "rl", **rl["end"], "wall_s": rl["wall_s"]},
@@ -85,7 +89,8 @@ def main() -> None:
         {"stage": "sft+rl", **sft_rl["end"], "wall_s": sft_rl["wall_s"]},
     ]
     report = {"model": model, "demos": args.demos, "demos_s": round(demos_s, 1),
-              "sft_steps": args.sft_steps, "sft_lr": args.sft_lr, "rl_steps": args.rl_steps, "stages": stages,
+              "sft_steps": args.sft_steps, "sft_lr": args.sft_lr, "rl_steps": args.rl_steps,
+              "rl_alone_steps": rl_alone_steps, "stages": stages,
               "verdict": verdict(stages, demos_s), "dir": str(out)}  # fmt: skip
     (out / "report.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report, indent=2) if args.json else render(report))
@@ -123,7 +128,8 @@ def _eval(row: dict[str, Any]) -> dict[str, Any]:
 
 def render(report: dict[str, Any]) -> str:
     lines = [f"{report['model']}: {report['demos']} demonstrations ({report['demos_s']} s), "
-             f"SFT {report['sft_steps']} steps, RL {report['rl_steps']} steps; runs in {report['dir']}",
+             f"SFT {report['sft_steps']} steps, RL {report['rl_steps']} steps after SFT, "
+             f"{report['rl_alone_steps']} alone; runs in {report['dir']}",
              "| stage | held-out accuracy | tool-call rate | answers tagged | wall, s |", "|---|---|---|---|---|"]  # fmt: skip
     for s in report["stages"]:
         lines.append(f"| {s['stage']} | {s['accuracy']:.3f} | {_f(s['tool_rate'])} | {_f(s['tagged'])} | {s['wall_s'] or '-'} |")
