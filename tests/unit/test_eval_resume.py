@@ -107,7 +107,7 @@ def test_the_records_follow_the_shared_per_sample_schema(tmp_path: Path) -> None
     config, registry, ctx, task = setup(tmp_path, k=2, batch=64)
     eval_run.run_eval(config, registry, ctx, task, Generator(), Rewards(), Tokenizer())
     record = eval_run.read_records(tmp_path / eval_run.SAMPLES_FILE)[3]
-    expected = {"kind": "eval", "step": None, "policy_version": 0, "problem_id": "p1", "group": 1, "index": 1,
+    expected = {"kind": "eval", "step": 0, "policy_version": 0, "problem_id": "p1", "group": 1, "index": 1,
                 "source": "odd", "prompt": "question 1", "messages": None, "advantage": None, "error": None,
                 "finish_reason": "stop", "prompt_tokens": len("question 1"), "completion_tokens": 3}  # fmt: skip
     assert {key: record[key] for key in expected} == expected
@@ -143,3 +143,38 @@ def test_a_stop_request_ends_after_the_batch_in_progress(tmp_path: Path) -> None
         and len(eval_run.read_records(tmp_path / eval_run.SAMPLES_FILE)) == 3
     )
     assert json.loads((tmp_path / eval_run.SUMMARY_FILE).read_text())["complete"] is False
+
+
+class Echo(Generator):
+    """A model that repeats what it was shown: the run's key, if it saw it."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    async def generate(self, requests: list[GenerationRequest]) -> list[list[Completion]]:
+        return [[Completion([1], [0.0], "stop", 0, text=self.text)] for _ in requests]
+
+
+def test_the_results_file_holds_no_key_the_model_repeats_and_forge_samples_reads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from forgerl.cli import cli
+    from forgerl.samples.reader import read_samples
+
+    run_key, token = "run-key-0123456789abcdef", "tracker-token-abcdefgh"
+    (tmp_path / "transport.secret").write_text(run_key)
+    monkeypatch.setenv("WANDB_API_KEY", token)
+    config, registry, ctx, task = setup(tmp_path, k=2, batch=4)
+    eval_run.run_eval(config, registry, ctx, task, Echo(f"the key is {run_key}, the token {token}"), Rewards(),
+                      Tokenizer())  # fmt: skip
+    text = (tmp_path / eval_run.SAMPLES_FILE).read_text()
+    assert run_key not in text and token not in text and "[redacted]" in text
+
+    records = read_samples(tmp_path)
+    assert len(records) == 10 and {r.kind for r in records} == {"eval"} and {r.step for r in records} == {0}
+    shown = CliRunner().invoke(cli, ["samples", str(tmp_path), "--grep", "question 3"])
+    assert shown.exit_code == 0, shown.output
+    assert "question 3" in shown.output and "question 2" not in shown.output and run_key not in shown.output

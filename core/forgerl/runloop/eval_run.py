@@ -20,6 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
@@ -55,7 +56,7 @@ def record(sample: EvalSample, prompt: str, model: str) -> dict[str, Any]:
     source = p.metadata.get("source") if isinstance(p.metadata, dict) else None
     return {
         "kind": "eval",
-        "step": None,
+        "step": 0,  # the weights as given, as a run's evaluation before its first step: `forge samples` reads these
         "policy_version": sample.policy_version,
         "problem_id": p.id,
         "group": sample.group,
@@ -130,6 +131,7 @@ def run_eval(
     from forgerl.rollouts.rollout import Tokenizing
     from forgerl.rundirs import runs
     from forgerl.runloop.eval_stats import summarize
+    from forgerl.samples.redact import Redactor, reward_secrets, run_keys
 
     run_dir = ctx.run_dir
     path = run_dir / SAMPLES_FILE
@@ -139,6 +141,9 @@ def run_eval(
     k = config.eval.k
     environment = EnvironmentRollouts.from_config(config, registry, tokenizer, run_dir)
     tokenizing = Tokenizing(tokenizer)
+    # What a model writes can quote a key it saw: the run's keys and the rewards' tokens
+    # never reach the results file (the redaction a run's own sample records get).
+    redactor = Redactor(reward_secrets(config), [partial(run_keys, run_dir)])
     done = {(r["group"], r["index"]) for r in read_records(path)}
     todo = [(g, j) for g in range(len(problems)) for j in range(k) if (g, j) not in done]
     total = len(problems) * k
@@ -155,9 +160,9 @@ def run_eval(
                 status = "interrupted"
                 break
             samples = score_samples(config, problems, pairs, generator, rewards, tokenizing, environment)
-            write_records(
-                path, [record(s, _prompt_text(s.problem, tokenizing), config.model.name) for s in samples]
-            )
+            redactor.refresh()
+            write_records(path, [redactor.value(record(s, _prompt_text(s.problem, tokenizing), config.model.name))
+                                 for s in samples])  # fmt: skip
             done.update(pairs)
             events.announce(f"{len(done)}/{total} samples scored", stage="eval", run_dir=run_dir)
     finally:

@@ -9,6 +9,9 @@ from forgerl.errors import UserError
 from forgerl.samples.records import SampleRecord
 from forgerl.samples.writer import SAMPLES_DIR, segments
 
+#: What `forge eval` writes in its folder (forgerl.runloop.eval_run.SAMPLES_FILE): the same records.
+EVAL_SAMPLES_FILE = "eval_samples.jsonl"
+
 
 def read_samples(run_dir: Path | str) -> list[SampleRecord]:
     """Every readable record of ``run_dir`` (or of a samples folder named directly), in the
@@ -19,31 +22,38 @@ def read_samples(run_dir: Path | str) -> list[SampleRecord]:
     folder = path if path.name == SAMPLES_DIR and not (path / SAMPLES_DIR).is_dir() else path / SAMPLES_DIR
     if not path.is_dir():
         raise UserError(f"{path} is not a directory; name a run directory (the --output of `forge run`)")
+    if not folder.is_dir() and (path / EVAL_SAMPLES_FILE).is_file():  # a `forge eval` folder
+        return list(_records(path / EVAL_SAMPLES_FILE))
     if not folder.is_dir():
         raise UserError(f"{path} holds no samples (no {SAMPLES_DIR}/ folder): is it a run directory, made by "
                         "a forgerl version that records samples, with logging.samples.enabled?")
     blocks: dict[tuple[str, int], list[SampleRecord]] = {}
     last: tuple[str, int] | None = None
     for seg in segments(folder):
-        try:
-            data = seg.read_bytes()
-        except FileNotFoundError:  # rotated away while reading
-            continue
-        except OSError as exc:
-            raise UserError(f"cannot read {seg}: {exc.strerror or exc}") from None
-        for line in data.split(b"\n"):
-            if not line.strip():
-                continue
-            try:
-                record = SampleRecord.from_json(line)
-            except ValueError:
-                continue
+        for record in _records(seg):
             key = (record.kind, record.step)
             if key != last and key in blocks:
                 blocks[key] = []  # written again (a resumed run): the new ones replace the old
             blocks.setdefault(key, []).append(record)
             last = key
     return [r for block in blocks.values() for r in block]
+
+
+def _records(path: Path) -> Iterable[SampleRecord]:
+    """The records of one file; lines that are not records (a torn last line) are skipped."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:  # rotated away while reading
+        return
+    except OSError as exc:
+        raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+    for line in data.split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            yield SampleRecord.from_json(line)
+        except ValueError:
+            continue
 
 
 def select(
