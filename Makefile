@@ -15,7 +15,7 @@ demo: setup
 	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/forge run
 
 test: setup
-	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 tests contrib/countdown/tests contrib/openai_compat/tests contrib/units/tests
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 tests contrib/countdown/tests contrib/openai_compat/tests contrib/reasoning_gym/tests contrib/units/tests
 
 # The suite under load: two busy loops on the cores, deadlines x3 (scripts/stress.sh).
 test-stress: setup

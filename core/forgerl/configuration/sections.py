@@ -170,6 +170,11 @@ class RewardChoice(BackendChoice):
     weight: float = Field(
         1.0, ge=-1e6, le=1e6, description="Weight of this reward in the total (a weighted sum); finite, |weight| <= 1e6."
     )
+    sources: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Score only the problems of these sources of a mixture task (docs/data.md); none: every problem.",
+    )
 
     @field_validator("name")
     @classmethod
