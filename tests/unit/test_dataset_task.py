@@ -260,3 +260,19 @@ def test_hostile_csv(tmp_path):
     path.write_bytes(b"question,solution\n\xff\xfe,1\n")
     with pytest.raises(ConfigError, match="not UTF-8"):
         task(path=str(path))
+
+
+def test_options_mean_the_same_after_travelling_as_a_dump(tmp_path):
+    """A run's trainer gets the options re-validated from a dump, where every field is set:
+    a default split must still read a file, and a messages column must not meet a prompt one."""
+    path = str(write_jsonl(tmp_path / "p.jsonl"))
+    for options in ({"path": path, "columns": {"prompt": "question", "answer": "solution"}},
+                    {"path": path, "columns": {"messages": "chat", "answer": "solution"}}):  # fmt: skip
+        validated = DatasetTask.Options.model_validate(options)
+        assert DatasetTask.Options.model_validate(validated.model_dump()) == validated
+    travelled = DatasetTask.Options.model_validate(
+        DatasetTask.Options.model_validate(
+            {"path": path, "columns": {"prompt": "question", "answer": "solution"}}
+        ).model_dump()
+    )
+    assert DatasetTask(travelled).train_size == 20

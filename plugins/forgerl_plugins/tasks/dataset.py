@@ -61,7 +61,9 @@ class Columns(OptionsModel):
     @model_validator(mode="after")
     def _prompt_or_messages(self) -> Columns:
         if self.messages is not None:
-            if "prompt" in self.model_fields_set and self.prompt is not None:
+            # prompt keeps its default unless given: with messages, a prompt other than the
+            # default is a second answer to one question (the default one is dropped).
+            if self.prompt is not None and (self.prompt != "prompt" or "prompt" in self.model_fields_set):
                 raise ValueError("give columns.prompt or columns.messages, not both")
             self.prompt = None
         elif self.prompt is None:
@@ -84,7 +86,11 @@ class DatasetTask(Task):
             None, description="A Hugging Face dataset name, read from the local cache (never downloaded)."
         )
         config: str | None = Field(None, description="The dataset's configuration (subset) name, with name.")
-        split: str = Field("train", min_length=1, description="The split to train on (datasets with splits).")
+        # None rather than "train": a split named for a file is refused, and only None says
+        # "not named" once the options have travelled to the trainer (model_fields_set does not).
+        split: str | None = Field(
+            None, min_length=1, description="The split to train on; none: `train` (datasets with splits)."
+        )
         format: str = Field(
             "auto", pattern="^(auto|jsonl|parquet|csv)$", description="File format; auto: from the suffix."
         )
@@ -248,8 +254,8 @@ class DatasetTask(Task):
 
 
 def _where(o: DatasetTask.Options) -> Where:
-    return Where(path=o.path, name=o.name, config=o.config, split=o.split,
-                 split_given="split" in o.model_fields_set, format=o.format)  # fmt: skip
+    return Where(path=o.path, name=o.name, config=o.config, split=o.split or "train",
+                 split_given=o.split is not None, format=o.format)  # fmt: skip
 
 
 def _eval_where(o: DatasetTask.Options) -> Where | None:
@@ -331,8 +337,13 @@ class RowConverter:
         needed += [("prompt_template", f) for f in self.fields if f != "prompt"]
         for key, column in needed:
             if column is not None and column not in row:
+                hint = (
+                    " (columns.answer: null for rewards that need no answer)"
+                    if key == "columns.answer"
+                    else ""
+                )
                 raise ConfigError(
-                    f"{where}: no column {column!r} ({key}); columns: {', '.join(map(str, row)) or 'none'}"
+                    f"{where}: no column {column!r} ({key}); columns: {', '.join(map(str, row)) or 'none'}{hint}"
                 )
         prompt: str | list[dict[str, str]]
         if c.messages is not None:
@@ -351,9 +362,7 @@ class RowConverter:
         _no_bos(prompt, where)
         answer = "" if c.answer is None else _text(row[c.answer], where, c.answer, scalar=True)
         problem_id = (
-            _text(row[c.id], where, c.id, scalar=True)
-            if c.id is not None
-            else f"{self.id_prefix}:{index}"
+            _text(row[c.id], where, c.id, scalar=True) if c.id is not None else f"{self.id_prefix}:{index}"
         )
         keep = c.metadata if c.metadata is not None else [k for k in row if k not in self.mapped]
         metadata = {str(k): plain(row[k]) for k in keep}

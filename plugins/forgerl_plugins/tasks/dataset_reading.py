@@ -3,9 +3,9 @@ Hugging Face ``datasets`` object was saved to (``save_to_disk``), a folder of da
 dataset by name from the local Hugging Face cache. Rows come back as plain dicts, whole
 (:func:`read_all`) or one at a time (:func:`iter_rows`, for data larger than memory).
 
-``datasets`` is imported only for the Hugging Face sources, and never downloads: the
-offline switches are set before it is imported, so a name missing from the cache is a
-one-line error, not a network call.
+``datasets`` is imported only for the Hugging Face sources, and never downloads: its
+offline switches are set before and after it is imported, so a name missing from the cache
+is a one-line error, not a network call.
 """
 
 from __future__ import annotations
@@ -197,9 +197,9 @@ def _parquet(path: Path) -> Iterator[dict[str, Any]]:
 
 def hf_datasets() -> Any:
     """The ``datasets`` module, offline; BackendUnavailable with the install hint without it."""
-    # Before the import: datasets and huggingface_hub read these when they load.
+    # Before the import: datasets reads it when it loads. HF_HUB_OFFLINE is left alone (the
+    # process may still fetch a model by hub id); datasets' own copy of it is set below.
     os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
         import datasets
     except ImportError:
