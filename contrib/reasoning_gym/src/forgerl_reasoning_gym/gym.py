@@ -175,6 +175,10 @@ class ReasoningGymReward(Reward):
 
     def __init__(self, options: Options | None = None):
         self.options = options or self.Options()
+        # Imported here, not at the first score: a reward worker builds its reward when it
+        # starts, while the run loads its model, and reasoning-gym takes seconds to import
+        # (every generator), which would otherwise count against the first sample's timeout.
+        _rg()
 
     def score(self, sample: RewardInput) -> RewardResult:
         recipe = sample.problem.metadata.get(KEY)
