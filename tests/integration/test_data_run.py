@@ -62,6 +62,8 @@ def test_a_mixture_scores_each_source_with_its_own_reward(tmp_path):
         assert row["reward/format"] == row["source/words/format"], (
             "a reward's mean is over the samples it scored"
         )
+    held_out = {"eval/source/math/accuracy", "eval/source/words/accuracy", "eval/source/words/reward"}
+    assert held_out <= set(rows[-1]), sorted(rows[-1])
     state = json.loads(next(out.glob("checkpoints/step-*/**/loop.json")).read_text())["task_state"]
     assert set(state["drawn"]) == {"math", "words"} and state["sources"]["words"]["streaming"] is True
 

@@ -203,3 +203,22 @@ def test_reward_sources_are_checked_against_the_task(files):
         check_reward_sources(*_config(files, *ok[:3], "rewards.1.sources=[cod]"))
     with pytest.raises(ConfigError, match="no reward scores source 'code' of task 'mixture'"):
         check_reward_sources(*_config(files, *ok[:2], "rewards.1.sources=[math]"))  # format: math only
+
+
+def test_held_out_rows_are_judged_by_their_sources_first_reward(files):
+    from forgerl.runloop.evaluation import _row, is_correct
+    from forgerl.types import RewardResult
+
+    config, _ = _config(files, "rewards.0.name=math_answer", "rewards.0.sources=[math]",
+                        "rewards.1.name=code", "rewards.1.sources=[code]")  # fmt: skip
+    code_right = RewardResult(1.0, {"code": 1.0})
+    assert is_correct(code_right, config, "code") == 1.0
+    assert is_correct(code_right, config, None) == 0.0, "no source: the first reward judges"
+    row = _row([1.0, 0.0, 1.0], [1.0, 0.2, 0.5], [{}, {}, {}], ["math", "math", "code"])
+    assert row["eval/source/math/accuracy"] == 0.5 and row["eval/source/code/accuracy"] == 1.0
+    assert row["eval/source/math/reward"] == pytest.approx(0.6) and row["eval/accuracy"] == pytest.approx(
+        2 / 3
+    )
+    assert not any(k.startswith("eval/source/") for k in _row([1.0], [1.0], [{}], [None])), (
+        "no mixture: as before"
+    )

@@ -17,7 +17,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from forgerl.rollouts.rollout import sampling_seed
-from forgerl.types import GenerationRequest, RewardInput, RewardResult, SamplingParams
+from forgerl.types import GenerationRequest, RewardInput, RewardResult, SamplingParams, source_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.configuration.config import RunConfig
@@ -53,7 +53,9 @@ def evaluate_samples(
         return await rewards.score(inputs)
 
     scores = asyncio.run(go())
-    return _row([is_correct(s, cfg) for s in scores], [s.value for s in scores], [s.components for s in scores])
+    sources = [source_of(p) for p in problems]
+    correct = [is_correct(s, cfg, src) for s, src in zip(scores, sources, strict=True)]
+    return _row(correct, [s.value for s in scores], [s.components for s in scores], sources)
 
 
 def evaluate_trajectories(
@@ -64,17 +66,22 @@ def evaluate_trajectories(
     turn = replace(eval_sampling(cfg), max_tokens=environment.runner.limits.max_turn_tokens)
     scored, _ = asyncio.run(environment.scored(generator, jobs, rewards.score, turn))
     correct = []
-    for s in scored:
+    sources = [source_of(p) for p in problems]
+    for s, source in zip(scored, sources, strict=True):
         if s.trajectory.reward is not None:  # the environment's own verdict
             correct.append(float(s.result.components.get("correct", float(s.result.value >= 1.0))))
         else:
-            correct.append(is_correct(s.result, cfg))
-    return _row(correct, [s.result.value for s in scored], [s.result.components for s in scored])
+            correct.append(is_correct(s.result, cfg, source))
+    return _row(correct, [s.result.value for s in scored], [s.result.components for s in scored], sources)
 
 
-def is_correct(score: Any, cfg: RunConfig) -> float:
-    """Whether the primary reward calls ``score`` correct (1.0 or 0.0)."""
-    primary = cfg.rewards[0].name
+def is_correct(score: Any, cfg: RunConfig, source: str | None = None) -> float:
+    """Whether the primary reward calls ``score`` correct (1.0 or 0.0): the first reward, or
+    for a problem of a mixture source, the first reward that scores that source."""
+    primary = next(
+        (r.name for r in cfg.rewards if source is None or r.sources is None or source in r.sources),
+        cfg.rewards[0].name,
+    )
     comps = score.components
     if f"{primary}/correct" in comps:
         return float(comps[f"{primary}/correct"])
@@ -86,13 +93,24 @@ def mean(xs: Iterable[Any]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def _row(correct: list[float], rewards: list[float], components: list[Mapping[str, float]]) -> dict[str, float]:
+def _row(
+    correct: list[float],
+    rewards: list[float],
+    components: list[Mapping[str, float]],
+    sources: list[str | None] | None = None,
+) -> dict[str, float]:
     # A component a sample does not report counts 0 (a trajectory that failed reports none),
     # as the training rows' reward/<name> count it.
     names = dict.fromkeys(name for c in components for name in c)
+    by_source: dict[str, list[int]] = {}
+    for i, source in enumerate(sources or ()):
+        if source is not None:
+            by_source.setdefault(source, []).append(i)
     return {
         "eval/accuracy": mean(correct),
         "eval/reward": mean(rewards),
         "eval/samples": len(correct),
         **{f"eval/reward/{name}": mean(c.get(name, 0.0) for c in components) for name in names},
+        **{f"eval/source/{s}/accuracy": mean(correct[i] for i in idx) for s, idx in sorted(by_source.items())},
+        **{f"eval/source/{s}/reward": mean(rewards[i] for i in idx) for s, idx in sorted(by_source.items())},
     }
