@@ -234,6 +234,8 @@ def test_a_dataset_by_name_from_the_local_cache_and_never_the_network(tmp_path, 
     src.mkdir()
     write_jsonl(src / "train.jsonl", ROWS[:8])
     write_jsonl(src / "test.jsonl", ROWS[8:10])
+    folder = task(path=str(src), eval_split="test")  # a folder of data files, read by datasets
+    assert folder.train_size == 8 and [p.answer for p in folder.eval_problems()] == ["16", "18"]
     datasets.load_dataset(str(src), cache_dir=str(cache))
     (prepared,) = (cache / "sums" / "default" / "0.0.0").glob("*/dataset_info.json")
     filed = cache / "acme___sums" / "default" / "0.0.0" / prepared.parent.name
