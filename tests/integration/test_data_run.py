@@ -6,16 +6,23 @@ from __future__ import annotations
 
 import csv
 import json
+import os
+import signal
+import subprocess
 
 import pytest
 import yaml
 
-from .test_run_e2e import BASE, forge, metrics
+from ..helpers.hold_at_step import hold_env, marker
+from ..helpers.timing import scaled, wait_until
+from .test_run_e2e import BASE, FORGE, deterministic, forge, metrics
 
 pytestmark = pytest.mark.integration
 
 
-def test_a_mixture_scores_each_source_with_its_own_reward(tmp_path):
+def mixture_config(tmp_path):
+    """A math JSONL source (in memory) and a words CSV source (streamed through a shuffle
+    buffer), each with its own reward; the config file's path."""
     with (tmp_path / "math.jsonl").open("w") as f:
         for i in range(12):
             f.write(
@@ -44,8 +51,12 @@ def test_a_mixture_scores_each_source_with_its_own_reward(tmp_path):
         if "eval_path" in data:
             data["eval_path"] = str(tmp_path / data["eval_path"])
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
+    return str(tmp_path / "run.yaml")
+
+
+def test_a_mixture_scores_each_source_with_its_own_reward(tmp_path):
     out = tmp_path / "out"
-    proc = forge("run", str(tmp_path / "run.yaml"), *BASE, "--steps", "2", "--output", str(out))
+    proc = forge("run", mixture_config(tmp_path), *BASE, "--steps", "2", "--output", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(out)
     assert [r["step"] for r in rows] == [1, 2]
@@ -78,3 +89,35 @@ def test_a_wrong_column_is_one_line_before_launch(tmp_path):
         f"forge: error: {path} row 1: no column 'problem' (columns.prompt); columns: question, answer"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_a_streamed_mixture_resumes_at_the_same_rows(tmp_path):
+    """Killed after its second step and resumed, the run trains on what an unbroken one
+    trains on: every per-source metric of steps 3 and 4 matches (the streamed source goes on
+    at the same row, through the same shuffle buffer; groups stay whole)."""
+    config = mixture_config(tmp_path)
+    common = [config, *BASE, "--steps", "4", "--set", "checkpoint.every=1", "--set", "loop.max_staleness=1"]
+    whole = tmp_path / "whole"
+    proc = forge("run", *common, "--output", str(whole))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cut = tmp_path / "cut"
+    front = subprocess.Popen([*FORGE, "run", *common, "--output", str(cut)], env=hold_env(2),
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        wait_until(
+            lambda: marker(cut, 2).exists(), 240, "the run to reach its second checkpoint", interval=0.2
+        )
+        for process in json.loads((cut / "job.json").read_text())["processes"]:
+            os.kill(process["pid"], signal.SIGKILL)
+        front.wait(timeout=scaled(60))
+    finally:
+        if front.poll() is None:
+            front.kill()
+    assert [r["step"] for r in metrics(cut)] == [1, 2]
+    proc = forge("run", "--resume", str(cut))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed, reference = metrics(cut), metrics(whole)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(resumed, reference, strict=True):
+        assert any(k.startswith("source/words/") for k in a)
+        assert deterministic(a) == pytest.approx(deterministic(b), rel=1e-6, abs=1e-7), a["step"]
