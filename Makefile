@@ -19,7 +19,7 @@ demo: setup
 # one compiled forgerl's sources again (about 2.5 CPU-s of a tiny two-step run's 20).
 test: setup
 	$(VENV)/bin/python -m compileall -q core plugins tests contrib >/dev/null
-	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 tests contrib/countdown/tests contrib/openai_compat/tests contrib/units/tests
+	OMP_WAIT_POLICY=PASSIVE $(VENV)/bin/python -m pytest -q -p no:cacheprovider -n 2 tests contrib/countdown/tests contrib/openai_compat/tests contrib/reasoning_gym/tests contrib/units/tests
 
 # The suite under load: two busy loops on the cores, deadlines x3 (scripts/stress.sh).
 test-stress: setup

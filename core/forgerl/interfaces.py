@@ -209,6 +209,14 @@ class Task(abc.ABC):
         """Whether the class overrides :meth:`demonstration`."""
         return cls.demonstration is not Task.demonstration
 
+    @classmethod
+    def source_names(cls, options: Any) -> list[str] | None:
+        """The sources a task with these (validated) options mixes, or None for a task that
+        is not a mixture (the default). Called by ``forge run`` before a run starts, to check
+        the rewards' ``sources`` (docs/data.md); a mixture tags each problem with its source
+        under :data:`forgerl.types.SOURCE_KEY`. Added after 0.2.0 (plugin API 1.1)."""
+        return None
+
 
 class Generator(Closeable, abc.ABC):
     """Prompts → completions with token ids and per-token sampling logprobs.

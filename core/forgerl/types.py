@@ -34,6 +34,18 @@ class Problem:
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
 
+#: The metadata key under which a mixture task names the source a problem came from
+#: (docs/data.md). Rewards configured with ``sources`` score only their sources' problems,
+#: and the run's metrics break down by it (``source/<name>/...``).
+SOURCE_KEY = "forgerl/source"
+
+
+def source_of(problem: Problem) -> str | None:
+    """The mixture source ``problem`` came from; None for a task that is not a mixture."""
+    value = problem.metadata.get(SOURCE_KEY)
+    return value if isinstance(value, str) else None
+
+
 # ------------------------------------------------------------------------ generation
 
 

@@ -55,3 +55,15 @@ def test_units_is_listed_once_pip_installed(tmp_path):
     rows = {r["name"]: r for r in json.loads(proc.stdout)}
     assert rows["units"]["distribution"] == "forgerl-units"
     assert {(b["kind"], b["name"]) for b in rows["units"]["backends"]} == {("task", "units"), ("environment", "units")}
+
+
+def test_reasoning_gym_is_listed_once_pip_installed(tmp_path):
+    """contrib/reasoning_gym's packaging: pip-installed (its library, reasoning-gym, comes with
+    the test environment), its entry point registers its task and reward."""
+    env = pip_install_copy(ROOT / "contrib" / "reasoning_gym", tmp_path)
+    proc = subprocess.run([*FORGE, "plugins", "list", "--json"], capture_output=True, text=True, env=env,
+                          timeout=scaled(60))  # fmt: skip
+    rows = {r["name"]: r for r in json.loads(proc.stdout)}
+    assert rows["reasoning_gym"]["distribution"] == "forgerl-reasoning-gym"
+    backends = {(b["kind"], b["name"]): b for b in rows["reasoning_gym"]["backends"]}
+    assert set(backends) == {("task", "reasoning_gym"), ("reward", "reasoning_gym")}

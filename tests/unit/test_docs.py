@@ -258,6 +258,8 @@ def loop_metric_keys() -> set[str]:
     train_one, evaluate = function(loop, "train_one"), function(REPO / "core" / "forgerl" / "runloop" / "evaluation.py", "_row")
     keys = dict_literal_keys(train_one) | subscript_keys(train_one, "row") | dict_literal_keys(evaluate)
     keys |= distill_metric_keys()  # the row's objective part (prepared.metrics) under objective: distill
+    # the breakdown by mixture source (row.update(per_source_metrics(...)))
+    keys |= subscript_keys(function(REPO / "core" / "forgerl" / "runloop" / "reward_metrics.py", "per_source_metrics"), "row")
     components = subscript_keys(function(REPO / "core" / "forgerl" / "rewards" / "rewarding.py", "_combine"), "components")
     assert components, "core/forgerl/rewards/rewarding.py: no reward component keys found"
     if any(k.startswith("reward/") and "<>" in k for k in keys):

@@ -72,6 +72,62 @@ class TestFileTask(TaskContract):
         self.options = {"path": str(path), "eval_fraction": 0.2, "system_prompt": "Be brief."}
 
 
+def _dataset_rows(tmp_path, name="problems.jsonl", n=12):
+    path = tmp_path / name
+    rows = [
+        {"uid": f"r{i}", "question": f"What is {i} * 3?", "solution": 3 * i, "level": i % 3} for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+class TestDatasetTask(TaskContract):
+    """Mapped columns, a template, a held-out fraction."""
+
+    backend = "dataset"
+
+    @pytest.fixture(autouse=True)
+    def _data(self, tmp_path):
+        self.options = {
+            "path": _dataset_rows(tmp_path),
+            "columns": {"prompt": "question", "answer": "solution", "id": "uid"},
+            "prompt_template": "{prompt} (level {level})",
+            "eval_fraction": 0.25,
+        }
+
+
+class TestDatasetTaskStreaming(TaskContract):
+    """Streamed through a shuffle buffer, with a held-out file."""
+
+    backend = "dataset"
+
+    @pytest.fixture(autouse=True)
+    def _data(self, tmp_path):
+        self.options = {
+            "path": _dataset_rows(tmp_path),
+            "eval_path": _dataset_rows(tmp_path, "held.jsonl", 3),
+            "columns": {"prompt": "question", "answer": "solution", "id": "uid"},
+            "streaming": True,
+            "shuffle_buffer": 5,
+        }
+
+
+class TestMixtureTask(TaskContract):
+    backend = "mixture"
+
+    @pytest.fixture(autouse=True)
+    def _data(self, tmp_path):
+        columns = {"prompt": "question", "answer": "solution", "id": "uid"}
+        self.options = {
+            "sources": [
+                {"name": "a", "weight": 2, "dataset": {"path": _dataset_rows(tmp_path), "columns": columns,
+                                                        "eval_fraction": 0.25}},
+                {"name": "b", "dataset": {"path": _dataset_rows(tmp_path, "b.jsonl", 5), "columns": columns,
+                                          "streaming": True}},
+            ]
+        }  # fmt: skip
+
+
 ADD = Problem(
     id="kit/add",
     prompt="Write a Python function add(a, b) that returns their sum.",

@@ -19,8 +19,10 @@ from pydantic import (
     PlainSerializer,
     PlainValidator,
     SerializationInfo,
+    SerializerFunctionWrapHandler,
     WithJsonSchema,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -171,6 +173,19 @@ class RewardChoice(BackendChoice):
     weight: float = Field(
         1.0, ge=-1e6, le=1e6, description="Weight of this reward in the total (a weighted sum); finite, |weight| <= 1e6."
     )
+    sources: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Score only the problems of these sources of a mixture task (docs/data.md); none: every problem.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_unset_sources(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # A reward for every problem is written as it always was (config.yaml, `config show`).
+        data: dict[str, Any] = handler(self)
+        if data.get("sources", ...) is None:
+            del data["sources"]
+        return data
 
     @field_validator("name")
     @classmethod

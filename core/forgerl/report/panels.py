@@ -46,6 +46,11 @@ PANELS: tuple[Panel, ...] = (
           note="reward/mean: training samples (weighted sum of the rewards); eval/reward: held-out problems"),
     Panel("reward_components", "Reward components", "mean score", prefix="reward/",
           exclude=("reward/mean", "reward/failed"), note="each reward's own score (unweighted) and its components"),
+    Panel("sources", "Reward by source", "mean reward", prefix="source/",
+          note="mixture tasks (docs/data.md): source/<name>/reward is the mean total reward of that source's "
+               "samples, source/<name>/<reward> each of its rewards (source_samples/<name>: its samples in the step)"),
+    Panel("eval_sources", "Held-out by source", "accuracy / mean reward", prefix="eval/source/",
+          note="mixture tasks: eval/source/<name>/accuracy and eval/source/<name>/reward on each source's held-out rows"),
     Panel("accuracy", "Held-out accuracy", "fraction correct", keys=("eval/accuracy",),
           note="measured every loop.eval_every steps and at the last; the hollow marker at step 0 is "
                "the evaluation before training (loop.eval_at_start)"),

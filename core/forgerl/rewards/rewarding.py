@@ -22,6 +22,7 @@ Where each reward runs:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import sys
@@ -42,7 +43,7 @@ from forgerl.rewards.reward_workers import (
     default_pool_size,
     outcome_of,
 )
-from forgerl.types import RewardInput, RewardResult, reserved_component_error
+from forgerl.types import RewardInput, RewardResult, reserved_component_error, source_of
 
 log = logging.getLogger("forgerl.rewards")
 
@@ -60,6 +61,12 @@ class NamedReward:
     weight: float
     reward: Reward
     recipe: RewardRecipe | None = None
+    #: The mixture sources whose problems it scores (None: every problem).
+    sources: frozenset[str] | None = None
+
+    def scores(self, source: str | None) -> bool:
+        """Whether it scores a problem of ``source`` (a problem of no source: every reward)."""
+        return self.sources is None or source is None or source in self.sources
 
 
 class RewardSet:
@@ -136,7 +143,8 @@ class RewardSet:
             # a worker could not find its backend.
             embedded = registry.owner("reward", choice.name).distribution == "<embedded>"
             recipe = None if embedded else RewardRecipe(choice.name, options_dict(choice.options))
-            rewards.append(NamedReward(choice.name, choice.weight, instance, recipe))
+            sources = frozenset(choice.sources) if choice.sources is not None else None
+            rewards.append(NamedReward(choice.name, choice.weight, instance, recipe, sources))
         reward_set = cls(
             rewards,
             timeout=config.loop.reward_timeout,
@@ -171,10 +179,16 @@ class RewardSet:
     # ---------------------------------------------------------------- scoring
 
     async def score(self, samples: Sequence[RewardInput]) -> list[RewardResult]:
-        """One result per sample, in order. Never raises because of a reward."""
-        per_sample = [asyncio.gather(*(self._one(i, s) for i in range(len(self.rewards)))) for s in samples]
+        """One result per sample, in order. Never raises because of a reward. A sample of a
+        mixture source is scored by the rewards of its source only (:attr:`NamedReward.sources`)."""
+        chosen = [self._for(s) for s in samples]
+        per_sample = [asyncio.gather(*(self._one(i, s) for i in idx)) for s, idx in zip(samples, chosen, strict=True)]
         outcomes = await asyncio.gather(*per_sample)
-        return [self._combine(parts) for parts in outcomes]
+        return [self._combine(idx, parts) for idx, parts in zip(chosen, outcomes, strict=True)]
+
+    def _for(self, sample: RewardInput) -> list[int]:
+        source = source_of(sample.problem)
+        return [i for i, r in enumerate(self.rewards) if r.scores(source)]
 
     def score_sync(self, samples: Sequence[RewardInput]) -> list[RewardResult]:
         """:meth:`score` for callers without an event loop (not from inside a running one)."""
@@ -241,11 +255,13 @@ class RewardSet:
                 )
         return finished, raw
 
-    def _combine(self, parts: list[Outcome]) -> RewardResult:
+    def _combine(self, indices: list[int], parts: list[Outcome]) -> RewardResult:
+        if not indices:  # refused before a run starts (preflight); an embedding caller may get here
+            return RewardResult(value=self.failed_reward, failed=True, error="no reward scores this problem's source")
         total = 0.0
         components: dict[str, float] = {}
         errors = []
-        for named, (value, subs, error) in zip(self.rewards, parts, strict=True):
+        for named, (value, subs, error) in zip((self.rewards[i] for i in indices), parts, strict=True):
             if value is None:
                 value = self.failed_reward
                 errors.append(f"{named.name}: {error}")
@@ -304,5 +320,5 @@ def _unique_names(rewards: list[NamedReward]) -> list[NamedReward]:
     for r in rewards:
         seen[r.name] = seen.get(r.name, 0) + 1
         name = r.name if seen[r.name] == 1 else f"{r.name}_{seen[r.name]}"
-        out.append(NamedReward(name, r.weight, r.reward, r.recipe))
+        out.append(dataclasses.replace(r, name=name))
     return out

@@ -26,6 +26,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from forgerl.runloop.evaluation import EvalSample, score_samples
+from forgerl.types import source_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.configuration.config import RunConfig
@@ -53,7 +54,7 @@ def install_stop_handler() -> threading.Event:
 def record(sample: EvalSample, prompt: str, model: str) -> dict[str, Any]:
     """One line of the results file (the per-sample schema runs share; extra keys allowed)."""
     p = sample.problem
-    source = p.metadata.get("source") if isinstance(p.metadata, dict) else None
+    source = _source(p)
     return {
         "kind": "eval",
         "step": 0,  # the weights as given, as a run's evaluation before its first step: `forge samples` reads these
@@ -76,6 +77,11 @@ def record(sample: EvalSample, prompt: str, model: str) -> dict[str, Any]:
         "answer": p.answer,
         "model": model,
     }
+
+
+def _source(p: Any) -> Any:
+    """The mixture source the problem came from (docs/data.md), else its metadata's ``source``."""
+    return (source_of(p) or p.metadata.get("source")) if isinstance(p.metadata, dict) else None
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

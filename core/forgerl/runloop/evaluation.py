@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from forgerl.rollouts.rollout import sampling_seed
-from forgerl.types import GenerationRequest, Problem, RewardInput, RewardResult, SamplingParams
+from forgerl.types import GenerationRequest, Problem, RewardInput, RewardResult, SamplingParams, source_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.configuration.config import RunConfig
@@ -107,7 +107,7 @@ def score_samples(
 
     results, scores = asyncio.run(go())
     return [
-        EvalSample(g, j, problems[g], r[0].text, s, is_correct(s, cfg), r[0].finish_reason, len(prompts[g]),
+        EvalSample(g, j, problems[g], r[0].text, s, is_correct(s, cfg, source_of(problems[g])), r[0].finish_reason, len(prompts[g]),
                    len(r[0].token_ids), r[0].policy_version, output=r[0], prompt_ids=prompts[g])
         for (g, j), r, s in zip(pairs, results, scores)
     ]  # fmt: skip
@@ -130,7 +130,7 @@ def _score_trajectories(
         if t.reward is not None:  # the environment's own verdict
             correct = float(s.result.components.get("correct", float(s.result.value >= 1.0)))
         else:
-            correct = is_correct(s.result, cfg)
+            correct = is_correct(s.result, cfg, source_of(problems[g]))
         out.append(EvalSample(g, j, problems[g], t.completion.text or t.last_text, s.result, correct,
                               t.completion.finish_reason, len(t.prompt_ids), len(t.completion.token_ids),
                               t.completion.policy_version, {"turns": t.turns, "failure": t.failure},
@@ -168,12 +168,16 @@ def _recorded(samples: list[EvalSample], record: Record | None) -> list[EvalSamp
 def row_of(samples: Sequence[EvalSample]) -> dict[str, float]:
     """The eval row of scored samples."""
     return _row([s.correct for s in samples], [s.result.value for s in samples],
-                [s.result.components for s in samples])  # fmt: skip
+                [s.result.components for s in samples], [source_of(s.problem) for s in samples])  # fmt: skip
 
 
-def is_correct(score: Any, cfg: RunConfig) -> float:
-    """Whether the primary reward calls ``score`` correct (1.0 or 0.0)."""
-    primary = cfg.rewards[0].name
+def is_correct(score: Any, cfg: RunConfig, source: str | None = None) -> float:
+    """Whether the primary reward calls ``score`` correct (1.0 or 0.0): the first reward, or
+    for a problem of a mixture source, the first reward that scores that source."""
+    primary = next(
+        (r.name for r in cfg.rewards if source is None or r.sources is None or source in r.sources),
+        cfg.rewards[0].name,
+    )
     comps = score.components
     if f"{primary}/correct" in comps:
         return float(comps[f"{primary}/correct"])
@@ -185,13 +189,24 @@ def mean(xs: Iterable[Any]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
-def _row(correct: list[float], rewards: list[float], components: list[Mapping[str, float]]) -> dict[str, float]:
+def _row(
+    correct: list[float],
+    rewards: list[float],
+    components: list[Mapping[str, float]],
+    sources: list[str | None] | None = None,
+) -> dict[str, float]:
     # A component a sample does not report counts 0 (a trajectory that failed reports none),
     # as the training rows' reward/<name> count it.
     names = dict.fromkeys(name for c in components for name in c)
+    by_source: dict[str, list[int]] = {}
+    for i, source in enumerate(sources or ()):
+        if source is not None:
+            by_source.setdefault(source, []).append(i)
     return {
         "eval/accuracy": mean(correct),
         "eval/reward": mean(rewards),
         "eval/samples": len(correct),
         **{f"eval/reward/{name}": mean(c.get(name, 0.0) for c in components) for name in names},
+        **{f"eval/source/{s}/accuracy": mean(correct[i] for i in idx) for s, idx in sorted(by_source.items())},
+        **{f"eval/source/{s}/reward": mean(rewards[i] for i in idx) for s, idx in sorted(by_source.items())},
     }

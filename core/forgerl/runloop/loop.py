@@ -46,6 +46,7 @@ from forgerl.runloop.batching import Prepared, prepare_batch, tokens_by_age
 from forgerl.runloop.distill_batch import distill_batch
 from forgerl.runloop.evaluation import evaluate_samples, evaluate_trajectories, mean
 from forgerl.runloop.metrics import MetricsWriter
+from forgerl.runloop.reward_metrics import component_mean, per_source_metrics
 from forgerl.runloop.spmd import TrainerDriver
 from forgerl.samples.capture import Recorder
 from forgerl.samples.redact import reward_secrets
@@ -377,7 +378,8 @@ class Loop:
         for name in sorted({n for e in eps for n in e.reward_components}):
             if f"reward/{name}" in row:  # refused where components are made; a Loop's own rewards object may not
                 raise RewardError(f"a reward component is named {name!r}: {reserved_component_error(name)}")
-            row[f"reward/{name}"] = mean(e.reward_components.get(name, 0.0) for e in eps)
+            row[f"reward/{name}"] = component_mean(eps, name)
+        row.update(per_source_metrics(eps))
         staleness = [self.policy_version - 1 - oldest_version(e.completion) for e in eps]
         row.update(
             {

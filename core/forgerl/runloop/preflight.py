@@ -78,6 +78,7 @@ def check_run(
         )
     if sampling:
         check_adapter_served(config, registry)
+    check_reward_sources(config, registry)
     check_before_run(config, registry, local_files=local_files)
     if local_files:
         if not fresh:
@@ -216,3 +217,39 @@ def _context_length(path: Path) -> int | None:
 
 def _positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def check_reward_sources(config: RunConfig, registry: Registry) -> None:
+    """Rewards that name ``sources`` name sources of the task (a mixture), and every source
+    of a mixture has a reward: a problem no reward scores would train on nothing."""
+    from forgerl.interfaces import Task
+
+    if all(c.sources is None for c in config.rewards):
+        return  # every reward scores every problem
+    backend = registry.require("task", config.task.name)
+    factory = backend.load_factory()
+    sources = None
+    if isinstance(factory, type) and issubclass(factory, Task):
+        sources = factory.source_names(backend.validate_options(config.task.options))
+    for i, choice in enumerate(config.rewards):
+        if choice.sources is None:
+            continue
+        if sources is None:
+            raise ConfigError(
+                f"rewards.{i}.sources names sources ({', '.join(choice.sources)}), but task {config.task.name!r} "
+                "mixes none; sources are those of a mixture task (docs/data.md)"
+            )
+        unknown = [s for s in choice.sources if s not in sources]
+        if unknown:
+            raise ConfigError(
+                f"rewards.{i}.sources: task {config.task.name!r} has no source {unknown[0]!r}; "
+                f"its sources: {', '.join(sources)}"
+            )
+    if sources is None:
+        return
+    for source in sources:
+        if not any(c.sources is None or source in c.sources for c in config.rewards):
+            raise ConfigError(
+                f"no reward scores source {source!r} of task {config.task.name!r}: add one with "
+                f"sources: [{source}], or one without sources"
+            )

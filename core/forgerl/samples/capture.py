@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from forgerl.samples.records import SampleRecord
 from forgerl.samples.redact import Redactor, run_keys
+from forgerl.types import source_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.types import Episode, Problem
@@ -164,7 +165,11 @@ class Capture:
 
 
 def _source(problem: Problem) -> str | None:
-    source = problem.metadata.get("source") if isinstance(problem.metadata, Mapping) else None
+    """The mixture source a problem came from (docs/data.md), else a ``source`` its own
+    metadata names."""
+    if not isinstance(problem.metadata, Mapping):
+        return None
+    source = source_of(problem) or problem.metadata.get("source")
     return source if isinstance(source, str) else None
 
 
