@@ -63,9 +63,12 @@ def test_changelog_describes_this_release_and_plugin_api():
 
 @pytest.mark.parametrize("name", [*DEPRECATED, *REMOVED])
 def test_every_deprecated_or_removed_name_is_in_the_changelog(name: str):
-    release = api_surface.newest_release((REPO / "CHANGELOG.md").read_text())
+    """The release that deprecated or removed a name says so and how to migrate; later
+    releases need not repeat it (the name warns, or fails, naming CHANGELOG.md)."""
+    changelog = (REPO / "CHANGELOG.md").read_text()
+    released = changelog[changelog.index("\n## [", changelog.index("## [Unreleased]") + 1):]
     short = name.removeprefix("forgerl.contract.")
-    assert f"`{short}`" in release or f"`{name}`" in release, f"CHANGELOG.md's newest release does not name {name}"
+    assert f"`{short}`" in released or f"`{name}`" in released, f"no CHANGELOG.md release names {name}"
 
 
 @pytest.mark.parametrize("name", [n for n in DEPRECATED if n.startswith("forgerl.contract.")])

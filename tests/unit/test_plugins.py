@@ -24,7 +24,7 @@ from .fakedist import (
     make_dist,
 )
 
-#: The installed forgerl, as messages name its built-in plugins ("forgerl 0.2.0").
+#: The installed forgerl, as messages name its built-in plugins ("forgerl 0.3.0").
 FORGERL = f"forgerl {metadata.version('forgerl')}"
 
 
