@@ -40,6 +40,24 @@ def test_a_run_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
     assert_one_line_error(proc, "objective cannot change when resuming", "given 'eval'")
 
 
+def test_resuming_an_evaluation_keeps_how_its_samples_were_drawn_and_scored(tmp_path: Path) -> None:
+    """An evaluation's finished samples are kept on --resume: a new temperature, sampling or
+    reward would mix two evaluations in one result. More samples per problem may be asked."""
+    run = tmp_path / "runs" / "ev"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text("objective: eval\nmodel:\n  name: tiny\ntask:\n  name: arithmetic\n"
+                                     "generator:\n  name: hf\nloop:\n  eval_temperature: 1.0\n")  # fmt: skip
+    for change, needle in [
+        (("--set", "loop.eval_temperature=0.5"), "loop.eval_temperature cannot change when resuming"),
+        (("--set", "loop.sampling.max_tokens=7"), "loop.sampling.max_tokens cannot change when resuming"),
+        (("--set", "rewards=[{name: format}]"), "rewards cannot change when resuming"),
+    ]:
+        proc = forge("eval", "--resume", "runs/ev", *change, "--dry-run", cwd=tmp_path)
+        assert_one_line_error(proc, needle, "the samples already written were made with")
+    proc = forge("eval", "--resume", "runs/ev", "--k", "8", "--dry-run", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
 def test_a_mistyped_run_directory_is_not_asked_of_the_hub(tmp_path: Path) -> None:
     (tmp_path / "runs").mkdir()
     proc = forge("eval", "runs/typo", "--dry-run", cwd=tmp_path)

@@ -95,6 +95,10 @@ def existing_run_dir(path: str | Path) -> Path:
 #: What a checkpoint depends on: a resumed run may not change these (--set, --model, ...).
 RESUME_FIXED = ("model", "objective", "task", "trainer.name", "loop.seed", "sft.data", "sft.task_demonstrations",
                 "sft.format", "sft.loss_on", "sft.max_length", "sft.overlong", "sft.shuffle")
+#: What the samples a `forge eval` already wrote were drawn and scored with: its resume keeps
+#: them, so these may not change either (``eval.k`` and ``loop.eval_size`` may grow: more
+#: samples or problems drawn the same way).
+EVAL_RESUME_FIXED = ("loop.eval_temperature", "loop.sampling", "rewards", "environment")
 
 
 def check_resume_changes(saved: RunConfig, given: RunConfig, run_dir: str | Path) -> None:
@@ -106,7 +110,11 @@ def check_resume_changes(saved: RunConfig, given: RunConfig, run_dir: str | Path
         raise ConfigError(
             f"--resume continues the run in {run_dir}; output is for new runs (remove it from --set)"
         )
-    for dotted in RESUME_FIXED:
+    made_with = "the checkpoint was made with"
+    fixed = RESUME_FIXED
+    if saved.objective == "eval":
+        fixed, made_with = RESUME_FIXED + EVAL_RESUME_FIXED, "the samples already written were made with"
+    for dotted in fixed:
         before, after = saved.dump(), given.dump()
         for part in dotted.split("."):
             before, after = before[part], after[part]
@@ -114,7 +122,7 @@ def check_resume_changes(saved: RunConfig, given: RunConfig, run_dir: str | Path
         if difference is not None:
             where, was, now = difference
             raise ConfigError(
-                f"--resume {run_dir}: {where} cannot change when resuming (the checkpoint was made with "
+                f"--resume {run_dir}: {where} cannot change when resuming ({made_with} "
                 f"{_short(was)}, given {_short(now)}); start a new run with --output instead"
             )
 
