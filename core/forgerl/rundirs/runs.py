@@ -111,7 +111,7 @@ def check_resume_changes(saved: RunConfig, given: RunConfig, run_dir: str | Path
             f"--resume continues the run in {run_dir}; output is for new runs (remove it from --set)"
         )
     made_with = "the checkpoint was made with"
-    fixed = RESUME_FIXED
+    fixed: tuple[str, ...] = RESUME_FIXED
     if saved.objective == "eval":
         fixed, made_with = RESUME_FIXED + EVAL_RESUME_FIXED, "the samples already written were made with"
     for dotted in fixed:
