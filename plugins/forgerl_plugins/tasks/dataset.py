@@ -33,6 +33,7 @@ from forgerl.errors import ConfigError
 from forgerl.interfaces import Task
 from forgerl.options import OptionsModel
 from forgerl.types import Problem
+from forgerl_plugins.tasks.holdout import hold_out
 
 from .dataset_reading import Where, iter_rows, read_all
 
@@ -280,21 +281,9 @@ def held_out(
     problems: list[Problem], fraction: float, seed: int, label: str
 ) -> tuple[list[Problem], list[Problem]]:
     """(train, held out): ``floor(n * fraction)`` (at least 1) problems chosen with ``seed``."""
-    if fraction <= 0:
-        return problems, []
-    n = len(problems)
-    k = max(1, math.floor(n * fraction))
-    if n - k < 1:
-        raise ConfigError(
-            f"task dataset: {label} has {n} row(s), too few to hold out eval_fraction={fraction}; "
-            "add rows, name eval_split or eval_path, or set eval_fraction: 0"
-        )
-    order = list(range(n))
-    random.Random(f"dataset:eval:{seed}").shuffle(order)
-    held = set(order[:k])
-    return [p for i, p in enumerate(problems) if i not in held], [
-        p for i, p in enumerate(problems) if i in held
-    ]
+    too_few = (f"task dataset: {label} has {{n}} row(s), too few to hold out eval_fraction={{fraction}}; "
+               "add rows, name eval_split or eval_path, or set eval_fraction: 0")  # fmt: skip
+    return hold_out(problems, fraction, f"dataset:eval:{seed}", too_few)
 
 
 # ------------------------------------------------------------------ rows → problems

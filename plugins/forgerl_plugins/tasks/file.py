@@ -10,8 +10,6 @@ the data is two integers and a resumed run sees exactly the rows it would have s
 from __future__ import annotations
 
 import json
-import math
-import random
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -23,6 +21,7 @@ from forgerl.errors import BackendUnavailable, ConfigError
 from forgerl.interfaces import Task
 from forgerl.options import OptionsModel
 from forgerl.types import Problem
+from forgerl_plugins.tasks.holdout import hold_out
 
 #: Seeds the choice of held-out rows (eval_fraction); fixed so every run seed holds out the same rows.
 EVAL_SEED = 20250101
@@ -197,21 +196,9 @@ def _chat(value: Any, system_prompt: str | None, where: str, field: str) -> list
 
 
 def _split(problems: list[Problem], fraction: float, source: str) -> tuple[list[Problem], list[Problem]]:
-    if fraction <= 0:
-        return problems, []
-    n = len(problems)
-    k = max(1, math.floor(n * fraction))
-    if n - k < 1:
-        raise ConfigError(
-            f"task file: {source} has {n} problem(s), too few to hold out eval_fraction={fraction}; "
-            "add rows, give eval_path, or set eval_fraction: 0"
-        )
-    indices = list(range(n))
-    random.Random(f"file:eval:{EVAL_SEED}").shuffle(indices)
-    held = set(indices[:k])
-    train = [p for i, p in enumerate(problems) if i not in held]
-    evaluation = [p for i, p in enumerate(problems) if i in held]
-    return train, evaluation
+    too_few = (f"task file: {source} has {{n}} problem(s), too few to hold out eval_fraction={{fraction}}; "
+               "add rows, give eval_path, or set eval_fraction: 0")  # fmt: skip
+    return hold_out(problems, fraction, f"file:eval:{EVAL_SEED}", too_few)
 
 
 # ------------------------------------------------------------------ pre-flight
