@@ -17,15 +17,20 @@ so the next batch's generation starts when the test says, not while it holds a s
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from forgerl.hookspecs import hookimpl
 from forgerl.types import Problem
 from forgerl_plugins.tasks.arithmetic import ArithmeticTask
+
+from .timing import scaled, wait_until
 
 
 def hold_env(*steps: int) -> dict[str, str]:
@@ -42,6 +47,28 @@ def marker(run_dir: Path, step: int) -> Path:
 
 def release(run_dir: Path, step: int) -> None:
     (run_dir / f"release-step-{step}").write_text("")
+
+
+def kill_run_held_at(
+    command: Sequence[str], run_dir: Path, step: int, *, before_kill: Callable[[], None] | None = None
+) -> subprocess.Popen[str]:
+    """Start ``command`` (a `forge run` or `forge sft` writing ``run_dir``), hold it at
+    ``step`` (after that step's row and checkpoint), call ``before_kill``, then SIGKILL
+    every process of its job, as a crash would; the ended front process is returned."""
+    front = subprocess.Popen([*command], env=hold_env(step), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    try:
+        wait_until(lambda: marker(run_dir, step).exists(), 240, f"the run to reach its checkpoint {step}",
+                   interval=0.2)  # fmt: skip
+        if before_kill is not None:
+            before_kill()
+        for process in json.loads((run_dir / "job.json").read_text())["processes"]:
+            os.kill(process["pid"], signal.SIGKILL)
+        front.wait(timeout=scaled(60))
+    finally:
+        if front.poll() is None:
+            front.kill()
+    return front
 
 
 @hookimpl

@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import signal
-import subprocess
 
 import pytest
 import yaml
 
-from ..helpers.hold_at_step import hold_env, marker
-from ..helpers.timing import scaled, wait_until
+from ..helpers.hold_at_step import kill_run_held_at
 from .test_run_e2e import BASE, FORGE, deterministic, forge, metrics
 
 pytestmark = pytest.mark.integration
@@ -101,18 +97,7 @@ def test_a_streamed_mixture_resumes_at_the_same_rows(tmp_path):
     proc = forge("run", *common, "--output", str(whole))
     assert proc.returncode == 0, proc.stderr[-3000:]
     cut = tmp_path / "cut"
-    front = subprocess.Popen([*FORGE, "run", *common, "--output", str(cut)], env=hold_env(2),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        wait_until(
-            lambda: marker(cut, 2).exists(), 240, "the run to reach its second checkpoint", interval=0.2
-        )
-        for process in json.loads((cut / "job.json").read_text())["processes"]:
-            os.kill(process["pid"], signal.SIGKILL)
-        front.wait(timeout=scaled(60))
-    finally:
-        if front.poll() is None:
-            front.kill()
+    kill_run_held_at([*FORGE, "run", *common, "--output", str(cut)], cut, 2)
     assert [r["step"] for r in metrics(cut)] == [1, 2]
     proc = forge("run", "--resume", str(cut))
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -195,8 +194,7 @@ def test_a_run_killed_with_pending_trajectories_resumes_exactly(tmp_path):
     """Multi-turn trajectories (the guess game: feedback between turns) one step ahead of
     training (max_staleness 1) are in every checkpoint; a run killed after step 2 resumes
     and ends with the metrics of an uninterrupted run."""
-    from tests.helpers.hold_at_step import hold_env, marker
-    from tests.helpers.timing import wait_until
+    from tests.helpers.hold_at_step import kill_run_held_at
 
     common = ["run", "--model", "tiny", "--generator", "hf", "--environment", "guess", "--steps", "3",
               "--set", "loop.prompts_per_step=2", "--set", "loop.group_size=2", "--set", "loop.sampling.max_tokens=8",
@@ -207,21 +205,15 @@ def test_a_run_killed_with_pending_trajectories_resumes_exactly(tmp_path):
     proc = subprocess.run([*FORGE, *common, "--output", str(whole)], capture_output=True, text=True,
                           timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    front = subprocess.Popen([*FORGE, *common, "--output", str(cut)], env=hold_env(2),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until(lambda: marker(cut, 2).exists(), 240, "the run to reach its second checkpoint", interval=0.2)
+
+    def pending_trajectories_keep_their_masks() -> None:
         loop_state = json.loads((cut / "checkpoints" / "step-000002" / "loop.json").read_text())
         pending = loop_state["pending_rollouts"]
         assert pending and all("mask" in e["completion"] and "versions" in e["completion"]
                                for b in pending for e in b["episodes"]), "pending trajectories lost their masks"
         assert any(0 in e["completion"]["mask"] for b in pending for e in b["episodes"]), "no environment tokens"
-        for p in json.loads((cut / "job.json").read_text())["processes"]:
-            os.kill(p["pid"], signal.SIGKILL)
-        front.wait(timeout=scaled(60))
-    finally:
-        if front.poll() is None:
-            front.kill()
+
+    kill_run_held_at([*FORGE, *common, "--output", str(cut)], cut, 2, before_kill=pending_trajectories_keep_their_masks)
     proc = subprocess.run([*FORGE, "run", "--resume", str(cut)], capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr[-3000:]
 

@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from ..helpers.hold_at_step import hold_env, marker
-from ..helpers.timing import scaled, wait_until
+from ..helpers.hold_at_step import kill_run_held_at
+from ..helpers.timing import scaled
 from ..unit.test_sft_render import calculator_demo
 
 pytestmark = pytest.mark.integration
@@ -86,16 +85,7 @@ def test_a_killed_lora_sft_run_resumes_as_if_never_stopped(tmp_path: Path, demos
     assert proc.returncode == 0, proc.stderr[-3000:]
 
     cut = tmp_path / "cut"
-    front = subprocess.Popen([*FORGE, *common, "--output", str(cut)], env=hold_env(3),
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        wait_until(lambda: marker(cut, 3).exists(), 240, "the run to reach its third checkpoint", interval=0.2)
-        for process in json.loads((cut / "job.json").read_text())["processes"]:
-            os.kill(process["pid"], signal.SIGKILL)
-        front.wait(timeout=scaled(60))
-    finally:
-        if front.poll() is None:
-            front.kill()
+    front = kill_run_held_at([*FORGE, *common, "--output", str(cut)], cut, 3)
     assert front.returncode != 0 and [r["step"] for r in rows_of(cut)] == [1, 2, 3]
 
     proc = forge("sft", "--resume", str(cut))
