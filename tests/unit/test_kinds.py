@@ -7,7 +7,7 @@ import click
 
 from forgerl import hookspecs
 from forgerl.backends import BACKEND_KINDS
-from forgerl.cli import config_show
+from forgerl.commands.config import config_show
 from forgerl.configuration.config import BackendChoice, RunConfig
 from forgerl.configuration.kinds import FLAGS, KINDS, REGISTRATION_HOOKS, SINGLE_BACKEND_FIELDS
 

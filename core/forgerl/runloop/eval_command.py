@@ -1,5 +1,5 @@
 """What ``forge eval MODEL`` adds to a run config before it is launched like any run
-(:func:`forgerl.cli._launch`): ``objective: eval``, the model, and, where MODEL names a run
+(:func:`forgerl.commands.launching.launch`): ``objective: eval``, the model, and, where MODEL names a run
 (its directory, ``run:NAME`` or one of its checkpoint folders), that run's task, rewards,
 environment, sampling, seed and held-out size, so that its checkpoint is scored exactly as
 the run's own evaluation scored it. Flags and ``--set`` values given here come after and win.
