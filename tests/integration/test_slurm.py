@@ -282,3 +282,25 @@ def test_forge_run_bad_partition_is_one_line_exit_2(slurm, tmp_path):
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     assert len(proc.stderr.strip().splitlines()) == 1 and "partition" in proc.stderr, proc.stderr
     assert not (out / "submission.json").exists()
+
+
+def test_forge_eval_on_slurm_writes_its_results_and_trains_nothing(slurm, tmp_path):
+    """`forge eval` goes through the same launch path as `forge run`: on Slurm, one worker
+    generates and scores every (problem, sample) pair and the results land in the folder."""
+    out = tmp_path / "eval"
+    proc = _forge("eval", "tiny", "--task", "arithmetic", "--generator", "hf", "--scheduler", "slurm",
+                  "--problems", "4", "--k", "2", "--set", "loop.sampling.max_tokens=12",
+                  "--set", "scheduler.options.poll_interval=0.5", "--output", str(out), "--wait", "-q",
+                  timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "eval_summary.json").read_text())
+    assert (summary["problems"], summary["samples"], summary["k"]) == (4, 8, 2), summary
+    records = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
+    assert sorted((r["problem_id"], r["index"]) for r in records) == sorted(
+        {(r["problem_id"], i) for r in records for i in (0, 1)}
+    ), "a (problem, sample) pair is missing or doubled"
+    assert len(records) == 8
+    assert not (out / "checkpoints").exists(), "an evaluation wrote checkpoints"
+    job_id = json.loads((out / "submission.json").read_text())["job_id"]
+    status = _forge("status", str(out))
+    assert status.returncode == 0 and f"{job_id}: completed (exit 0)" in status.stdout, status
