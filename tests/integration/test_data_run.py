@@ -75,6 +75,27 @@ def test_a_mixture_scores_each_source_with_its_own_reward(tmp_path):
     assert set(state["drawn"]) == {"math", "words"} and state["sources"]["words"]["streaming"] is True
 
 
+def test_a_mixture_runs_one_source_through_its_environment(tmp_path):
+    """environment.sources: the math rows are calculator trajectories (the environment's
+    verdict), the words rows single completions scored by their reward, in one run."""
+    from forgerl.samples.reader import read_samples
+
+    out = tmp_path / "out"
+    proc = forge("run", mixture_config(tmp_path), *BASE, "--steps", "1", "--output", str(out),
+                 "--set", "environment.name=calculator", "--set", "environment.sources=[math]",
+                 "--set", "environment.max_turns=2", "--set", "environment.max_total_tokens=40")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = metrics(out)
+    assert row["source_samples/math"] == 4 and row["source_samples/words"] == 4, row
+    assert "env/turns_mean" in row and "source/words/format" in row
+    assert "source/math/math_answer" not in row, "the environment gave the math rows their reward"
+    assert {"eval/source/math/accuracy", "eval/source/words/accuracy"} <= set(row)
+    train = [r for r in read_samples(out) if r.kind == "train"]
+    assert {r.source for r in train} == {"math", "words"}
+    for r in train:
+        assert (r.messages is not None) == (r.source == "math"), (r.source, r.messages)
+
+
 def test_a_wrong_column_is_one_line_before_launch(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"question": "1+1", "answer": "2"}\n')

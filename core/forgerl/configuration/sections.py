@@ -137,6 +137,20 @@ class EnvironmentChoice(_Strict):
         10.0, gt=0, le=MAX_SECONDS, description="Seconds each environment call (reset, step, tools) may take."
     )
     concurrency: int = Field(32, ge=1, le=MAX_SAMPLES_PER_STEP, description="Trajectories in flight at once.")
+    sources: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="Only the problems of these sources of a mixture task run through the environment, the "
+        "others are single-turn (docs/data.md); none: every problem.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _without_unset_sources(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # An environment for every problem is written as it always was (config.yaml, `config show`).
+        data: dict[str, Any] = handler(self)
+        if data.get("sources", ...) is None:
+            del data["sources"]
+        return data
 
 
 class TeacherChoice(BackendChoice):

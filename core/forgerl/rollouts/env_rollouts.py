@@ -24,7 +24,7 @@ from forgerl.errors import PluginError
 from forgerl.rollouts.agent_runner import AgentEnvironment, AgentRunner
 from forgerl.rollouts.bounded import abandoned_threads
 from forgerl.rollouts.trajectory import Limits, RequestBatcher, Trajectory, TrajectoryRunner
-from forgerl.types import Episode, Problem, RewardInput, RewardResult, SamplingParams
+from forgerl.types import Episode, Problem, RewardInput, RewardResult, SamplingParams, source_of
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.configuration.config import RunConfig
@@ -58,10 +58,20 @@ class Runner(Protocol):
 
 
 class EnvironmentRollouts:
-    def __init__(self, runner: Runner, *, failed_reward: float, run_dir: Path | None = None):
+    def __init__(
+        self, runner: Runner, *, failed_reward: float, run_dir: Path | None = None,
+        sources: Sequence[str] | None = None,
+    ):
         self.runner = runner
         self.failed_reward = failed_reward
         self.run_dir = run_dir
+        #: The mixture sources whose problems run through the environment (None: every
+        #: problem); the others are single-turn (``environment.sources``).
+        self.sources = frozenset(sources) if sources is not None else None
+
+    def takes(self, problem: Problem) -> bool:
+        """Whether ``problem`` runs through the environment (else it is single-turn)."""
+        return self.sources is None or source_of(problem) in self.sources
 
     @classmethod
     def from_config(
@@ -108,7 +118,7 @@ class EnvironmentRollouts:
                 limits,
                 turn_sampling,
             )
-        return cls(runner, failed_reward=config.loop.failed_reward, run_dir=run_dir)
+        return cls(runner, failed_reward=config.loop.failed_reward, run_dir=run_dir, sources=env.sources)
 
     def close(self) -> None:
         """Release what the runner holds (an agent endpoint's server). Idempotent."""
@@ -148,11 +158,13 @@ class EnvironmentRollouts:
 
     async def batch(
         self, generator: Generator, problems: Sequence[Problem], *, index: int, seeds: Sequence[int],
-        group_size: int, score: Score,
+        group_size: int, score: Score, groups: Sequence[int] | None = None,
     ) -> tuple[list[Episode], dict[str, float], float]:
-        """The episodes of one rollout batch, its metrics and its generation seconds."""
+        """The episodes of one rollout batch, its metrics and its generation seconds.
+        ``groups``: each problem's group number in the batch (default its position)."""
+        numbers = list(groups) if groups is not None else list(range(len(problems)))
         jobs = [
-            (p, f"b{index}-g{g}-m{m}", seeds[g] + 104_729 * m)
+            (p, f"b{index}-g{numbers[g]}-m{m}", seeds[g] + 104_729 * m)
             for g, p in enumerate(problems)
             for m in range(group_size)
         ]
@@ -161,7 +173,7 @@ class EnvironmentRollouts:
         episodes = [
             Episode(
                 problem=jobs[k][0],
-                group_id=k // group_size,
+                group_id=numbers[k // group_size],
                 prompt_token_ids=s.trajectory.prompt_ids,
                 completion=s.trajectory.completion,
                 reward=float(s.result.value),

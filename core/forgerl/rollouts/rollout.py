@@ -178,40 +178,67 @@ class RolloutProducer(threading.Thread):
     async def make_batch(self, index: int) -> RolloutBatch:
         problems = self.source.next_problems(self.prompts_per_step)
         task_state = self.source.state_dict()
-        if self.environment is not None:
-            return await self._trajectory_batch(index, problems, task_state)
-        prompt_ids = [self.tokenizing.prompt_ids(p) for p in problems]
         version = self.generator.policy_version
+        env = self.environment
+        # Group g keeps its position, request ids and seeds whichever way it runs: a mixture
+        # whose environment takes some sources only (environment.sources) samples the
+        # others single-turn, both halves at once.
+        through_env = [g for g, p in enumerate(problems) if env is not None and env.takes(p)]
+        single = [g for g in range(len(problems)) if g not in set(through_env)]
+        t0 = time.perf_counter()
+        parts = await asyncio.gather(
+            *([self._trajectory_part(index, problems, through_env)] if through_env else []),
+            *([self._single_turn_part(index, problems, single)] if single else []),
+        )
+        episodes = sorted((e for part in parts for e in part.episodes), key=lambda e: e.group_id)
+        batch = RolloutBatch(
+            index=index,
+            episodes=episodes,
+            policy_version=version,
+            task_state=task_state,
+            gen_tokens=sum(part.gen_tokens for part in parts),
+            rewards_failed=sum(part.rewards_failed for part in parts),
+            extra={k: v for part in parts for k, v in part.extra.items()},
+        )
+        if len(parts) == 1:
+            batch.gen_seconds, batch.reward_seconds = parts[0].gen_seconds, parts[0].reward_seconds
+        else:  # the halves overlap: one figure, as for trajectories
+            batch.gen_seconds = time.perf_counter() - t0
+        return batch
+
+    async def _single_turn_part(self, index: int, problems: list[Problem], groups: list[int]) -> RolloutBatch:
+        """Completions of the ``groups`` (positions in ``problems``), scored."""
+        prompt_ids = {g: self.tokenizing.prompt_ids(problems[g]) for g in groups}
         requests = [
             GenerationRequest(
                 request_id=f"b{index}-g{g}",
-                prompt_token_ids=ids,
+                prompt_token_ids=prompt_ids[g],
                 n=self.group_size,
                 sampling=_with_seed(self.sampling, sampling_seed(self.seed, index, g)),
             )
-            for g, ids in enumerate(prompt_ids)
+            for g in groups
         ]
         t0 = time.perf_counter()
         results = await self.generator.generate(requests)
         t1 = time.perf_counter()
         inputs = [
-            RewardInput(problem=p, completion_text=c.text, finish_reason=c.finish_reason)
-            for p, comps in zip(problems, results)
+            RewardInput(problem=problems[g], completion_text=c.text, finish_reason=c.finish_reason)
+            for g, comps in zip(groups, results)
             for c in comps
         ]
         scores = await self.score(inputs)
         t2 = time.perf_counter()
         episodes = []
         k = 0
-        for g, (p, ids, comps) in enumerate(zip(problems, prompt_ids, results)):
+        for g, comps in zip(groups, results):
             for c in comps:
                 s = scores[k]
                 k += 1
                 episodes.append(
                     Episode(
-                        problem=p,
+                        problem=problems[g],
                         group_id=g,
-                        prompt_token_ids=ids,
+                        prompt_token_ids=prompt_ids[g],
                         completion=c,
                         reward=float(s.value),
                         reward_components=dict(s.components),
@@ -222,31 +249,31 @@ class RolloutProducer(threading.Thread):
         return RolloutBatch(
             index=index,
             episodes=episodes,
-            policy_version=version,
-            task_state=task_state,
+            policy_version=-1,  # the caller's
+            task_state={},
             gen_seconds=t1 - t0,
             reward_seconds=t2 - t1,
             gen_tokens=sum(len(e.completion.token_ids) for e in episodes),
             rewards_failed=sum(e.reward_failed for e in episodes),
         )
 
-
-    async def _trajectory_batch(self, index: int, problems: list[Problem], task_state: dict[str, Any]) -> RolloutBatch:
+    async def _trajectory_part(self, index: int, problems: list[Problem], groups: list[int]) -> RolloutBatch:
+        """Trajectories of the ``groups`` through the environment, scored."""
         assert self.environment is not None, "trajectory batches need an environment"
-        version = self.generator.policy_version
         episodes, extra, seconds = await self.environment.batch(
             self.generator,
-            problems,
+            [problems[g] for g in groups],
             index=index,
-            seeds=[sampling_seed(self.seed, index, g) for g in range(len(problems))],
+            seeds=[sampling_seed(self.seed, index, g) for g in groups],
             group_size=self.group_size,
             score=self.score,
+            groups=groups,
         )
         return RolloutBatch(
             index=index,
             episodes=episodes,
-            policy_version=version,
-            task_state=task_state,
+            policy_version=-1,  # the caller's
+            task_state={},
             gen_seconds=seconds,  # generation, environments and scoring overlap: one figure
             gen_tokens=sum(sum(e.completion.mask or ()) for e in episodes),
             rewards_failed=sum(e.reward_failed for e in episodes),

@@ -88,9 +88,21 @@ def score_samples(
     environment: EnvironmentRollouts | None = None,
 ) -> list[EvalSample]:
     """Sample and score ``(group, index)`` pairs of the held-out ``problems``: single
-    completions through ``tokenizing``, or whole trajectories through ``environment``."""
+    completions through ``tokenizing``, or whole trajectories through ``environment`` (for
+    the problems it takes: a mixture's other sources are single-turn). In ``pairs``' order."""
     if environment is not None:
-        return _score_trajectories(cfg, problems, pairs, generator, rewards, environment)
+        through_env = [pair for pair in pairs if environment.takes(problems[pair[0]])]
+        if len(through_env) == len(pairs):
+            return _score_trajectories(cfg, problems, pairs, generator, rewards, environment)
+        single = [pair for pair in pairs if not environment.takes(problems[pair[0]])]
+        done = {
+            (s.group, s.index): s
+            for s in (
+                *(_score_trajectories(cfg, problems, through_env, generator, rewards, environment) if through_env else ()),
+                *score_samples(cfg, problems, single, generator, rewards, tokenizing),
+            )
+        }
+        return [done[pair] for pair in pairs]
     assert tokenizing is not None, "single-turn evaluation tokenizes its prompts"
     sampling = eval_sampling(cfg)
     prompts = {g: list(tokenizing.prompt_ids(problems[g])) for g in dict.fromkeys(g for g, _ in pairs)}
@@ -140,21 +152,13 @@ def _score_trajectories(
 
 def evaluate_samples(
     cfg: RunConfig, problems: list[Any], generator: Generator, rewards: Any, tokenizing: Tokenizing,
-    record: Record | None = None,
+    record: Record | None = None, environment: EnvironmentRollouts | None = None,
 ) -> dict[str, float]:
-    """One sample per problem, scored: the eval row. ``record`` gets the samples."""
+    """One sample per problem (one whole trajectory where ``environment`` takes the
+    problem), scored: the eval row. ``record`` gets the samples."""
     pairs = [(i, 0) for i in range(len(problems))]
-    return row_of(_recorded(score_samples(cfg, problems, pairs, generator, rewards, tokenizing), record))
-
-
-def evaluate_trajectories(
-    cfg: RunConfig, problems: list[Any], generator: Generator, rewards: Any, environment: EnvironmentRollouts,
-    record: Record | None = None,
-) -> dict[str, float]:
-    """One whole trajectory per problem, scored: the eval row (``record``: as for
-    :func:`evaluate_samples`)."""
-    pairs = [(i, 0) for i in range(len(problems))]
-    return row_of(_recorded(score_samples(cfg, problems, pairs, generator, rewards, environment=environment), record))
+    scored = score_samples(cfg, problems, pairs, generator, rewards, tokenizing, environment)
+    return row_of(_recorded(scored, record))
 
 
 def _recorded(samples: list[EvalSample], record: Record | None) -> list[EvalSample]:

@@ -44,7 +44,7 @@ from forgerl.rollouts.staleness import age_counts, filter_stale, oldest_version
 from forgerl.rundirs import runs
 from forgerl.runloop.batching import Prepared, prepare_batch, tokens_by_age
 from forgerl.runloop.distill_batch import distill_batch
-from forgerl.runloop.evaluation import evaluate_samples, evaluate_trajectories, mean
+from forgerl.runloop.evaluation import evaluate_samples, mean
 from forgerl.runloop.metrics import MetricsWriter
 from forgerl.runloop.reward_metrics import component_mean, per_source_metrics
 from forgerl.runloop.spmd import TrainerDriver
@@ -414,9 +414,12 @@ class Loop:
     def max_completion_tokens(self) -> int:
         """The longest a sample's completion can be (overlong handling measures against it):
         a trajectory's tokens after its first prompt, else one completion's."""
-        if self.environment is not None:
+        if self.environment is None:
+            return self.config.loop.sampling.max_tokens
+        if self.environment.sources is None:
             return self.config.environment.max_total_tokens
-        return self.config.loop.sampling.max_tokens
+        # A mixture's other sources are single completions: the longer of the two bounds.
+        return max(self.config.environment.max_total_tokens, self.config.loop.sampling.max_tokens)
 
     # -------------------------------------------------------------------- weights
 
@@ -473,12 +476,10 @@ class Loop:
         record = None
         if self.samples is not None:
             record = partial(self.samples.evaluation, step=self.step, policy_version=self.policy_version)
+        row = evaluate_samples(cfg, problems, self.generator, self.rewards, self.tokenizing, record, self.environment)
+        what = "problems"
         if self.environment is not None:
-            row = evaluate_trajectories(cfg, problems, self.generator, self.rewards, self.environment, record)
-            what = "trajectories"
-        else:
-            row = evaluate_samples(cfg, problems, self.generator, self.rewards, self.tokenizing, record)
-            what = "problems"
+            what = "trajectories" if self.environment.sources is None else "problems and trajectories"
         self.time_totals["eval"] += time.perf_counter() - t
         log.info(
             "held-out accuracy after %d steps: %.4f (%d %s)", self.step, row["eval/accuracy"], row["eval/samples"], what

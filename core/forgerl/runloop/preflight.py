@@ -224,27 +224,20 @@ def check_reward_sources(config: RunConfig, registry: Registry) -> None:
     of a mixture has a reward: a problem no reward scores would train on nothing."""
     from forgerl.interfaces import Task
 
-    if all(c.sources is None for c in config.rewards):
-        return  # every reward scores every problem
+    env_sources = config.environment.sources if config.environment.name is not None else None
+    if all(c.sources is None for c in config.rewards) and env_sources is None:
+        return  # every reward scores every problem, the environment (if any) runs them all
     backend = registry.require("task", config.task.name)
     factory = backend.load_factory()
     sources = None
     if isinstance(factory, type) and issubclass(factory, Task):
         sources = factory.source_names(backend.validate_options(config.task.options))
+    if env_sources is not None:
+        _check_named_sources("environment.sources", env_sources, sources, config.task.name)
     for i, choice in enumerate(config.rewards):
         if choice.sources is None:
             continue
-        if sources is None:
-            raise ConfigError(
-                f"rewards.{i}.sources names sources ({', '.join(choice.sources)}), but task {config.task.name!r} "
-                "mixes none; sources are those of a mixture task (docs/data.md)"
-            )
-        unknown = [s for s in choice.sources if s not in sources]
-        if unknown:
-            raise ConfigError(
-                f"rewards.{i}.sources: task {config.task.name!r} has no source {unknown[0]!r}; "
-                f"its sources: {', '.join(sources)}"
-            )
+        _check_named_sources(f"rewards.{i}.sources", choice.sources, sources, config.task.name)
     if sources is None:
         return
     for source in sources:
@@ -253,3 +246,15 @@ def check_reward_sources(config: RunConfig, registry: Registry) -> None:
                 f"no reward scores source {source!r} of task {config.task.name!r}: add one with "
                 f"sources: [{source}], or one without sources"
             )
+
+
+def _check_named_sources(where: str, named: list[str], sources: list[str] | None, task: str) -> None:
+    """``named`` (a reward's or the environment's ``sources``) are sources of the task."""
+    if sources is None:
+        raise ConfigError(
+            f"{where} names sources ({', '.join(named)}), but task {task!r} mixes none; sources are "
+            "those of a mixture task (docs/data.md)"
+        )
+    unknown = [s for s in named if s not in sources]
+    if unknown:
+        raise ConfigError(f"{where}: task {task!r} has no source {unknown[0]!r}; its sources: {', '.join(sources)}")
