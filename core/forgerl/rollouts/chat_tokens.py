@@ -37,6 +37,17 @@ TOOLS_PREAMBLE = (
 )
 
 
+def text_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """A string prompt's ids: tokenised with the tokenizer's special tokens (a BOS it adds),
+    once. A text that already begins with the BOS (a prompt recorded from its ids, the chat
+    template applied: ``forge samples --export``) is not given a second one."""
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+        del ids[0]
+    return ids
+
+
 class ChatTokens:
     """Renders and tokenises with one tokenizer's chat template and one set of tools."""
 

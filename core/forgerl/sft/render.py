@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from forgerl.rollouts.chat_tokens import ChatTokens
+from forgerl.rollouts.chat_tokens import ChatTokens, text_prompt_ids
 from forgerl.sft.rows import Chat, Demonstration, Text
 
 Outcome = Literal["kept", "truncated", "too_long", "nothing_to_train"]
@@ -130,7 +130,7 @@ class Renderer:
             ids = list(tok(demo.completion, add_special_tokens=True)["input_ids"]) + eos
             return ids, [1] * len(ids)
         # A string prompt is tokenised as the RL loop tokenises one (forgerl.rollouts.rollout.Tokenizing).
-        prompt = list(tok(demo.prompt, add_special_tokens=True)["input_ids"])
+        prompt = text_prompt_ids(tok, demo.prompt)
         completion = list(tok(demo.completion, add_special_tokens=False)["input_ids"]) + eos
         every = int(self.loss_on == "all")
         return prompt + completion, [every] * len(prompt) + [1] * len(completion)
