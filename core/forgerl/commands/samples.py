@@ -128,13 +128,15 @@ def render(r: SampleRecord, *, full: bool = False) -> str:
     if r.finish_reason:
         score.append(f"finish {r.finish_reason}")
     score.append(f"{r.prompt_tokens}+{r.completion_tokens} tokens")
+    from forgerl.samples.records import message_text
+
     lines = [click.style("── " + " · ".join(where), bold=True), "   " + " · ".join(score)]
     if r.error:
         lines.append(click.style(f"   FAILED: {r.error}", fg="red"))
     if r.messages:
         lines.append("   messages:")
         for m in r.messages:
-            content = m.get("content", "") if isinstance(m, dict) else m
+            content = message_text(m)
             role = m.get("role", "?") if isinstance(m, dict) else "?"
             lines.append(f"   [{role}]")
             lines.append(_indent(str(content) if full or role != "system" else _tail(str(content))))
