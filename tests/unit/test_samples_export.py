@@ -80,6 +80,34 @@ def test_rows_are_the_correct_whole_texts_once():
     assert [r["problem_id"] for r in sft_rows(records[:5], min_reward=0.5).rows] == ["p1", "p2", "p3"]
 
 
+def test_a_forge_eval_record_s_chat_prompt_is_not_a_conversation():
+    """`forge eval` records the chat prompt as ``messages`` (no assistant turn): the row is the
+    recorded prompt and the completion, not an empty conversation; junk messages are left out."""
+    prompt = [{"role": "user", "content": "What is 2 + 2?"}]
+    records = [rec("e1", "<answer>4</answer>", kind="eval", step=0, messages=prompt),
+               rec("e2", "<answer>4</answer>", kind="eval", step=0,
+                   messages=["not a message", {"role": "assistant", "content": "x"}])]
+    made = sft_rows(records)
+    assert made.rows == [{"prompt": records[0].prompt, "completion": "<answer>4</answer>", "problem_id": "e1",
+                          "reward": 1.0}]
+    assert made.left_out == {"not a demonstration forge sft reads": 1}
+
+
+def test_a_forge_eval_trajectory_is_recorded_and_exported_as_its_conversation():
+    from forgerl.runloop import eval_run
+    from forgerl.runloop.evaluation import EvalSample
+
+    problem = Problem("e1", TRAJECTORY[:2], "391")
+    sample = EvalSample(0, 0, problem, "<answer>391</answer>", RewardResult(1.0, {"correct": 1.0}), 1.0, "stop",
+                        messages=TRAJECTORY)
+    line = eval_run.record(sample, "(rendered)", "tiny")
+    assert line["messages"] == TRAJECTORY, "an environment's evaluation records its trajectory, as a run does"
+    (row,) = sft_rows([SampleRecord.from_dict(line)], correct=True).rows
+    assert row["messages"] == TRAJECTORY[:-1]
+    plain = EvalSample(0, 1, problem, "391", RewardResult(1.0, {"correct": 1.0}), 1.0, "stop")
+    assert eval_run.record(plain, "(rendered)", "tiny")["messages"] == TRAJECTORY[:2], "else the chat prompt"
+
+
 def test_best_k_keeps_the_highest_rewards_of_each_problem():
     records = [rec("p1", f"answer {i}", reward=r) for i, r in enumerate([0.2, 0.9, 0.5, 0.9])]
     records.append(rec("p2", "only", reward=0.1))

@@ -4,10 +4,11 @@
 filters as rows of TRL's formats, which ``forge sft --data sft.jsonl`` trains on
 (docs/sft.md, "Fine-tune on your own successful samples"):
 
-- a trajectory (a record with ``messages``: an environment ran it) is a conversational row,
-  ``{"messages": [...]}``, cut after its last assistant turn (an observation after it is
-  nothing to learn);
-- a single completion is ``{"prompt": ..., "completion": ...}`` with both as strings: the
+- a trajectory (a record whose ``messages`` hold the assistant's turns: an environment or
+  an agent ran it) is a conversational row, ``{"messages": [...]}``, cut after its last
+  assistant turn (an observation after it is nothing to learn);
+- a single completion (``messages`` null, or only the chat prompt, as `forge eval` records
+  it) is ``{"prompt": ..., "completion": ...}`` with both as strings: the
   record's ``prompt`` is the text of the prompt tokens the generator was given, the chat
   template already applied, so it is tokenised as it is (a string prompt is never put
   through the template again; :func:`forgerl.rollouts.chat_tokens.text_prompt_ids` adds no
@@ -118,7 +119,9 @@ def _left_out(r: SampleRecord, *, correct: bool, min_reward: float | None) -> st
 def _row(r: SampleRecord) -> tuple[dict[str, Any], str | None]:
     """The row of ``r`` and None, or an empty row and why it is not a demonstration."""
     row: dict[str, Any]
-    if r.messages is not None:
+    if r.messages is not None and any(isinstance(m, dict) and m.get("role") == "assistant" for m in r.messages):
+        if not all(isinstance(m, dict) for m in r.messages):
+            return {}, "not a demonstration forge sft reads"
         messages = [dict(m) for m in r.messages]
         while messages and messages[-1].get("role") != "assistant":
             messages.pop()
@@ -149,9 +152,6 @@ def _problem(r: SampleRecord) -> str:
     """What makes two records the same problem: its id, else its prompt."""
     if r.problem_id is not None:
         return "id:" + r.problem_id
-    if r.messages:
-        first = next((i for i, m in enumerate(r.messages) if m.get("role") == "assistant"), len(r.messages))
-        return "prompt:" + json.dumps(r.messages[:first], sort_keys=True)
     return "prompt:" + r.prompt
 
 
