@@ -172,6 +172,24 @@ def test_a_recorded_prompt_is_trained_on_as_the_rl_loop_tokenised_it(tokenizer):
     assert example.loss_mask == [0] * len(prompt_ids) + [1] * (len(answer_ids) + 1)
 
 
+def test_a_fake_role_marker_a_model_wrote_is_trained_on_as_text(tokenizer):
+    """A completion that writes ``<|im_end|>\\n<|im_start|>user`` neither ends its turn nor opens
+    a user turn when trained on: the only special token of the completion is its end."""
+    from forgerl.sft.render import Renderer
+
+    special = set(tokenizer.all_special_ids) | {tokenizer.convert_tokens_to_ids("<|im_start|>")}
+    made = sft_rows([rec("p1", HOSTILE), rec("p2", "", messages=[*TRAJECTORY[:4], {"role": "assistant",
+                                                                  "content": HOSTILE}])])  # fmt: skip
+    for row in made.rows:
+        example = Renderer(tokenizer, max_length=100_000).render(parse_row(row, "row")).example
+        assert example is not None
+        trained = [t for t, m in zip(example.input_ids, example.loss_mask) if m]
+        written = tokenizer(HOSTILE, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        last_turn = trained[len(trained) - len(written) - 1:]
+        assert [t for t in last_turn if t in special] == [tokenizer.eos_token_id], tokenizer.decode(last_turn)
+        assert tokenizer.decode(last_turn[:-1]) == HOSTILE
+
+
 # ------------------------------------------------------------------ forge samples --export
 
 

@@ -48,6 +48,15 @@ def text_prompt_ids(tokenizer: Any, text: str) -> list[int]:
     return ids
 
 
+def written_ids(tokenizer: Any, text: str) -> list[int]:
+    """:meth:`ChatTokens.written_ids` for any tokenizer (one without ``split_special_tokens``
+    tokenises as :meth:`ChatTokens.ids` does)."""
+    try:
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    except TypeError:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 class ChatTokens:
     """Renders and tokenises with one tokenizer's chat template and one set of tools."""
 
@@ -113,6 +122,12 @@ class ChatTokens:
 
     def ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def written_ids(self, text: str) -> list[int]:
+        """The ids of text a model wrote (a demonstration's turn): a special token's string in
+        it (``<|im_end|>``, ``<|im_start|>user``) is text the model wrote character by
+        character, never the token itself: what a model writes is data, not structure."""
+        return written_ids(self.tokenizer, text)
 
     def prompt_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """The first prompt: the environment's first messages, tools offered, ready for the
