@@ -32,12 +32,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from forgerl.samples.capture import CUT_MARK
 from forgerl.samples.records import SampleRecord
 from forgerl.samples.redact import REDACTED
 from forgerl.sft.rows import DataError, parse_row
 
-#: The mark :func:`forgerl.samples.capture._cut` leaves where the middle of a text was cut.
-CUT_MARK_RE = re.compile(r"\n\[\.\.\. \d+ characters cut \.\.\.\]\n")
+#: The mark the capture leaves where the middle of a text was cut (any count).
+CUT_MARK_RE = re.compile(re.escape(CUT_MARK).replace(re.escape("{n}"), r"\d+"))
 
 
 @dataclass
