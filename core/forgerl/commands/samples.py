@@ -106,6 +106,8 @@ def _export(run_dir: str, kind: str, records: list[SampleRecord], path: str, *, 
 
 def render(r: SampleRecord, *, full: bool = False) -> str:
     """One record as a few readable lines."""
+    from forgerl.samples.records import message_text
+
     where = [f"step {r.step}", r.kind]
     if r.group is not None:
         where.append(f"group {r.group}" + (f" #{r.index}" if r.index is not None else ""))
@@ -128,8 +130,6 @@ def render(r: SampleRecord, *, full: bool = False) -> str:
     if r.finish_reason:
         score.append(f"finish {r.finish_reason}")
     score.append(f"{r.prompt_tokens}+{r.completion_tokens} tokens")
-    from forgerl.samples.records import message_text
-
     lines = [click.style("── " + " · ".join(where), bold=True), "   " + " · ".join(score)]
     if r.error:
         lines.append(click.style(f"   FAILED: {r.error}", fg="red"))

@@ -4,9 +4,10 @@ The folder is bounded: a segment is closed once it holds ``max_file_bytes`` and 
 begun; beyond ``keep_files`` segments the oldest is deleted (its records are gone, the
 newest stay). A run resuming from its checkpoint of step ``s`` first drops the records
 of later steps (:meth:`SampleWriter.drop_after`), which it makes again: each step's
-records are on disk once, however often the run was killed. Writing never fails the run: a full disk or an unwritable folder is said
-once in the log and the records of that write are dropped (samples are for looking at,
-metrics.jsonl and the checkpoints are what a run depends on).
+records are on disk once, however often the run was killed. Writing never fails the
+run: a full disk or an unwritable folder is said once in the log and the records of that
+write are dropped (samples are for looking at, metrics.jsonl and the checkpoints are what
+a run depends on).
 """
 
 from __future__ import annotations
