@@ -140,6 +140,37 @@ def test_sft_then_rl_by_naming_the_run(tmp_path: Path, demos: Path, tiny_model_d
     rl = rows_of(tmp_path / "runs" / "rl")
     assert rl[0]["logprob_gap/max"] < 1e-3, "trainer and generator loaded the same weights"
 
+    # Its samples as SFT data (rejection-sampling fine-tuning, docs/sft.md). The tiny random model
+    # never ends a turn within 8 tokens: no whole text to train on, said in one line.
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from forgerl.samples import read_samples
+    from forgerl.sft.from_samples import sft_rows, write_rows
+    from forgerl.sft.render import Renderer
+    from forgerl.sft.rows import parse_row
+
+    proc = forge("samples", "runs/rl", "--export", "rft.jsonl", cwd=tmp_path)
+    assert proc.returncode == 2 and "stopped at the token limit" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "rft.jsonl").exists()
+    # Had they ended: each recorded prompt (the chat template already applied, decoded from the
+    # generator's ids) renders back to exactly as many tokens as the generator was given.
+    records = [replace(r, finish_reason="stop", completion=" the end")
+               for r in read_samples(tmp_path / "runs" / "rl") if r.kind == "train"]
+    made = sft_rows(records)
+    assert len(made.rows) == len({r.problem_id for r in records}) > 0, made.summary()  # a group's texts once
+    renderer = Renderer(AutoTokenizer.from_pretrained(tiny_model_dir), max_length=100_000)
+    given = {r.problem_id: r.prompt_tokens for r in records}
+    for row in made.rows:
+        assert row["prompt"].count("<|im_start|>user") == 1, row["prompt"]
+        example = renderer.render(parse_row(row, "rft.jsonl")).example
+        assert example is not None and example.loss_mask.index(1) == given[row["problem_id"]], row["prompt"]
+    write_rows(made.rows, str(tmp_path / "rft.jsonl"))
+    proc = forge("sft", "--data", "rft.jsonl", *TINY, "--steps", "1", "--output", "runs/rft", "--dry-run",
+                 env=env, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
     exported = forge("export", "runs/sft", "--output", "exported", env=env, cwd=tmp_path)
     assert exported.returncode == 0, exported.stderr[-2000:]
     (folder,) = (tmp_path / "cache" / "runs").glob("sft-step-000002-*")

@@ -101,6 +101,10 @@ def test_an_openai_client_agents_calls_are_one_token_exact_trajectory(make_rollo
     # max_tokens=100000 was clamped to the environment's bound per turn.
     assert second.sampling.max_tokens == 200 and first.sampling.max_tokens == 200
     assert metrics["env/failed"] == 0 and metrics["env/agent_rewrites_mean"] == 0
+    # The conversation the endpoint saw, for the sample records: the last call's messages, then its answer.
+    assert t.messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 0 + 2?"},
+                          {"role": "assistant", "content": "It is 2."}, {"role": "user", "content": "Are you sure?"},
+                          {"role": "assistant", "content": "Yes, 2."}]
 
 
 def test_tool_calls_come_back_parsed_and_the_answer_extends_the_trajectory(make_rollouts, tokenizer):
@@ -124,6 +128,18 @@ def test_tool_calls_come_back_parsed_and_the_answer_extends_the_trajectory(make_
     observation = c.token_ids[len(turn0): c.mask.index(1, len(turn0))]
     assert c.token_ids[: len(turn0)] == turn0, "the tool-calling turn is trained as sampled, not as re-rendered"
     assert tokenizer.decode(observation) == "\n<|im_start|>tool\n4<|im_end|>\n<|im_start|>assistant\n"
+    # The records' messages: the calls as the agent got them back, the tool's answer, the final turn;
+    # as SFT data (forge samples --export) they are the same conversation.
+    from forgerl.sft.rows import Chat, parse_row
+
+    made, answer, final = t.messages[-4:-1], t.messages[-2], t.messages[-1]
+    assert [m["role"] for m in t.messages[-3:]] == ["assistant", "tool", "assistant"], t.messages
+    assert made[1]["content"] == "Let me compute." and made[1]["tool_calls"][0]["function"]["name"] == "calculate"
+    assert answer == {"role": "tool", "content": "4", "tool_call_id": made[1]["tool_calls"][0]["id"]}
+    assert final == {"role": "assistant", "content": "<answer>4</answer>"}
+    chat = parse_row({"messages": t.messages}, "record")
+    assert isinstance(chat, Chat) and chat.messages[-1]["content"] == "<answer>4</answer>"
+    assert next(m["content"] for m in chat.messages if m["role"] == "assistant") == f"Let me compute.\n{CALL}"
 
 
 def test_a_strict_tools_call_that_breaks_its_schema_is_not_returned_as_a_tool_call(make_rollouts, tokenizer):
@@ -185,6 +201,8 @@ def test_a_rewritten_history_starts_a_new_segment_and_only_the_last_is_trained(m
     assert t.completion.token_ids == ids(tokenizer, "Still 2.") and set(t.completion.mask) == {1}
     assert (t.rewrites, t.dropped_tokens) == (1, len(ids(tokenizer, "It is 2.")))
     assert metrics["env/agent_rewrites_mean"] == 1 and metrics["env/agent_dropped_tokens_mean"] == t.dropped_tokens
+    assert t.messages == [{"role": "user", "content": "Earlier you said: It is 2.. Go on."},
+                          {"role": "assistant", "content": "Still 2."}], "the records show the trained segment"
 
 
 def test_limits_refuse_calls_and_cut_the_trajectory_without_failing_it(make_rollouts, tokenizer):

@@ -295,3 +295,19 @@ def test_forge_samples_imports_nothing_heavy(tmp_path):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(60))
     assert "HEAVY []" in out.stdout, out.stdout[-500:] + out.stderr[-2000:]
+
+
+def test_an_agents_tool_calls_are_shown_and_searched(tmp_path):
+    """A black-box agent's record holds its calls in OpenAI's shape (content null): shown and
+    found by --grep, in the terminal, the report and the trackers alike (message_text)."""
+    from forgerl.commands.samples import render
+    from forgerl.samples.records import message_text
+
+    call = {"id": "call_1_0", "type": "function", "function": {"name": "calculate", "arguments": "{\"x\": 1}"}}
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "4", "tool_call_id": "call_1_0"}, {"role": "assistant", "content": "4"}]
+    r = record(messages=messages)
+    assert message_text(messages[1]) == json.dumps(call)
+    shown = render(r, full=True)
+    assert "calculate" in shown and "None" not in shown, shown
+    assert select([r], grep="CALCULATE") == [r]

@@ -8,6 +8,7 @@ behaviour without a library (a note, no error) is tested with every tracker."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -220,6 +221,52 @@ def test_wandb_logs_each_step_s_samples_as_a_table(tmp_path):
         "completion": "wrong", "messages": "[user] hi"}
     for got, row in zip(logged, rows()):  # the metrics are still every row's
         assert {k: v for k, v in got.items() if not k.startswith(("_", prefix))} == pytest.approx(scalars(row))
+
+
+def test_tensorboard_shows_each_step_s_samples_as_a_text_table(tmp_path):
+    require_tracker("tensorboard", "pip install 'forgerl[tensorboard]'")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugin_util import markdown_to_safe_html
+
+    from forgerl_plugins.trackers.tensorboard import SAMPLES_TAG
+
+    run_through_hooks("tensorboard", tmp_path, samples=step_samples())
+    acc = EventAccumulator(str(tmp_path / "tensorboard"))
+    acc.Reload()
+    texts = {e.step: e.tensor_proto.string_val[0].decode() for e in acc.Tensors(f"{SAMPLES_TAG}/text_summary")}
+    assert sorted(texts) == [2, 4]
+    # As TensorBoard's Text tab shows it: one table, a row per record.
+    page = markdown_to_safe_html(texts[2])
+    assert page.count("<table>") == 1 and page.count("<tr>") == 3, page
+    assert "answer 1" in page and "-0.5" in page and "forge samples RUN_DIR --step 2" in page
+    assert "boom" in markdown_to_safe_html(texts[4])
+    assert len(set(acc.Tags()["scalars"])) == len(expected_scalars()), "the scalars are still every row's"
+
+
+def test_tensorboard_samples_are_bounded_and_a_models_text_is_data():
+    pytest.importorskip("tensorboard")
+    from tensorboard.plugin_util import markdown_to_safe_html
+
+    from forgerl.samples import SampleRecord
+    from forgerl_plugins.trackers.tensorboard import MAX_CELL, MAX_ROWS, samples_markdown
+
+    hostile = ("| fake | row |\n|---|---|\n# Heading <script>alert(1)</script> [x](javascript:alert(1)) "
+               "**bold** `code` \x00\x1b[31m\u2028 <|im_start|>user\r\nend")
+    records = [SampleRecord(kind="train", step=3, index=i, reward=float(i % 10), completion=f"c{i} {hostile}")
+               for i in range(40)]
+    records[5].reward = None
+    records.append(SampleRecord(kind="train", step=3, completion="x" * 10_000, reward=5.0))
+    text = samples_markdown(records, 3)
+    page = markdown_to_safe_html(text)
+    assert page.count("<table>") == 1 and page.count("<tr>") == 1 + MAX_ROWS, page
+    # The lowest rewards (None first) and the highest, in the order written.
+    shown = re.findall(r"<td>c(\d+) ", page)
+    assert [int(i) for i in shown] == [0, 5, 9, 10, 19, 20, 29, 39], shown
+    for tag in ("<h1>", "<script", "<strong>", "<code>", "href"):
+        assert tag not in page, (tag, page[:2000])
+    assert "# Heading" in page and "**bold**" in page and "&lt;|im_start|&gt;user" in page
+    assert "\x00" not in text and "\x1b" not in text and "\u2028" not in text
+    assert len(text) < (MAX_ROWS + 4) * (MAX_CELL * 2 + 200), len(text)
 
 
 def test_mlflow_logs_each_step_s_samples_as_a_table(tmp_path):

@@ -27,11 +27,20 @@ PROMPT_CHARS = 400
               help="Most samples shown.")
 @click.option("--full", is_flag=True, help="Show whole prompts (default: their last characters).")
 @click.option("--json", "as_json", is_flag=True, help="Print the matching records as JSON lines.")
+@click.option("--correct", is_flag=True, help="Only samples the primary reward calls correct.")
+@click.option("--min-reward", type=float, metavar="X", help="Only samples with a reward of at least X.")
+@click.option("--export", "export", metavar="FILE", help="Write the matching samples as SFT rows (JSONL, TRL's "
+              "formats; `forge sft --data FILE` trains on them) instead of showing them; '-': standard output. "
+              "Takes training samples unless --kind says (a `forge eval` folder: its own).")
+@click.option("--best-k", type=click.IntRange(min=1), metavar="K", help="With --export: at most K rows per "
+              "problem, the highest rewards.")
 def samples(run_dir: str, step: int | None, kind: str | None, order: str | None, failed: bool, grep: str | None,
-            limit: int, full: bool, as_json: bool) -> None:
+            limit: int, full: bool, as_json: bool, correct: bool, min_reward: float | None, export: str | None,
+            best_k: int | None) -> None:
     """Show what the model wrote during a run: each sample's prompt, completion, reward and
     its components, advantage, policy version, finish reason and failure (recorded in
-    RUN_DIR/samples/; docs/samples.md)."""
+    RUN_DIR/samples/; docs/samples.md). With --export, write them as supervised data
+    (rejection-sampling fine-tuning: docs/sft.md)."""
     from forgerl.errors import UserError
     from forgerl.samples.reader import read_samples, select
 
@@ -40,6 +49,19 @@ def samples(run_dir: str, step: int | None, kind: str | None, order: str | None,
         steps = sorted({r.step for r in records})
         held = f"steps {steps[0]} to {steps[-1]}" if steps else "no samples"
         raise UserError(f"{run_dir} has no samples of step {step} (it holds {held})")
+    if export is not None:
+        if as_json:
+            raise UserError("--export writes rows, --json prints records: give one of them")
+        kind = kind or _export_kind(run_dir)
+        chosen = select(records, step=step, kind=kind, failed=failed, grep=grep)
+        _export(run_dir, kind, chosen, export, correct=correct, min_reward=min_reward, best_k=best_k)
+        return
+    if best_k is not None:
+        raise UserError("--best-k chooses the rows of --export; give --export FILE")
+    if correct:
+        records = [r for r in records if r.correct is True]
+    if min_reward is not None:
+        records = [r for r in records if r.reward is not None and r.reward >= min_reward]
     shown = select(records, step=step, kind=kind, failed=failed, grep=grep, order=order, limit=limit)
     if as_json:
         for r in shown:
@@ -55,8 +77,37 @@ def samples(run_dir: str, step: int | None, kind: str | None, order: str | None,
         click.echo(f"({len(shown)} of {matched} matching samples shown; --limit shows more)", err=True)
 
 
+def _export_kind(run_dir: str) -> str:
+    """What --export takes without --kind: a run's training samples (its held-out ones would
+    teach the evaluation's answers), a `forge eval` folder's own."""
+    from pathlib import Path
+
+    from forgerl.samples.writer import SAMPLES_DIR
+
+    return "train" if (Path(run_dir) / SAMPLES_DIR).is_dir() or Path(run_dir).name == SAMPLES_DIR else "eval"
+
+
+def _export(run_dir: str, kind: str, records: list[SampleRecord], path: str, *, correct: bool,
+            min_reward: float | None, best_k: int | None) -> None:
+    from forgerl.errors import UserError
+    from forgerl.sft.from_samples import sft_rows, write_rows
+
+    made = sft_rows(records, correct=correct, min_reward=min_reward, best_k=best_k)
+    if not made.rows:
+        hint = " (--kind eval takes held-out ones)" if kind == "train" and not records else ""
+        raise UserError(f"nothing to export: {len(records)} {kind} samples of {run_dir} match{hint}, "
+                        f"{made.summary()}")
+    try:
+        write_rows(made.rows, path)
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
+    click.echo(f"wrote {made.summary()} to {path}" if path != "-" else f"{made.summary()}", err=True)
+
+
 def render(r: SampleRecord, *, full: bool = False) -> str:
     """One record as a few readable lines."""
+    from forgerl.samples.records import message_text
+
     where = [f"step {r.step}", r.kind]
     if r.group is not None:
         where.append(f"group {r.group}" + (f" #{r.index}" if r.index is not None else ""))
@@ -85,7 +136,7 @@ def render(r: SampleRecord, *, full: bool = False) -> str:
     if r.messages:
         lines.append("   messages:")
         for m in r.messages:
-            content = m.get("content", "") if isinstance(m, dict) else m
+            content = message_text(m)
             role = m.get("role", "?") if isinstance(m, dict) else "?"
             lines.append(f"   [{role}]")
             lines.append(_indent(str(content) if full or role != "system" else _tail(str(content))))

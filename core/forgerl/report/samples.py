@@ -26,6 +26,7 @@ MAX_STEPS = 200
 def samples_data(runs_: list[RunData]) -> list[dict[str, Any]]:
     """Per run with samples: its label and the records the page shows."""
     from forgerl.samples.reader import read_samples
+    from forgerl.samples.records import message_text
 
     out = []
     for run in runs_:
@@ -51,7 +52,7 @@ def samples_data(runs_: list[RunData]) -> list[dict[str, Any]]:
                     "policy_version": r.policy_version, "reward": r.reward, "components": r.components,
                     "advantage": r.advantage, "correct": r.correct, "finish_reason": r.finish_reason,
                     "error": r.error, "prompt": _cut(r.prompt), "completion": _cut(r.completion),
-                    "messages": [{"role": str(m.get("role", "?")), "content": _cut(str(m.get("content", "")))}
+                    "messages": [{"role": str(m.get("role", "?")), "content": _cut(message_text(m))}
                                  for m in (r.messages or []) if isinstance(m, dict)] or None,
                 })
         if shown:

@@ -28,6 +28,7 @@ Everything here runs on the endpoint's event loop.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -68,6 +69,9 @@ class Segment:
     turns: int = 0
     observations: int = 0
     turn_versions: list[int] = field(default_factory=list)
+    #: The conversation as the endpoint saw it: the last call's messages (normal form),
+    #: then the assistant message it answered with (for sample records).
+    messages: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -228,6 +232,7 @@ class EpisodeRecorder:
         c.policy_version = min(segment.turn_versions)  # staleness counts from the oldest sampled token
         segment.last_sampled, segment.last_text = list(sampled.token_ids), sampled.text
         segment.keys = [*plan.keys, message_key(normal_message(message))]
+        segment.messages = [*call.messages, message]
         segment.tools = tools_key(call.tools)
 
     def _extended(self, call: ChatCall, keys: list[str]) -> Segment | None:
@@ -265,7 +270,8 @@ class EpisodeRecorder:
         if self.limit is not None:
             c.finish_reason = "length"
         return Trajectory(prompt_ids=list(s.prompt_ids), completion=c, limit=self.limit, turns=s.turns,
-                          observations=s.observations, last_text=s.last_text)
+                          observations=s.observations, last_text=s.last_text,
+                          messages=json.loads(json.dumps(s.messages)))  # a copy the agent's objects cannot change
 
     def dropped_tokens(self) -> int:
         """Sampled tokens of the segments before the last (not trained on)."""

@@ -37,6 +37,26 @@ TOOLS_PREAMBLE = (
 )
 
 
+def text_prompt_ids(tokenizer: Any, text: str) -> list[int]:
+    """A string prompt's ids: tokenised with the tokenizer's special tokens (a BOS it adds),
+    once. A text that already begins with the BOS (a prompt recorded from its ids, the chat
+    template applied: ``forge samples --export``) is not given a second one."""
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None and len(ids) >= 2 and ids[0] == ids[1] == bos:
+        del ids[0]
+    return ids
+
+
+def written_ids(tokenizer: Any, text: str) -> list[int]:
+    """:meth:`ChatTokens.written_ids` for any tokenizer (one without ``split_special_tokens``
+    tokenises as :meth:`ChatTokens.ids` does)."""
+    try:
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    except TypeError:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 class ChatTokens:
     """Renders and tokenises with one tokenizer's chat template and one set of tools."""
 
@@ -102,6 +122,12 @@ class ChatTokens:
 
     def ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def written_ids(self, text: str) -> list[int]:
+        """The ids of text a model wrote (a demonstration's turn): a special token's string in
+        it (``<|im_end|>``, ``<|im_start|>user``) is text the model wrote character by
+        character, never the token itself: what a model writes is data, not structure."""
+        return written_ids(self.tokenizer, text)
 
     def prompt_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """The first prompt: the environment's first messages, tools offered, ready for the

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from forgerl.interfaces import Generator
+from forgerl.rollouts.chat_tokens import text_prompt_ids
 from forgerl.types import Episode, GenerationRequest, Problem, RewardInput, SamplingParams
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -56,7 +57,7 @@ class Tokenizing:
     def prompt_ids(self, problem: Problem) -> list[int]:
         tok = self.tokenizer
         if isinstance(problem.prompt, str):
-            return list(tok(problem.prompt, add_special_tokens=True)["input_ids"])
+            return text_prompt_ids(tok, problem.prompt)
         text = tok.apply_chat_template(list(problem.prompt), add_generation_prompt=True, tokenize=False)
         return list(tok(text, add_special_tokens=False)["input_ids"])
 

@@ -64,7 +64,8 @@ def record(sample: EvalSample, prompt: str, model: str) -> dict[str, Any]:
         "index": sample.index,
         "source": source if isinstance(source, str) else None,
         "prompt": prompt,
-        "messages": p.prompt if isinstance(p.prompt, list) else None,
+        # A trajectory's conversation where an environment ran it (as a run's records), else the chat prompt.
+        "messages": sample.messages or (p.prompt if isinstance(p.prompt, list) else None),
         "completion": sample.completion,
         "reward": sample.result.value,
         "components": dict(sample.result.components),

@@ -182,6 +182,9 @@ class Loop:
         pending: list[RolloutBatch] = self.pending_restored
         if resume_from is not None:
             log.info("resumed from %s at step %d (policy version %d)", resume_from, self.step, self.policy_version)
+        if self.samples is not None:
+            # The steps after the checkpoint are made again: their records too, not beside the old ones.
+            self.samples.resume(self.step if resume_from is not None else None)
         metrics = MetricsWriter(
             self.run_dir,
             hooks=self.registry.hooks,

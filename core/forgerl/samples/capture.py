@@ -228,6 +228,17 @@ class Recorder:
     def evaluation(self, **kwargs: Any) -> int:
         return self._write(lambda: self.capture.evaluation(**kwargs))
 
+    def resume(self, step: int | None) -> None:
+        """A run resuming from its checkpoint of ``step`` (None: starting again from step 0
+        over an earlier attempt's records): drop the records it will make again."""
+        try:
+            dropped = self.writer.drop_after(step)
+        except OSError as exc:
+            log.warning("samples of the steps after %s may be recorded twice: %s", step, exc)
+            return
+        if dropped:
+            log.info("samples: %d records of the steps made again dropped (resuming at step %d)", dropped, step or 0)
+
     def take(self) -> list[SampleRecord]:
         """The records made since the last call."""
         taken, self.recorded = self.recorded, []

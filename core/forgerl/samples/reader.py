@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from forgerl.errors import UserError
-from forgerl.samples.records import SampleRecord
+from forgerl.samples.records import SampleRecord, message_text
 from forgerl.samples.writer import SAMPLES_DIR, segments
 
 #: What `forge eval` writes in its folder (forgerl.runloop.eval_run.SAMPLES_FILE): the same records.
@@ -92,7 +92,5 @@ def select(
 
 def _haystack(r: SampleRecord) -> str:
     parts = [r.prompt, r.completion, r.error or "", r.problem_id or ""]
-    for m in r.messages or []:
-        content = m.get("content") if isinstance(m, dict) else m
-        parts.append(content if isinstance(content, str) else str(content))
+    parts += [message_text(m) for m in r.messages or []]
     return "\n".join(parts).lower()

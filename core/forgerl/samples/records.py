@@ -80,6 +80,19 @@ class SampleRecord:
         return self.error is not None
 
 
+def message_text(m: Any) -> str:
+    """A recorded message's text to show or search: its content, then each tool call it
+    makes (an agent's, in OpenAI's shape) as JSON on a line of its own."""
+    if not isinstance(m, dict):
+        return str(m)
+    content = m.get("content")
+    text = content if isinstance(content, str) else "" if content is None else str(content)
+    calls = m.get("tool_calls")
+    if isinstance(calls, list):
+        text = "\n".join([text, *(json.dumps(c, ensure_ascii=False) for c in calls)]).strip("\n")
+    return text
+
+
 def _finite(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None

@@ -2,9 +2,12 @@
 
 The folder is bounded: a segment is closed once it holds ``max_file_bytes`` and a new one
 begun; beyond ``keep_files`` segments the oldest is deleted (its records are gone, the
-newest stay). Writing never fails the run: a full disk or an unwritable folder is said
-once in the log and the records of that write are dropped (samples are for looking at,
-metrics.jsonl and the checkpoints are what a run depends on).
+newest stay). A run resuming from its checkpoint of step ``s`` first drops the records
+of later steps (:meth:`SampleWriter.drop_after`), which it makes again: each step's
+records are on disk once, however often the run was killed. Writing never fails the
+run: a full disk or an unwritable folder is said once in the log and the records of that
+write are dropped (samples are for looking at, metrics.jsonl and the checkpoints are what
+a run depends on).
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ class SampleWriter:
             size = path.stat().st_size if path.exists() else 0
             n = _number(path)
             chunk: list[bytes] = []
+            if size and _last_byte(path) != b"\n":
+                chunk.append(b"\n")  # after a torn line (a kill mid-write): the next record on a line of its own
+                size += 1
             for line in lines:
                 if chunk or size:
                     if size + len(line) > self.max_file_bytes:
@@ -78,6 +84,39 @@ class SampleWriter:
             return 0
         return len(lines)
 
+    def drop_after(self, step: int | None) -> int:
+        """Delete the records of steps after ``step`` (None: every record) and every line
+        that is not a record (a torn line): a run resuming from its checkpoint of ``step``
+        makes those steps again, an evaluation of that step included (it ran before the
+        checkpoint was saved). A changed segment is rewritten whole (a temporary file
+        renamed over it); an emptied one is deleted. Returns how many records were
+        dropped; OSError is the caller's (:class:`~forgerl.samples.capture.Recorder` logs it)."""
+        dropped = 0
+        for path in segments(self.folder):
+            data = path.read_bytes()
+            kept: list[bytes] = []
+            for line in data.split(b"\n"):
+                if not line.strip():
+                    continue
+                try:
+                    record = SampleRecord.from_json(line)
+                except ValueError:
+                    continue
+                if step is not None and record.step <= step:
+                    kept.append(line + b"\n")
+                else:
+                    dropped += 1
+            text = b"".join(kept)
+            if text == data:
+                continue
+            if not text:
+                path.unlink(missing_ok=True)
+                continue
+            tmp = path.with_name(f".{path.name}.tmp")
+            tmp.write_bytes(text)
+            os.replace(tmp, path)
+        return dropped
+
     def _prune(self) -> None:
         existing = segments(self.folder)
         for old in existing[: max(0, len(existing) - self.keep_files)]:
@@ -87,6 +126,12 @@ class SampleWriter:
 def _number(path: Path) -> int:
     m = SEGMENT_RE.match(path.name)
     return int(m.group(1)) if m else 1
+
+
+def _last_byte(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1)
 
 
 def _append(path: Path, lines: list[bytes]) -> None:

@@ -5,6 +5,8 @@
   task) and checked, every problem one line naming the file, the row and the field;
 - :mod:`.render`: demonstrations as token ids and a loss mask, rendered as environments
   render trajectories (:mod:`forgerl.rollouts.chat_tokens`);
+- :mod:`.from_samples`: a run's own sample records as demonstrations (``forge samples
+  --export``: rejection-sampling fine-tuning);
 - :mod:`.data`: the resumable stream of examples a run trains on;
 - :mod:`.batch` and :mod:`.loss`: the batch a trainer gets, and the cross-entropy it
   minimises;

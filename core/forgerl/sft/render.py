@@ -4,7 +4,8 @@ A chat is rendered as an environment renders a trajectory (:mod:`forgerl.rollout
 never as one call of the chat template over the whole conversation: the prompt is the
 template's rendering of the leading messages with the generation prompt (tools offered
 as the template or the system prompt offers them), each assistant turn is the tokens of
-its text (tool calls written as a model writes them, :func:`forgerl.sft.rows.call_text`)
+its text (tool calls written as a model writes them, :func:`forgerl.sft.rows.call_text`;
+a special token's string in it is text, as a model writes it, never the token)
 followed by the end of turn a model samples (the template's close up to its first special
 token, ``<|im_end|>`` in ChatML), and the messages between two assistant turns (tool
 answers, user turns) are :meth:`~forgerl.rollouts.chat_tokens.ChatTokens.observation_ids`: the rest
@@ -25,7 +26,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from forgerl.rollouts.chat_tokens import ChatTokens
+from forgerl.rollouts.chat_tokens import ChatTokens, text_prompt_ids, written_ids
 from forgerl.sft.rows import Chat, Demonstration, Text
 
 Outcome = Literal["kept", "truncated", "too_long", "nothing_to_train"]
@@ -108,7 +109,7 @@ class Renderer:
         i = demo.prompt
         while i < len(messages):
             assert messages[i]["role"] == "assistant", f"{demo.where}: message {i} starts a turn, not an assistant's"
-            turn = chat.ids(messages[i]["content"]) + end
+            turn = chat.written_ids(messages[i]["content"]) + end
             ids += turn
             mask += [1] * len(turn)
             j = i + 1
@@ -130,7 +131,7 @@ class Renderer:
             ids = list(tok(demo.completion, add_special_tokens=True)["input_ids"]) + eos
             return ids, [1] * len(ids)
         # A string prompt is tokenised as the RL loop tokenises one (forgerl.rollouts.rollout.Tokenizing).
-        prompt = list(tok(demo.prompt, add_special_tokens=True)["input_ids"])
-        completion = list(tok(demo.completion, add_special_tokens=False)["input_ids"]) + eos
+        prompt = text_prompt_ids(tok, demo.prompt)
+        completion = written_ids(tok, demo.completion) + eos
         every = int(self.loss_on == "all")
         return prompt + completion, [every] * len(prompt) + [1] * len(completion)

@@ -21,6 +21,7 @@ from typing import Any
 
 from forgerl import events
 from forgerl.hookspecs import hookimpl
+from forgerl.samples.records import message_text
 
 log = logging.getLogger("forgerl.trackers")
 
@@ -36,7 +37,7 @@ def sample_rows(samples: Sequence[Any]) -> list[list[Any]]:
     """A samples table's rows, one per record, in :data:`SAMPLE_COLUMNS` order."""
     rows = []
     for r in samples:
-        messages = "\n".join(f"[{m.get('role', '?')}] {m.get('content', '')}" for m in r.messages or []
+        messages = "\n".join(f"[{m.get('role', '?')}] {message_text(m)}" for m in r.messages or []
                               if isinstance(m, dict))
         rows.append([r.step, r.kind, r.group, r.index, r.problem_id, r.policy_version, r.reward, r.advantage,
                      r.correct, r.finish_reason, r.error, r.prompt, r.completion, messages or None])
