@@ -1,4 +1,4 @@
-"""The behaviour every weight transport must have, run against each (shm, nccl, rdma).
+"""The behaviour every weight transport must have, run against each (shm, nccl, rdma, delta).
 
 The cases are the transport kit of forgerl.testing (forgerl/testing/transport.py), which a
 third-party transport runs the same way, by naming its backend: this file only says what
@@ -41,6 +41,8 @@ CASES: dict[str, TransportCase] = {
     "rdma": TransportCase(
         "rdma", {"chunk_mb": 4, "connect_timeout": 20}, required=os.environ.get("FORGE_REQUIRE_RDMA") == "1"
     ),
+    # One TCP connection per receiver: a dead one's connection drops, which the sender sees.
+    "delta": TransportCase("delta", {"block_mb": 1, "connect_timeout": 20, "stall_timeout": 5}, sees_dead_peers=True),
 }
 #: Each transport's test options (the auth and fault tests use them too).
 OPTIONS: dict[str, dict[str, Any]] = {name: dict(case.options) for name, case in CASES.items()}
@@ -62,7 +64,9 @@ def _engine_port(sender: Any) -> int:
 
 
 class TestTransportConformance(TransportContract):
-    @pytest.fixture(params=TRANSPORTS)
+    # delta runs the kit here only: the fault and auth suites (TRANSPORTS) test the control
+    # store that nccl and rdma share, which delta does not use (tests/unit/test_delta_*.py).
+    @pytest.fixture(params=[*TRANSPORTS, "delta"])
     def transport_case(self, request: pytest.FixtureRequest) -> TransportCase:
         return CASES[request.param]
 
