@@ -55,6 +55,10 @@ class Received:
     refused: list[str]
 
 
+class SenderClosed(wire.WireError):
+    """The sender said goodbye on this connection (it closed; a resumed trainer may listen again)."""
+
+
 class OfferError(ValueError):
     """An offer whose header does not describe a version (a sender bug, or another protocol)."""
 
@@ -143,6 +147,7 @@ class DeltaReceiver(TransportReceiver):
     def _fetch(self, version: int, deadline: Deadline) -> None:
         last_error = "no answer"
         pause = 0.01
+        closed = False
         while True:
             if deadline.expired:
                 raise self._timed_out(version, deadline, last_error)
@@ -167,10 +172,7 @@ class DeltaReceiver(TransportReceiver):
                     elif kind == wire.GONE and msg.get("rid") == rid:
                         raise self._superseded(version, int(msg["latest"]))
                     elif kind == wire.BYE:
-                        raise TransportError(
-                            f"delta receiver {self.worker_id}: the sender at {self.address} closed "
-                            "(the trainer finished or is restarting)"
-                        )
+                        raise SenderClosed("the sender closed this connection")
                     elif kind != wire.CANCELLED:
                         raise wire.WireError(f"unexpected {wire.NAMES.get(kind, kind)} frame")
             except TimeoutError:
@@ -183,7 +185,17 @@ class DeltaReceiver(TransportReceiver):
                 self._drop()
                 raise
             except (OSError, OfferError) as exc:
-                last_error = short(exc)
+                if isinstance(exc, ConnectionRefusedError) and closed:
+                    # It said goodbye and nobody listens there now: no point waiting. (A
+                    # trainer that resumes on the same port is reconnected to above.)
+                    raise TransportError(
+                        f"delta receiver {self.worker_id}: the sender at {self.address} closed "
+                        "(the trainer finished or is restarting)"
+                    ) from None
+                closed = closed or isinstance(exc, SenderClosed)
+                # A refused reconnection says less than what broke the connection first.
+                if not (isinstance(exc, ConnectionRefusedError) and last_error != "no answer"):
+                    last_error = short(exc)
                 log.info("delta receiver %s: %s; reconnecting", self.worker_id, last_error)
                 self._drop()
                 time.sleep(min(pause, deadline.remaining()))
@@ -205,7 +217,7 @@ class DeltaReceiver(TransportReceiver):
                 self._drain_rid = None
                 return
             if kind == wire.BYE:
-                raise wire.WireError("the sender closed")
+                raise SenderClosed("the sender closed this connection")
 
     def _take(self, conn: wire.Conn, offer: dict[str, Any], version: int, deadline: Deadline) -> bool:
         """Apply one offer; acknowledge it. True when the version is now held, checked."""

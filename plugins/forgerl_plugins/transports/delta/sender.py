@@ -221,9 +221,11 @@ class DeltaSender(TransportSender):
             self._serve(member)
         except wire.Refused as exc:
             log.warning("delta sender: refused a connection: %s", exc)
-        except (OSError, TransportError, ValueError) as exc:
+        except Exception as exc:  # whatever breaks serving one receiver fails it, never the trainer
             if member is not None and not self._closed:
                 self._set_gone(member, _why(exc))
+            if not isinstance(exc, (OSError, TransportError, ValueError)):
+                log.exception("delta sender: serving %r failed", member.worker_id if member else conn.peer)
         finally:
             with self._cond:
                 self._socks.discard(sock)
