@@ -42,7 +42,9 @@ CASES: dict[str, TransportCase] = {
         "rdma", {"chunk_mb": 4, "connect_timeout": 20}, required=os.environ.get("FORGE_REQUIRE_RDMA") == "1"
     ),
     # One TCP connection per receiver: a dead one's connection drops, which the sender sees.
-    "delta": TransportCase("delta", {"block_mb": 1, "connect_timeout": 20, "stall_timeout": 5}, sees_dead_peers=True),
+    "delta": TransportCase(
+        "delta", {"block_mb": 1, "connect_timeout": 20, "stall_timeout": 5}, sees_dead_peers=True
+    ),
 }
 #: Each transport's test options (the auth and fault tests use them too).
 OPTIONS: dict[str, dict[str, Any]] = {name: dict(case.options) for name, case in CASES.items()}
