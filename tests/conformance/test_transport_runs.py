@@ -1,4 +1,4 @@
-"""`forge run` end to end over the nccl and rdma transports: the tiny model, the fsdp
+"""`forge run` end to end over the nccl, rdma and delta transports: the tiny model, the fsdp
 trainer, and either generator: hf in the trainer's process (its receiver talks to the
 sender through the transport like any other) or a real vLLM server (a receiver in its
 worker). The served logprobs must equal the trainer's after every update, which only
@@ -48,6 +48,8 @@ NO_VLLM = pytest.mark.skipif(
         # Two trainer ranks: the transport's private group must not disturb FSDP's default group.
         ("hf", "nccl", 2),
         ("hf", "rdma", 1),
+        # Deltas against each receiver's base over one authenticated TCP port.
+        ("hf", "delta", 1),
         # The receivers live inside vLLM's workers (the plugin's worker extension builds them).
         pytest.param("vllm", "nccl", 2, marks=[pytest.mark.vllm, NO_VLLM]),
         pytest.param("vllm", "rdma", 1, marks=[pytest.mark.vllm, NO_VLLM]),
