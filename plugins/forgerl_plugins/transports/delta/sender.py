@@ -206,17 +206,23 @@ class DeltaSender(TransportSender):
     def _peer(self, sock: socket.socket) -> None:
         conn = wire.Conn(sock, server=True)
         member: Member | None = None
-        try:
-            worker, query = wire.server_handshake(
-                conn, self._key, self._latest, Deadline(self.options.connect_timeout)
-            )
+
+        def admit(worker: str, query: bool) -> None:
+            nonlocal member
             if query:
                 return
-            member = Member(worker, conn)
             with self._cond:
                 if self._closed:
-                    return
+                    raise TransportError("the sender is closing")
+                member = Member(worker, conn)
                 self._members[member.key] = member
+
+        try:
+            worker, _ = wire.server_handshake(
+                conn, self._key, self._latest, Deadline(self.options.connect_timeout), admit
+            )
+            if member is None:
+                return
             log.info("delta sender: receiver %r connected from %s", worker, conn.peer)
             self._serve(member)
         except wire.Refused as exc:

@@ -183,10 +183,13 @@ def _peer_name(sock: socket.socket) -> str:
 # ------------------------------------------------------------------------ handshake
 
 
-def server_handshake(conn: Conn, key: bytes, latest: Any, deadline: Deadline) -> tuple[str, bool]:
+def server_handshake(
+    conn: Conn, key: bytes, latest: Any, deadline: Deadline, admit: Any = None
+) -> tuple[str, bool]:
     """The sender's side: returns the receiver's worker id and whether it only asks for the
     latest version (a query, not a registration). ``Refused`` for a peer without the secret
-    (told so in one line first)."""
+    (told so in one line first). ``admit(worker, query)`` runs once the peer is proven and
+    before it is welcomed: a receiver whose constructor returned is already counted on."""
     server_nonce = os.urandom(NONCE_LEN)
     conn.send(HELLO, MAGIC + server_nonce, deadline)
     kind, join = conn.recv_json(deadline, HANDSHAKE_LIMIT)
@@ -201,6 +204,8 @@ def server_handshake(conn: Conn, key: bytes, latest: Any, deadline: Deadline) ->
     if not hmac.compare_digest(tag, _mac(key, b"join", server_nonce, client_nonce, worker.encode())):
         conn.send(REFUSE, b"not authenticated with this run's transport secret", deadline)
         raise Refused(f"{conn.peer} (worker {worker!r}) does not hold this run's transport secret")
+    if admit is not None:
+        admit(worker, bool(join.get("query")))
     proof = _mac(key, b"welcome", client_nonce, server_nonce)
     conn.send_json(WELCOME, {"tag": proof.hex(), "latest": latest()}, deadline)
     conn.authenticate(_mac(key, b"session", server_nonce, client_nonce))
