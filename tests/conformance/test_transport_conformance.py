@@ -42,8 +42,9 @@ CASES: dict[str, TransportCase] = {
         "rdma", {"chunk_mb": 4, "connect_timeout": 20}, required=os.environ.get("FORGE_REQUIRE_RDMA") == "1"
     ),
     # One TCP connection per receiver: a dead one's connection drops, which the sender sees.
+    # Its extra (zstandard, xxhash) is always installed by scripts/setup.sh: never skipped.
     "delta": TransportCase(
-        "delta", {"block_mb": 1, "connect_timeout": 20, "stall_timeout": 5}, sees_dead_peers=True
+        "delta", {"block_mb": 1, "connect_timeout": 20, "stall_timeout": 5}, sees_dead_peers=True, required=True
     ),
 }
 #: Each transport's test options (the auth and fault tests use them too).

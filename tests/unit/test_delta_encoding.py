@@ -9,8 +9,6 @@ import torch
 from forgerl_plugins.transports.delta import encoding
 from forgerl_plugins.transports.delta.encoding import RAW, XZ
 
-pytest.importorskip("zstandard")
-pytest.importorskip("xxhash")
 
 BLOCK = 4096
 

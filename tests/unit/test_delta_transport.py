@@ -28,8 +28,6 @@ from forgerl_plugins.transports.delta.sender import DeltaSender
 from forgerl_plugins.transports.delta.transport import DeltaTransport
 from tests.helpers.timing import scaled, wait_until
 
-pytest.importorskip("zstandard")
-pytest.importorskip("xxhash")
 
 T = scaled(30)
 
