@@ -9,7 +9,6 @@ import torch
 from forgerl_plugins.transports.delta import encoding
 from forgerl_plugins.transports.delta.encoding import RAW, XZ
 
-
 BLOCK = 4096
 
 

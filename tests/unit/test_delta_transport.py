@@ -28,7 +28,6 @@ from forgerl_plugins.transports.delta.sender import DeltaSender
 from forgerl_plugins.transports.delta.transport import DeltaTransport
 from tests.helpers.timing import scaled, wait_until
 
-
 T = scaled(30)
 
 
