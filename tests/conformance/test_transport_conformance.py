@@ -44,7 +44,10 @@ CASES: dict[str, TransportCase] = {
     # One TCP connection per receiver: a dead one's connection drops, which the sender sees.
     # Its extra (zstandard, xxhash) is always installed by scripts/setup.sh: never skipped.
     "delta": TransportCase(
-        "delta", {"block_mb": 1, "connect_timeout": 20, "stall_timeout": 5}, sees_dead_peers=True, required=True
+        "delta",
+        {"block_mb": 1, "connect_timeout": 20, "stall_timeout": 5},
+        sees_dead_peers=True,
+        required=True,
     ),
 }
 #: Each transport's test options (the auth and fault tests use them too).
