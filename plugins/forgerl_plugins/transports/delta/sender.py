@@ -136,8 +136,10 @@ class DeltaSender(TransportSender):
             self._versions[version] = snap
             self.last_version = version
             self.served[version] = []
-            for old in [v for v in self.served if v < version - 8]:
+            for old in [v for v in self.served if v < version - 8]:  # a long run keeps the last few
                 del self.served[old]
+            for old in [v for v in self.encode_seconds if v < version - 8]:
+                del self.encode_seconds[old]
             self._prune()
             expected = [m for m in self._members.values() if m.gone is None]
             for m in expected:
