@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -241,6 +242,7 @@ def main() -> None:
         trainer.close()
         if shaped:
             remove_link()
+        shutil.rmtree(tmp, ignore_errors=True)
     deltas = rows[1:]
     total_full = sum(r["full_bytes"] for r in rows)
     total_wire = sum(r["wire_bytes"] for r in rows)
