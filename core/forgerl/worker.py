@@ -171,7 +171,10 @@ def run_worker(run_dir: Path) -> int:
             else:
                 assert generator is not None and task is not None, "an RL run builds its generator and task"
                 teacher = _build_teacher(config, registry, ctx)
-                loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer, teacher)
+                from forgerl.images.render import load_processor
+
+                loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer, teacher,
+                            processor=load_processor(model_path))  # fmt: skip
             install_stop_handlers(loop)
         summary = loop.run()  # writes summary.json and calls forge_run_end itself
     finally:

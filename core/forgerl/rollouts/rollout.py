@@ -15,14 +15,20 @@ counted (:mod:`forgerl.rollouts.staleness`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from forgerl.errors import ImageError, NotSupported
+from forgerl.images import ImageLimits, has_images
+from forgerl.images.render import render_chat
 from forgerl.interfaces import Generator
-from forgerl.types import Episode, GenerationRequest, Problem, RewardInput, SamplingParams
+from forgerl.types import Episode, GenerationRequest, ImageInputs, Problem, RewardInput, SamplingParams
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.rollouts.env_rollouts import EnvironmentRollouts
@@ -48,12 +54,46 @@ def sampling_seed(seed: int, index: int, group: int) -> int:
 
 
 class Tokenizing:
-    """Prompt → token ids with the model's chat template (for chat prompts)."""
+    """Prompt → token ids with the model's chat template (for chat prompts); with a
+    vision-language model's ``processor``, a prompt with images → ids and its images
+    (:mod:`forgerl.images.render`)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(
+        self,
+        tokenizer: Any,
+        processor: Any = None,
+        limits: ImageLimits | None = None,
+        *,
+        images_refused: str | None = None,
+    ):
         self.tokenizer = tokenizer
+        self.processor = processor
+        self.limits = limits or ImageLimits()
+        #: Why prompts with images cannot run (a generator without ``accepts_images``).
+        self.images_refused = images_refused
+
+    def render(self, problem: Problem) -> tuple[list[int], ImageInputs | None]:
+        """The prompt's ids and images (None: no images). :class:`ImageError` for a bad
+        image; NotSupported for images and a model without a processor."""
+        if not has_images(problem.prompt):
+            return self.prompt_ids(problem), None
+        if self.images_refused is not None:
+            raise NotSupported(self.images_refused)
+        if self.processor is None:
+            raise NotSupported(
+                f"problem {problem.id!r} has images but the model is not a vision-language model (docs/vision.md)"
+            )
+        return render_chat(self.processor, list(problem.prompt), self.limits)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
+        """A text prompt's ids; NotSupported for one with images, which only the paths
+        that carry images (:meth:`render`) take: ids without their pixels would be a
+        silently different prompt."""
+        if has_images(problem.prompt):
+            raise NotSupported(
+                f"problem {problem.id!r} has images, which this part of the loop does not carry yet "
+                "(images work in single-turn runs with loop.overlap: versioned; docs/vision.md)"
+            )
         tok = self.tokenizer
         if isinstance(problem.prompt, str):
             return list(tok(problem.prompt, add_special_tokens=True)["input_ids"])
@@ -180,7 +220,7 @@ class RolloutProducer(threading.Thread):
         task_state = self.source.state_dict()
         if self.environment is not None:
             return await self._trajectory_batch(index, problems, task_state)
-        prompt_ids = [self.tokenizing.prompt_ids(p) for p in problems]
+        problems, rendered = self._render(problems)
         version = self.generator.policy_version
         requests = [
             GenerationRequest(
@@ -188,8 +228,9 @@ class RolloutProducer(threading.Thread):
                 prompt_token_ids=ids,
                 n=self.group_size,
                 sampling=_with_seed(self.sampling, sampling_seed(self.seed, index, g)),
+                images=images,
             )
-            for g, ids in enumerate(prompt_ids)
+            for g, (ids, images) in enumerate(rendered)
         ]
         t0 = time.perf_counter()
         results = await self.generator.generate(requests)
@@ -203,7 +244,7 @@ class RolloutProducer(threading.Thread):
         t2 = time.perf_counter()
         episodes = []
         k = 0
-        for g, (p, ids, comps) in enumerate(zip(problems, prompt_ids, results)):
+        for g, (p, (ids, images), comps) in enumerate(zip(problems, rendered, results)):
             for c in comps:
                 s = scores[k]
                 k += 1
@@ -217,6 +258,7 @@ class RolloutProducer(threading.Thread):
                         reward_components=dict(s.components),
                         reward_failed=bool(s.failed),
                         error=s.error if s.failed else None,
+                        images=images,
                     )
                 )
         return RolloutBatch(
@@ -230,6 +272,20 @@ class RolloutProducer(threading.Thread):
             rewards_failed=sum(e.reward_failed for e in episodes),
         )
 
+
+    def _render(self, problems: list[Problem]) -> tuple[list[Problem], list[tuple[list[int], ImageInputs | None]]]:
+        """Each problem's prompt ids and images. A problem with a bad image fails alone,
+        with one line in the log: the run goes on with the others (docs/vision.md)."""
+        kept, rendered = [], []
+        for p in problems:
+            try:
+                ids, images = self.tokenizing.render(p)
+            except ImageError as exc:
+                log.warning("problem %r skipped: %s", p.id, exc)
+                continue
+            kept.append(p)
+            rendered.append((ids, images))
+        return kept, rendered
 
     async def _trajectory_batch(self, index: int, problems: list[Problem], task_state: dict[str, Any]) -> RolloutBatch:
         assert self.environment is not None, "trajectory batches need an environment"

@@ -78,6 +78,7 @@ class Loop:
         sender: Any,
         tokenizer: Any,
         teacher: TeacherScorer | None = None,
+        processor: Any = None,
     ):
         self.config = config
         self.registry = registry
@@ -92,7 +93,14 @@ class Loop:
         self.sender = sender
         #: ``objective: distill``: scores each step's samples (None: the rewards' GRPO).
         self.teacher = teacher
-        self.tokenizing = Tokenizing(tokenizer)
+        #: A vision-language model's processor renders prompts with images (None: text only).
+        self.tokenizing = Tokenizing(
+            tokenizer,
+            processor,
+            images_refused=None if type(generator).accepts_images else (
+                f"generator {config.generator.name!r} does not take images yet; use generator hf (docs/vision.md)"
+            ),
+        )
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.step = 0  # completed steps
         self.policy_version = 0
