@@ -77,6 +77,9 @@ class ImageInputs:
 
     images: tuple[Any, ...]
     features: Mapping[str, Any]
+    #: The prompt's ids before the processor expanded its images (one placeholder each),
+    #: for an engine that expands them itself (vLLM), which must arrive at the same ids.
+    unexpanded_ids: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.images)

@@ -140,3 +140,34 @@ def test_a_run_on_an_image_dataset_skips_a_bad_image_and_trains(tmp_path: Path) 
     log = (out / "logs" / "trainer-0.log").read_text()
     skipped = [line for line in log.splitlines() if "skipped" in line]
     assert len(skipped) == 1 and "bad.png: truncated or corrupt" in skipped[0], skipped
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_two_steps_on_vllm_with_an_image_task(tmp_path: Path) -> None:
+    """``forge run --generator vllm`` on the image dataset: vLLM expands the images itself
+    and every request checks its prompt ids against the processor's; the trainer's logprobs
+    match vLLM's after a weight update. About 3 minutes (one vLLM start)."""
+    import json
+
+    from .test_run_e2e import BASE, forge, metrics
+
+    (tmp_path / "red.png").write_bytes(im.png(40, 24, (255, 0, 0)))
+    with (tmp_path / "data.jsonl").open("w") as f:
+        for i in range(4):
+            image = "red.png" if i % 2 == 0 else im.data_url(im.png(30, 30, (0, 0, 255)))
+            f.write(json.dumps({"q": f"What colour is it? ({i})", "image": image}) + "\n")
+    out = tmp_path / "out"
+    args = [a if a != "tiny" else "tiny-vl" for a in BASE if a != "hf"]
+    args = [*args[: args.index("--generator") + 1], "vllm", *args[args.index("--generator") + 1 :]]
+    proc = forge(
+        "run", *args, "--set", "generator.options.kv_cache_gb=0.25", "--task", "dataset",
+        "--set", f"task.options.path={tmp_path / 'data.jsonl'}", "--set", "task.options.columns.prompt=q",
+        "--set", "task.options.columns.images=image", "--set", "task.options.columns.answer=null",
+        "--reward", "format", "--set", "rewards.0.options.pattern=\\d", "--steps", "2", "--output", str(out),
+        timeout=900,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["policy_version"] for r in rows] == [1, 2]
+    assert all(r["logprob_gap/max"] <= GAP for r in rows), [r["logprob_gap/max"] for r in rows]

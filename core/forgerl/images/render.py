@@ -41,17 +41,21 @@ def render_chat(
 
 def encode(processor: Any, text: str, images: Sequence[Any]) -> tuple[list[int], ImageInputs | None]:
     """``text`` (with one image placeholder per image) and ``images`` through the processor."""
+    # The template writes any special tokens the model wants (as for text chats).
     if not images:
-        enc = processor(text=text, return_tensors="pt")
+        enc = processor(text=text, return_tensors="pt", add_special_tokens=False)
         return [int(t) for t in enc["input_ids"][0]], None
     try:
-        enc = processor(text=text, images=list(images), return_tensors="pt")
+        enc = processor(text=text, images=list(images), return_tensors="pt", add_special_tokens=False)
     except (ValueError, TypeError) as exc:
         # The processor counts placeholders against images: a template that drops an
         # image part, or text that spells the placeholder itself, ends here.
         raise ImageError(f"the model's processor refused this prompt's images: {' '.join(str(exc).split())}") from None
     features = {k: v for k, v in enc.items() if k not in ("input_ids", "attention_mask")}
-    return [int(t) for t in enc["input_ids"][0]], ImageInputs(images=tuple(images), features=features)
+    unexpanded = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [int(t) for t in enc["input_ids"][0]], ImageInputs(
+        images=tuple(images), features=features, unexpanded_ids=tuple(int(t) for t in unexpanded)
+    )
 
 
 def is_vision_folder(path: str | Path) -> bool:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from forgerl.images.render import is_vision_folder
 
-__all__ = ["freeze_vision_tower", "image_kwargs", "in_vision_tower", "is_vision_folder", "load_model", "text_config"]
+__all__ = ["freeze_vision_tower", "image_kwargs", "in_vision_tower", "is_vision_folder", "load_model", "placeholder_ids", "placeholder_ids_in", "text_config"]
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -95,3 +95,18 @@ def placeholder_ids(model: Any) -> frozenset[int]:
         if isinstance(value, int):
             ids.add(value)
     return frozenset(ids)
+
+
+def placeholder_ids_in(path: str | Path) -> frozenset[int]:
+    """:func:`placeholder_ids` of the model in ``path``, from its config.json (no torch)."""
+    import json
+
+    try:
+        config = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return frozenset()
+    if not isinstance(config, dict) or "vision_config" not in config:
+        return frozenset()
+    return frozenset(
+        v for k in ("image_token_id", "image_token_index", "video_token_id") if isinstance(v := config.get(k), int)
+    )
