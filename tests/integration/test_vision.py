@@ -111,6 +111,79 @@ def test_trainer_logprobs_equal_the_generators_on_image_prompts(tiny_vl_dir: Pat
         trainer.close()
 
 
+def _shows_images():
+    from forgerl.environment import Environment, Step
+
+    class ShowsImages(Environment):
+        """An environment that opens with an image and answers each turn with another (a
+        truncated one when the problem says so)."""
+
+        name = "shows-images"
+        scores = True
+
+        def __init__(self, options=None) -> None:
+            self.turn = 0
+            self.bad = False
+
+        def reset(self, problem):
+            self.bad = problem.metadata.get("bad", False)
+            return im.chat(im.image_part(im.data_url(im.png(40, 24, (255, 0, 0)))), text="look")
+
+        def step(self, text):
+            self.turn += 1
+            if self.turn >= 3:
+                return Step(done=True, reward=1.0)
+            raw = im.truncated_png() if self.bad else im.png(20 + 9 * self.turn, 30, (0, 0, 255 - 40 * self.turn))
+            part = im.image_part(im.data_url(raw))
+            return Step(messages=[{"role": "user", "content": [part, {"type": "text", "text": "and now?"}]}])
+
+    return ShowsImages
+
+
+def test_an_environment_that_answers_with_images_is_token_exact(tiny_vl_dir: Path, tmp_path: Path) -> None:
+    """Three turns, an image at reset and in each observation: the trainer's logprobs of
+    every sampled token equal the generator's; a truncated image fails its trajectory in one
+    line, the others go on. About 15 s."""
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from forgerl.rollouts.trajectory import Limits, TrajectoryRunner
+    from forgerl.runloop.batching import collate
+
+    processor = AutoProcessor.from_pretrained(tiny_vl_dir)
+    env = _shows_images()
+    runner = TrajectoryRunner(
+        env, env, AutoTokenizer.from_pretrained(tiny_vl_dir),
+        Limits(max_turns=4, max_total_tokens=400, max_turn_tokens=5),
+        SamplingParams(max_tokens=5, temperature=worker.TEMPERATURE), processor=processor,
+    )  # fmt: skip
+    generator = _generator(tiny_vl_dir, tmp_path / "gen")
+    jobs = [(Problem("good", ""), "a", 1), (Problem("bad", "", metadata={"bad": True}), "b", 2), (Problem("again", ""), "c", 3)]
+    try:
+        trajectories, _ = asyncio.run(runner.run_many(generator, jobs))
+    finally:
+        generator.close()
+    good, bad, again = trajectories
+    assert bad.failure is not None and "truncated or corrupt" in bad.failure and "\n" not in bad.failure, bad.failure
+    assert good.failure is None and again.failure is None, (good.failure, again.failure)
+    assert len(good.images) == 3 and good.observations == 2, (len(good.images), good.observations)
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert (good.prompt_ids + good.completion.token_ids).count(image_token) == 3 * 16, "three images, expanded"
+
+    episodes = [Episode(Problem(f"p{i}", ""), i, t.prompt_ids, t.completion, reward=0.0, images=t.images)
+                for i, t in enumerate(trajectories)]  # fmt: skip
+    batch = collate(episodes, pad_id=0)
+    trainer = worker.make_trainer(tiny_vl_dir, tmp_path / "train", micro_batch_size=3)
+    try:
+        logprobs = trainer.logprobs(batch)
+    finally:
+        trainer.close()
+    mask = batch.loss_mask != 0
+    assert int(mask[0].sum()) > 5, "several sampled turns"
+    gap = (logprobs[mask] - batch.behaviour_logprobs[mask]).abs().max().item()
+    print(f"environment-image logprob gap {gap:.2e} over {int(mask.sum())} tokens")
+    assert gap <= GAP, f"trainer vs generator logprob gap {gap:.2e} across turns with images"
+
+
 def test_a_run_on_an_image_dataset_skips_a_bad_image_and_trains(tmp_path: Path) -> None:
     """``forge run`` with the hf generator: a JSONL task with an image column (paths relative
     to the dataset, data URLs, one truncated file), 2 steps. About 40 s."""

@@ -66,7 +66,7 @@ class EnvironmentRollouts:
     @classmethod
     def from_config(
         cls, config: RunConfig, registry: Registry, tokenizer: Any, run_dir: Path | None, *,
-        context_length: int | None = None,
+        context_length: int | None = None, processor: Any = None,
     ) -> EnvironmentRollouts | None:
         """None when the config names no environment (single-turn rollouts).
         ``context_length``: the model's, where known (it bounds an agent's calls: beyond
@@ -107,6 +107,7 @@ class EnvironmentRollouts:
                 tokenizer,
                 limits,
                 turn_sampling,
+                processor=processor,
             )
         return cls(runner, failed_reward=config.loop.failed_reward, run_dir=run_dir)
 
@@ -169,6 +170,7 @@ class EnvironmentRollouts:
                 reward_failed=bool(s.result.failed),
                 error=s.result.error if s.result.failed else None,
                 messages=s.trajectory.messages or None,
+                images=s.trajectory.images,
             )
             for k, s in enumerate(scored)
         ]

@@ -118,7 +118,8 @@ class Loop:
         self.idle = IdleClock()
         #: Multi-turn rollouts through the configured environment; None: single-turn.
         self.environment = EnvironmentRollouts.from_config(
-            config, registry, tokenizer, ctx.run_dir, context_length=_context_length(ctx.model_path)
+            config, registry, tokenizer, ctx.run_dir, context_length=_context_length(ctx.model_path),
+            processor=processor,
         )
         #: What the model wrote, in <run_dir>/samples/ (None: logging.samples.enabled is off).
         self.samples = Recorder.for_run(

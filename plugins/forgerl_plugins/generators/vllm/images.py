@@ -46,7 +46,7 @@ def image_request_body(
     checks and sampling, moved to ``sampling_params``)."""
     assert request.images is not None, "only requests with images take this path"
     completions = request_body(request, r, send_seed=send_seed)
-    sampling = {
+    sampling: dict[str, Any] = {
         k: completions[k]
         for k in ("n", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "skip_special_tokens")
         if k in completions
