@@ -47,7 +47,7 @@ def main() -> None:
     ids, images = render_chat(processor, im.chat(*parts), ImageLimits())
     assert images is not None
     placeholder = processor.tokenizer.convert_tokens_to_ids("<image>")
-    plain = processor.tokenizer.convert_tokens_to_ids("the")
+    plain = processor.tokenizer("a", add_special_tokens=False)["input_ids"][0]
     text_ids = [plain if t == placeholder else t for t in ids]
 
     from forgerl.testing.trainer_support import run_config, run_context

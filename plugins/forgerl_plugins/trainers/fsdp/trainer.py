@@ -124,22 +124,36 @@ class FSDPTrainer(ShardedTrainer):
     ) -> torch.Tensor:
         import torch
 
-        # One row at a time: rows of different prompts have different numbers of images,
-        # which the model's image inputs cannot batch without model-specific padding.
-        rows = []
-        placeholders = placeholder_ids(model)
+        # One forward per prompt: the samples of one prompt share its ImageInputs (the same
+        # object) and run together, its features repeated; rows of different prompts may
+        # have different numbers of images, which the model's image inputs cannot batch
+        # without model-specific padding. Text rows run together.
+        groups: dict[int, list[int]] = {}
         for b, row_images in enumerate(images):
-            ids = input_ids[b : b + 1]
-            extra = {} if row_images is None else image_kwargs(row_images, self.device, self.dtype)
-            last = int(attention_mask[b].nonzero().max()) if row_images is not None else -1
-            if last >= 0 and int(ids[0, last]) in placeholders:
-                # A sampled placeholder ends its completion (the generator stops there): fed
-                # as padding, as its logits score nothing, so the model seeks no pixels for it.
+            groups.setdefault(id(row_images), []).append(b)
+        placeholders = placeholder_ids(model)
+        out: torch.Tensor | None = None
+        for rows in groups.values():
+            shared = images[rows[0]]
+            idx = torch.tensor(rows, device=input_ids.device)
+            ids, mask = input_ids[idx], attention_mask[idx]
+            extra: dict[str, Any] = {}
+            if shared is not None:
+                extra = image_kwargs(shared, self.device, self.dtype, repeat=len(rows))
                 ids = ids.clone()
-                ids[0, last] = 0
-            out = model(input_ids=ids, attention_mask=attention_mask[b : b + 1], use_cache=False, **extra)
-            rows.append(out.logits)
-        return torch.cat(rows)
+                for r in range(len(rows)):
+                    last = int(mask[r].nonzero().max())
+                    if int(ids[r, last]) in placeholders:
+                        # A sampled placeholder ends its completion (the generator stops
+                        # there): fed as padding, as its logits score nothing, so the model
+                        # seeks no pixels for it.
+                        ids[r, last] = 0
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False, **extra).logits
+            if out is None:
+                out = logits.new_empty((len(images), *logits.shape[1:]))
+            out[idx] = logits
+        assert out is not None, "a micro-batch has rows"
+        return out
 
     def export_weights(self, version: int) -> WeightSet | None:
         # A collective: every rank takes part, rank 0 receives the full CPU tensors
