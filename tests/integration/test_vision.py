@@ -244,3 +244,30 @@ def test_two_steps_on_vllm_with_an_image_task(tmp_path: Path) -> None:
     rows = metrics(out)
     assert [r["policy_version"] for r in rows] == [1, 2]
     assert all(r["logprob_gap/max"] <= GAP for r in rows), [r["logprob_gap/max"] for r in rows]
+
+
+def test_lora_adapts_the_language_model_only(tiny_vl_dir: Path, tmp_path: Path) -> None:
+    """LoRA on the tiny VLM: no adapter in the vision encoder, and a step on image rows
+    trains the adapter. About 10 s."""
+    pytest.importorskip("peft")
+    from transformers import AutoProcessor
+
+    from forgerl.runloop.batching import collate
+    from forgerl.types import Completion
+
+    processor = AutoProcessor.from_pretrained(tiny_vl_dir)
+    ids, images = render_chat(processor, _prompts()[0], ImageLimits())
+    completions = [Completion([300 + i, 301, 302], [-1.0, -1.0, -1.0], "length", 0) for i in range(2)]
+    batch = collate([Episode(Problem("p", ""), 0, ids, c, reward=0.0, images=images) for c in completions], pad_id=0)
+    batch.advantages = torch.tensor([1.0, -1.0])
+    trainer = worker.make_trainer(tiny_vl_dir, tmp_path, micro_batch_size=2, lora={"rank": 4})
+    try:
+        assert trainer.lora_targets and not any("vision_model" in n for n in trainer.lora_targets), trainer.lora_targets
+        assert any("text_model" in n for n in trainer.lora_targets), trainer.lora_targets
+        before = trainer.logprobs(batch)
+        trainer.train_step(batch)
+        after = trainer.logprobs(batch)
+    finally:
+        trainer.close()
+    mask = batch.loss_mask != 0
+    assert (after[mask] - before[mask]).abs().max().item() > 0, "the adapter trained on image rows"

@@ -178,8 +178,38 @@ class Loop:
             restore_rng(snap)
         except CheckpointError as exc:
             raise CheckpointUnusable(f"{path / ckpt.LOOP_STATE}: {exc}") from None
-        self.pending_restored = snap.rollouts
+        self.pending_restored = [self._with_images(b) for b in snap.rollouts]
         return path
+
+    def _with_images(self, batch: RolloutBatch) -> RolloutBatch:
+        """A restored batch with its prompts' images again: a checkpoint keeps token ids,
+        not pixels. Each image prompt is rendered anew (the same files, the same
+        processor) and must give the ids it had; an episode whose images cannot be had
+        back is left out (one line), never trained on ids without their pixels."""
+        from forgerl.errors import ImageError, NotSupported
+        from forgerl.images import has_images
+
+        kept = []
+        for e in batch.episodes:
+            if e.messages is not None and has_images(e.messages):
+                # An environment's images came from its turns, which are not replayed.
+                log.warning("restored trajectory of problem %r left out: its images are not in checkpoints", e.problem.id)
+                continue
+            if not has_images(e.problem.prompt):
+                kept.append(e)
+                continue
+            try:
+                ids, images = self.tokenizing.render(e.problem)
+            except (ImageError, NotSupported) as exc:
+                log.warning("restored sample of problem %r left out: %s", e.problem.id, exc)
+                continue
+            if ids != list(e.prompt_token_ids):
+                log.warning("restored sample of problem %r left out: its images now render to other ids", e.problem.id)
+                continue
+            e.images = images
+            kept.append(e)
+        batch.episodes = kept
+        return batch
 
     # -------------------------------------------------------------------- run
 
