@@ -198,10 +198,15 @@ def test_a_run_on_an_image_dataset_skips_a_bad_image_and_trains(tmp_path: Path) 
         for i in range(4):
             image = "red.png" if i % 2 == 0 else im.data_url(im.png(30, 30, (0, 0, 255)))
             f.write(json.dumps({"q": f"What colour is it? ({i})", "answer": "", "image": "bad.png" if i == 1 else image}) + "\n")
+    # Held-out problems with images too, one of them bad: scored 0, the evaluation goes on.
+    with (tmp_path / "eval.jsonl").open("w") as f:
+        for i, image in enumerate(["red.png", "bad.png"]):
+            f.write(json.dumps({"q": f"And this one? ({i})", "answer": "", "image": image}) + "\n")
     out = tmp_path / "out"
     args = [a if a != "tiny" else "tiny-vl" for a in BASE]
     proc = forge(
         "run", *args, "--task", "dataset", "--set", f"task.options.path={tmp_path / 'data.jsonl'}",
+        "--set", f"task.options.eval_path={tmp_path / 'eval.jsonl'}",
         "--set", "task.options.columns.prompt=q", "--set", "task.options.columns.images=image",
         "--set", "task.options.columns.answer=null",
         "--reward", "format", "--set", "rewards.0.options.pattern=\\d", "--steps", "2", "--output", str(out),
@@ -213,6 +218,7 @@ def test_a_run_on_an_image_dataset_skips_a_bad_image_and_trains(tmp_path: Path) 
     log = (out / "logs" / "trainer-0.log").read_text()
     skipped = [line for line in log.splitlines() if "skipped" in line]
     assert len(skipped) == 1 and "bad.png: truncated or corrupt" in skipped[0], skipped
+    assert "eval/reward" in rows[-1] or "eval/accuracy" in rows[-1], sorted(rows[-1])
 
 
 @pytest.mark.vllm
