@@ -124,3 +124,14 @@ def test_image_errors_are_one_line_user_errors() -> None:
     assert issubclass(ImageError, UserError), "the CLI prints a UserError as one line, exit status 2"
     with pytest.raises(ValueError, match="max_pixels"):
         ImageLimits(max_pixels=0)
+
+
+def test_records_keep_no_pixels() -> None:
+    from forgerl.images.parts import without_pixels
+
+    url = im.data_url(im.png(300, 300))
+    [message] = without_pixels(im.chat(im.image_part(url), {"type": "image", "image": "a.png"}))
+    shortened = message["content"][0]["image_url"]["url"]
+    assert shortened.startswith("data:image/png;base64,...") and len(shortened) < 80, shortened
+    assert message["content"][1]["image_url"]["url"] == "a.png"
+    assert message["content"][2] == {"type": "text", "text": "what colour is the square?"}

@@ -104,3 +104,22 @@ def text_only(prompt: Iterable[Any]) -> list[dict[str, Any]]:
             raise ImageError("this chat has images; a text-only rendering would drop them")
         out.append({**message, "content": "".join(p["text"] for p in parts)} if parts else dict(message))
     return out
+
+
+def without_pixels(messages: Iterable[Any]) -> list[Any]:
+    """``messages`` with each data URL of an image part shortened to its type and size:
+    for records and logs (a sample record must not hold megabytes of base64 per image)."""
+    from forgerl.images.loading import describe
+
+    out: list[Any] = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, Mapping) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        parts = []
+        for p in content:
+            ref = part_reference(p) if isinstance(p, Mapping) and p.get("type") != "text" else None
+            parts.append({"type": "image_url", "image_url": {"url": describe(ref)}} if ref else p)
+        out.append({**m, "content": parts})
+    return out

@@ -295,6 +295,7 @@ class TrajectoryRunner:
                 traj.limit = "turns"
                 break
             observed = check_messages(list(step.messages), "step")
+            images: ImageInputs | None
             if has_images(observed):
                 observation, unexpanded, images = self._observed_images(traj, sampled.token_ids, observed)
             else:
