@@ -277,3 +277,58 @@ def test_lora_adapts_the_language_model_only(tiny_vl_dir: Path, tmp_path: Path) 
         trainer.close()
     mask = batch.loss_mask != 0
     assert (after[mask] - before[mask]).abs().max().item() > 0, "the adapter trained on image rows"
+
+
+def test_an_agent_shows_images_through_the_openai_client(tiny_vl_dir: Path, tmp_path: Path) -> None:
+    """An agent written against the official ``openai`` client sends image parts (data URLs)
+    to the run's endpoint in two calls of one episode; the hf generator samples with both
+    images, the trajectory carries them, and the trainer's logprobs equal the generator's.
+    A file path is refused with a 400. About 20 s."""
+    pytest.importorskip("openai")
+    from transformers import AutoProcessor, AutoTokenizer
+
+    from forgerl.rollouts.agent_runner import AgentRunner
+    from forgerl.rollouts.env_rollouts import EnvironmentRollouts
+    from forgerl.rollouts.trajectory import Limits
+    from forgerl.runloop.batching import collate
+    from forgerl.types import RewardResult
+    from forgerl_plugins.environments.agent import AgentProgram
+    from tests.helpers.agents import SEEN
+
+    options = AgentProgram.Options(entry="tests.helpers.agents:shows_images", timeout=60, max_request_bytes=2 << 20)
+    processor = AutoProcessor.from_pretrained(tiny_vl_dir)
+    runner = AgentRunner(
+        lambda: AgentProgram(options), AutoTokenizer.from_pretrained(tiny_vl_dir),
+        Limits(max_turns=4, max_total_tokens=400, max_turn_tokens=6, turn_timeout=30.0, concurrency=2),
+        SamplingParams(max_tokens=6, temperature=worker.TEMPERATURE), options, model="tiny-vl",
+        context_length=1024, processor=processor,
+    )  # fmt: skip
+    rollouts = EnvironmentRollouts(runner, failed_reward=-0.5, run_dir=tmp_path)
+    generator = _generator(tiny_vl_dir, tmp_path / "gen")
+
+    async def score(samples):
+        return [RewardResult(0.0) for _ in samples]
+
+    try:
+        episodes, _, _ = asyncio.run(rollouts.batch(generator, [Problem("p0", "")], index=0, seeds=[5], group_size=1, score=score))
+    finally:
+        generator.close()
+        rollouts.close()
+    seen = SEEN["p0"]
+    assert seen["refused"] is not None and "only data URLs" in seen["refused"], seen["refused"]
+    [episode] = episodes
+    assert episode.images is not None and len(episode.images) == 2, episode.images
+    image_token = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert (episode.prompt_token_ids + episode.completion.token_ids).count(image_token) == 2 * 16
+
+    trainer = worker.make_trainer(tiny_vl_dir, tmp_path / "train", micro_batch_size=1)
+    try:
+        batch = collate(episodes, pad_id=0)
+        logprobs = trainer.logprobs(batch)
+    finally:
+        trainer.close()
+    mask = batch.loss_mask != 0
+    assert int(mask.sum()) >= 2, "both calls' sampled tokens are trained"
+    gap = (logprobs[mask] - batch.behaviour_logprobs[mask]).abs().max().item()
+    print(f"agent-endpoint image logprob gap {gap:.2e} over {int(mask.sum())} tokens")
+    assert gap <= GAP, gap

@@ -163,9 +163,12 @@ class AgentRunner:
         *,
         model: str,
         context_length: int | None = None,
+        processor: Any = None,
     ):
         self.make_env = make_env
         self.tokenizer = tokenizer
+        #: A VLM's processor: agents may show the model images (docs/vision.md).
+        self.processor = processor
         self.limits = limits
         self.sampling = sampling
         self.options = options
@@ -230,7 +233,7 @@ class AgentRunner:
         recorder = EpisodeRecorder(
             chat_for=self.chat_for, generate=batcher.generate, bounds=self.bounds,
             sampling=sampling or self.sampling, request_id=request_id, seed=seed,
-            policy_version=batcher.generator.policy_version, model=self.model,
+            policy_version=batcher.generator.policy_version, model=self.model, processor=self.processor,
         )
         loop = asyncio.get_running_loop()
         generator_failed: asyncio.Future[None] = loop.create_future()

@@ -106,7 +106,11 @@ class ChatTokens:
     def prompt_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """The first prompt: the environment's first messages, tools offered, ready for the
         assistant's first turn."""
-        return self.ids(self._render(self.with_tools_in_system(messages), generation_prompt=True))
+        return self.ids(self.prompt_text(messages))
+
+    def prompt_text(self, messages: Sequence[dict[str, Any]]) -> str:
+        """:meth:`prompt_ids`'s text (images as the template's placeholders)."""
+        return self._render(self.with_tools_in_system(messages), generation_prompt=True)
 
     def observation_ids(self, sampled_ids: Sequence[int], messages: Sequence[dict[str, Any]]) -> list[int]:
         """The environment tokens after a sampled turn ``sampled_ids``: the rest of the

@@ -98,7 +98,7 @@ class EnvironmentRollouts:
                                   "AgentEnvironment.Options")
             runner = AgentRunner(
                 lambda: backend.build(options), tokenizer, limits, turn_sampling, options,
-                model=config.model.name, context_length=context_length,
+                model=config.model.name, context_length=context_length, processor=processor,
             )
         else:
             runner = TrajectoryRunner(
