@@ -135,3 +135,17 @@ def test_records_keep_no_pixels() -> None:
     assert shortened.startswith("data:image/png;base64,...") and len(shortened) < 80, shortened
     assert message["content"][1]["image_url"]["url"] == "a.png"
     assert message["content"][2] == {"type": "text", "text": "what colour is the square?"}
+
+
+def test_the_run_config_sets_the_limits() -> None:
+    from pydantic import ValidationError
+
+    from forgerl.configuration.config import RunConfig
+
+    config = RunConfig.model_validate({"images": {"max_images": 1, "max_pixels": 100}})
+    limits = config.images.limits()
+    assert (limits.max_images, limits.max_pixels) == (1, 100)
+    with pytest.raises(ImageError, match="2 images, over the limit of 1"):
+        load_images([im.data_url(im.png(5, 5))] * 2, limits)
+    with pytest.raises(ValidationError):
+        RunConfig.model_validate({"images": {"max_images": 0}})

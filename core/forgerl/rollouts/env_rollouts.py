@@ -99,6 +99,7 @@ class EnvironmentRollouts:
             runner = AgentRunner(
                 lambda: backend.build(options), tokenizer, limits, turn_sampling, options,
                 model=config.model.name, context_length=context_length, processor=processor,
+                image_limits=config.images.limits(),
             )
         else:
             runner = TrajectoryRunner(
@@ -108,6 +109,7 @@ class EnvironmentRollouts:
                 limits,
                 turn_sampling,
                 processor=processor,
+                image_limits=config.images.limits(),
             )
         return cls(runner, failed_reward=config.loop.failed_reward, run_dir=run_dir)
 

@@ -149,7 +149,7 @@ def run_eval(
         problems = problems[: config.loop.eval_size]
     k = config.eval.k
     environment = EnvironmentRollouts.from_config(config, registry, tokenizer, run_dir, processor=processor)
-    tokenizing = Tokenizing(tokenizer, processor)
+    tokenizing = Tokenizing(tokenizer, processor, config.images.limits())
     # What a model writes can quote a key it saw: the run's keys and the rewards' tokens
     # never reach the results file (the redaction a run's own sample records get).
     redactor = Redactor(reward_secrets(config), [partial(run_keys, run_dir)])

@@ -97,6 +97,7 @@ class Loop:
         self.tokenizing = Tokenizing(
             tokenizer,
             processor,
+            config.images.limits(),
             images_refused=None if type(generator).accepts_images else (
                 f"generator {config.generator.name!r} does not take images yet; use generator hf (docs/vision.md)"
             ),
