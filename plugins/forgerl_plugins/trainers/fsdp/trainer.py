@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import Field
 
+from forgerl.errors import NotSupported
 from forgerl.types import ImageInputs, WeightSet
 from forgerl_plugins.models.vision import (
     freeze_vision_tower,
@@ -124,6 +125,13 @@ class FSDPTrainer(ShardedTrainer):
     ) -> torch.Tensor:
         import torch
 
+        if self.world_size > 1:
+            # Ranks would run different numbers of forwards (one per prompt), and FSDP2's
+            # gathers must match across ranks: one rank only, for now.
+            raise NotSupported(
+                f"the fsdp trainer trains on images on one rank only for now ({self.world_size} ranks); "
+                "see docs/vision.md"
+            )
         # One forward per prompt: the samples of one prompt share its ImageInputs (the same
         # object) and run together, its features repeated; rows of different prompts may
         # have different numbers of images, which the model's image inputs cannot batch
