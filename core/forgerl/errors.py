@@ -75,6 +75,12 @@ class NotSupported(UserError):
     ``forge logs`` for a scheduler whose ``supports_logs`` is False)."""
 
 
+class ImageError(UserError):
+    """An image in a prompt or a message cannot be used: not an image, truncated, too large,
+    too many, or a reference forgerl refuses to follow (a network URL). One line; the sample
+    that carries it fails and the run goes on."""
+
+
 class SchedulerError(ForgeError):
     """A scheduler failed to submit, watch or cancel a job."""
 

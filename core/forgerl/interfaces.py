@@ -237,6 +237,10 @@ class Generator(Closeable, abc.ABC):
     #: (``context.adapter``): the versions it receives then hold only the adapter's tensors,
     #: under PEFT's names. ``forge run`` refuses a LoRA trainer with a generator without it.
     serves_adapters: ClassVar[bool] = False
+    #: Whether requests may carry images (:attr:`GenerationRequest.images`). The loop never
+    #: sends one with images to a generator without it: the sample fails in one line
+    #: instead, so no image is ever dropped silently (docs/vision.md).
+    accepts_images: ClassVar[bool] = False
 
     @abc.abstractmethod
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
@@ -276,6 +280,9 @@ class Trainer(Closeable, abc.ABC):
     #: Whether :meth:`export_checkpoint` can write the policy of one of its checkpoints as
     #: a Hugging Face model folder (``forge export``; a run named as another run's model).
     exports_checkpoints: ClassVar[bool] = False
+    #: Whether batches may carry prompt images (:attr:`TrainBatch.images`). ``forge run``
+    #: refuses images for a trainer without it (docs/vision.md).
+    accepts_images: ClassVar[bool] = False
 
     @abc.abstractmethod
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

@@ -23,13 +23,14 @@ class Problem:
     """One prompt with the reference a reward may check against.
 
     ``prompt`` is either plain text or a chat (a list of ``{"role", "content"}`` dicts);
-    the loop applies the model's chat template to chats. ``answer`` is the reference
+    the loop applies the model's chat template to chats. A message's content may be a list
+    of OpenAI-style parts with images (docs/vision.md). ``answer`` is the reference
     answer (may be empty for rewards that need none); ``metadata`` is free-form and
     reaches every reward unchanged.
     """
 
     id: str
-    prompt: str | list[dict[str, str]]
+    prompt: str | list[dict[str, Any]]
     answer: str = ""
     metadata: Mapping[str, Any] = field(default_factory=dict)
 
@@ -61,18 +62,43 @@ class SamplingParams:
     seed: int | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class ImageInputs:
+    """The images of one prompt, as the model's processor prepared them, once.
+
+    ``images`` are the decoded RGB images (``PIL.Image.Image``) in prompt order: an engine
+    that runs the processor itself (vLLM) gets these. ``features`` are the processor's
+    tensors for them (``pixel_values`` and the model's other image inputs, batch
+    dimension 1): the ``hf`` generator and the trainers feed these, so the trainer sees
+    the pixels the generator saw and never decodes the files again. The image
+    placeholders are already expanded in the prompt's token ids that go with it
+    (docs/vision.md).
+    """
+
+    images: tuple[Any, ...]
+    features: Mapping[str, Any]
+    #: The prompt's ids before the processor expanded its images (one placeholder each),
+    #: for an engine that expands them itself (vLLM), which must arrive at the same ids.
+    unexpanded_ids: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """``n`` completions of one tokenised prompt.
 
     Token ids (not text) cross the interface so that the trainer scores exactly the
-    tokens the generator saw.
+    tokens the generator saw. ``images`` (None for a text prompt) carries the prompt's
+    images; a generator whose class does not set ``accepts_images`` never receives one.
     """
 
     request_id: str
     prompt_token_ids: Sequence[int]
     n: int
     sampling: SamplingParams
+    images: ImageInputs | None = None
 
 
 FinishReason = Literal["stop", "length", "abort"]
@@ -196,6 +222,9 @@ class Episode:
     error: str | None = None
     #: The whole trajectory as chat messages, when an environment ran it (sample records).
     messages: list[dict[str, Any]] | None = None
+    #: The prompt's images as the generator saw them (None: a text prompt); the batch
+    #: builder hands them to the trainer with the row.
+    images: ImageInputs | None = None
 
 
 @dataclass
@@ -234,6 +263,9 @@ class TrainBatch:
     token_versions: torch.Tensor | None = None
     trainer_version: int | None = None
     objective: str = "grpo"
+    #: ``images[b]``: row ``b``'s prompt images (None for a text row); None when no row
+    #: has any. Only a trainer whose class sets ``accepts_images`` is given a batch with them.
+    images: list[ImageInputs | None] | None = None
 
     def token_ages(self) -> torch.Tensor | None:
         """``[B, T]``: how many versions older than the trained weights each token's

@@ -171,7 +171,10 @@ def run_worker(run_dir: Path) -> int:
             else:
                 assert generator is not None and task is not None, "an RL run builds its generator and task"
                 teacher = _build_teacher(config, registry, ctx)
-                loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer, teacher)
+                from forgerl.images.render import load_processor
+
+                loop = Loop(config, registry, ctx, driver, generator, task, rewards, sender, tokenizer, teacher,
+                            processor=load_processor(model_path))  # fmt: skip
             install_stop_handlers(loop)
         summary = loop.run()  # writes summary.json and calls forge_run_end itself
     finally:
@@ -194,6 +197,7 @@ def _run_eval(config: Any, registry: Registry, ctx: Any, model_path: Path, log: 
     from transformers import AutoTokenizer
 
     from forgerl import events
+    from forgerl.images.render import load_processor
     from forgerl.rewards.rewarding import RewardSet
     from forgerl.runloop.eval_run import install_stop_handler, run_eval
 
@@ -212,8 +216,10 @@ def _run_eval(config: Any, registry: Registry, ctx: Any, model_path: Path, log: 
                     config.generator.options, context=ctx, transport=transport
                 )
             tokenizer = AutoTokenizer.from_pretrained(model_path)
+            processor = load_processor(model_path)  # a VLM's, for prompts with images
             stop = install_stop_handler()
-        summary = run_eval(config, registry, ctx, task, generator, rewards, tokenizer, stop=stop)
+        summary = run_eval(config, registry, ctx, task, generator, rewards, tokenizer, stop=stop,
+                           processor=processor)  # fmt: skip
     finally:
         for part in (rewards, generator, transport):
             if part is not None:

@@ -308,3 +308,26 @@ def steals_urls(episode):
 
 def never_calls(episode):
     return 1.0
+
+
+def shows_images(episode):
+    """Two calls through the ``openai`` client: an image with the question, then the reply
+    and a second image (a data URL each); then a file path, which the endpoint must refuse."""
+    import openai
+
+    from tests.helpers import images as im
+
+    client = _client(episode)
+    red = im.data_url(im.png(40, 24, (255, 0, 0)))
+    blue = im.data_url(im.png(17, 30, (0, 0, 255)))
+    messages: list[Any] = im.chat(im.image_part(red), text="What colour?")
+    first = client.chat.completions.create(model="gpt-4o", messages=messages)
+    messages += [first.choices[0].message, {"role": "user", "content": [im.image_part(blue), {"type": "text", "text": "And now?"}]}]
+    second = client.chat.completions.create(model="gpt-4o", messages=messages)
+    refused = None
+    try:
+        client.chat.completions.create(model="gpt-4o", messages=im.chat(im.image_part("/etc/passwd")))
+    except openai.BadRequestError as exc:
+        refused = exc.message
+    SEEN[episode.problem.id] = {"replies": [first, second], "refused": refused}
+    return {"reward": 0.5}

@@ -278,3 +278,24 @@ def test_options_mean_the_same_after_travelling_as_a_dump(tmp_path):
         ).model_dump()
     )
     assert DatasetTask(travelled).train_size == 20
+
+
+def test_an_images_column_puts_image_parts_before_the_text(tmp_path):
+    rows = [{"question": f"q{i}", "solution": "s", "pic": ["a.png", "data:image/png;base64,AAAA"] if i else "a.png"}
+            for i in range(2)]  # fmt: skip
+    t = task(path=str(write_jsonl(tmp_path / "i.jsonl", rows)),
+             columns={"prompt": "question", "answer": "solution", "images": "pic"})  # fmt: skip
+    by_id = {p.id: p for p in t.next_problems(2)}
+    [one] = [p for p in by_id.values() if p.prompt[-1]["content"][-1]["text"] == "q0"]
+    [two] = [p for p in by_id.values() if p.prompt[-1]["content"][-1]["text"] == "q1"]
+    assert one.prompt[-1]["content"][0] == {"type": "image_url", "image_url": {"url": str(tmp_path / "a.png")}}
+    assert [p["image_url"]["url"] for p in two.prompt[-1]["content"][:2]] == [str(tmp_path / "a.png"),
+                                                                             "data:image/png;base64,AAAA"]
+    assert "pic" not in one.metadata, "the images column is mapped, not metadata"
+    bad = [{"question": "q", "solution": "s", "pic": 7}]
+    with pytest.raises(ConfigError, match="column 'pic' must hold an image reference"):
+        task(path=str(write_jsonl(tmp_path / "b.jsonl", bad)),
+             columns={"prompt": "question", "answer": "solution", "images": "pic"}).next_problems(1)
+    parts = [{"chat": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "answer": 1}]
+    with pytest.raises(ConfigError, match="unknown content part type 'input_audio'"):
+        task(path=str(write_jsonl(tmp_path / "m.jsonl", parts)), columns={"messages": "chat"}).next_problems(1)

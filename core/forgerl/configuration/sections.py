@@ -385,6 +385,24 @@ def default_rewards() -> list[RewardChoice]:
     return [RewardChoice(name="math_answer", weight=1.0), RewardChoice(name="format", weight=0.2)]
 
 
+class ImagesConfig(_Strict):
+    """Bounds on the images of one problem, trajectory or agent episode, checked before
+    any pixel is decoded (docs/vision.md). A bad or refused image fails its sample alone."""
+
+    max_images: int = Field(8, ge=1, le=1024, description="Images per problem (or trajectory, or agent episode).")
+    max_pixels: int = Field(
+        4096 * 4096, ge=1, le=2**31, description="Width x height of one image, read from its header (bombs are refused)."
+    )
+    max_total_pixels: int = Field(4 * 4096 * 4096, ge=1, le=2**34, description="Pixels of all the images of a problem.")
+    max_bytes: int = Field(32 * 2**20, ge=1, le=2**31, description="Encoded size of one image (a data URL or a file).")
+
+    def limits(self) -> Any:
+        """As :class:`forgerl.images.ImageLimits`."""
+        from forgerl.images import ImageLimits
+
+        return ImageLimits(**self.model_dump())
+
+
 class RunConfig(_Strict):
     """Everything that defines a run."""
 
@@ -414,6 +432,7 @@ class RunConfig(_Strict):
     distill: DistillConfig = Field(default_factory=DistillConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     loop: LoopConfig = Field(default_factory=LoopConfig)
+    images: ImagesConfig = Field(default_factory=ImagesConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     output: str | None = Field(None, description="Run directory (default runs/<timestamp>); not empty.")

@@ -99,18 +99,32 @@ def parse_request(body: bytes) -> ChatCall:
     return ChatCall(normal, tools, max_tokens, _stop(data.get("stop")), strict)
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, *, images: bool = False) -> str | list[dict[str, Any]]:
+    """Content in normal form: a string, or (``images``, a user or tool message with image
+    parts) a list of text and ``image_url`` parts; the images are loaded when rendered."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise ApiError(400, f"{where}.content[{j}]: only text parts are supported", param=f"{where}.content")
-            parts.append(part["text"])
-        return "".join(parts)
+            kind = part.get("type") if isinstance(part, dict) else None
+            if images and kind == "image_url":
+                value = part.get("image_url")
+                url = value.get("url") if isinstance(value, dict) else value
+                if not isinstance(url, str) or not url:
+                    raise ApiError(400, f"{where}.content[{j}]: an image_url part needs a url",
+                                   param=f"{where}.content")  # fmt: skip
+                parts.append({"type": "image_url", "image_url": {"url": url}})
+                continue
+            if kind != "text" or not isinstance(part.get("text"), str):
+                allowed = "text and image_url parts" if images else "text parts"
+                raise ApiError(400, f"{where}.content[{j}]: only {allowed} are supported", param=f"{where}.content")
+            parts.append({"type": "text", "text": part["text"]})
+        if any(p["type"] == "image_url" for p in parts):
+            return parts
+        return "".join(p["text"] for p in parts)
     raise ApiError(400, f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
 
 
@@ -122,7 +136,9 @@ def normal_message(m: Any, where: str = "message") -> dict[str, Any]:
     role = _ROLES.get(given) if isinstance(given, str) else None
     if role is None:
         raise ApiError(400, f"{where}.role must be one of {sorted(_ROLES)}", param=f"{where}.role")
-    out: dict[str, Any] = {"role": role, "content": _text(m.get("content"), where)}
+    # Images in what the agent shows the model (a user or tool message), never in what the
+    # model or the system said (docs/vision.md).
+    out: dict[str, Any] = {"role": role, "content": _text(m.get("content"), where, images=role in ("user", "tool"))}
     if role == "assistant" and m.get("tool_calls"):
         calls = m["tool_calls"]
         if not isinstance(calls, list):

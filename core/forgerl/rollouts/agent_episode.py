@@ -33,6 +33,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from forgerl.errors import ImageError
+from forgerl.images import ImageLimits, has_images
 from forgerl.rollouts.agent_chat import (
     ApiError,
     ChatCall,
@@ -45,7 +47,7 @@ from forgerl.rollouts.agent_chat import (
 )
 from forgerl.rollouts.chat_tokens import ChatTokens
 from forgerl.rollouts.trajectory import Limits, Trajectory
-from forgerl.types import Completion, GenerationRequest, SamplingParams
+from forgerl.types import Completion, GenerationRequest, ImageInputs, SamplingParams
 
 Generate = Callable[[GenerationRequest], Awaitable[Completion]]
 
@@ -72,6 +74,9 @@ class Segment:
     #: The conversation as the endpoint saw it: the last call's messages (normal form),
     #: then the assistant message it answered with (for sample records).
     messages: list[dict[str, Any]] = field(default_factory=list)
+    #: Every image shown in the segment, and its sequence with one placeholder per image.
+    images: ImageInputs | None = None
+    unexpanded: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,9 @@ class _Plan:
     prompt: list[int]
     segment: Segment | None = None
     observation: list[int] = field(default_factory=list)
+    images: ImageInputs | None = None
+    #: ``prompt`` (a new segment) or ``observation`` with one placeholder per image.
+    unexpanded: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -102,8 +110,11 @@ class EpisodeRecorder:
     def __init__(
         self, *, chat_for: Callable[[list[dict[str, Any]]], ChatTokens], generate: Generate,
         bounds: EpisodeBounds, sampling: SamplingParams, request_id: str, seed: int, policy_version: int,
-        model: str,
+        model: str, processor: Any = None, image_limits: ImageLimits | None = None,
     ):
+        #: A VLM's processor: calls may show images (data URLs only; None: refused with a 400).
+        self.processor = processor
+        self.image_limits = image_limits or ImageLimits()
         self.chat_for = chat_for
         self.generate = generate
         self.bounds = bounds
@@ -156,6 +167,7 @@ class EpisodeRecorder:
             n=1,
             sampling=replace(self.sampling, max_tokens=self._room(call, plan), stop=call.stop,
                              seed=(self.seed + 7919 * self.calls) % (2**31 - 1)),
+            images=plan.images,
         )
         self.calls += 1
         try:
@@ -177,6 +189,14 @@ class EpisodeRecorder:
     def _plan(self, call: ChatCall) -> _Plan:
         """What ``call`` is sampled from: the segment's tokens and the new messages' when it
         extends the last segment, else its messages rendered whole (a new segment)."""
+        if has_images(call.messages):
+            if self.processor is None:
+                raise ApiError(400, "this model takes no images (it is not a vision-language model)",
+                               param="messages")  # fmt: skip
+            try:
+                return self._image_plan(call)
+            except (ImageError, ValueError) as exc:
+                raise ApiError(400, " ".join(str(exc).split()), param="messages") from None
         try:
             chat = self.chat_for(call.tools)
             in_template = chat.tools_via == "template"
@@ -197,7 +217,52 @@ class EpisodeRecorder:
         if len(prompt) > self.bounds.max_prompt_tokens:
             raise self._refuse_limit("prompt_tokens", f"the messages are {len(prompt)} tokens; this endpoint "
                                      f"takes at most {self.bounds.max_prompt_tokens}", "context_length_exceeded")
-        return _Plan(chat, keys, prompt)
+        return _Plan(chat, keys, prompt, unexpanded=list(prompt))
+
+    def _image_plan(self, call: ChatCall) -> _Plan:
+        """:meth:`_plan` for messages with images: the template's text, its placeholders
+        expanded by the processor, and every image of the segment (as trajectories do,
+        :mod:`forgerl.rollouts.trajectory`)."""
+        from forgerl.images.loading import load_images
+        from forgerl.images.parts import for_template as image_parts_for_template
+        from forgerl.images.parts import image_references
+        from forgerl.images.render import encode
+
+        chat = self.chat_for(call.tools)
+        in_template = chat.tools_via == "template"
+        keys = [message_key(m) for m in call.messages]
+        segment = self._extended(call, keys)
+        earlier: list[Any] = []
+        if segment is not None:
+            new_messages = call.messages[len(segment.keys):]
+            earlier = list(segment.images.images) if segment.images is not None else []
+            text = chat.turn_close(segment.last_sampled) + chat.observation_text(
+                image_parts_for_template(for_template(new_messages, tools_in_template=in_template)))
+        else:
+            new_messages = call.messages
+            text = chat.prompt_text(image_parts_for_template(for_template(call.messages, tools_in_template=in_template)))
+        limits = self.image_limits
+        if len(earlier) >= limits.max_images:
+            raise ImageError(f"this episode has shown {len(earlier)} images, the limit is {limits.max_images}")
+        new = load_images(image_references(new_messages), replace(limits, max_images=limits.max_images - len(earlier)),
+                          allow_paths=False)  # fmt: skip
+        expanded, _ = encode(self.processor, text, new)
+        unexpanded = chat.ids(text)
+        everything = [*earlier, *new]
+        base = segment.unexpanded if segment is not None else []
+        if everything:
+            features = self.processor.image_processor([everything], return_tensors="pt")
+            images: ImageInputs | None = ImageInputs(
+                images=tuple(everything), features=dict(features), unexpanded_ids=tuple(base + unexpanded))
+        else:
+            images = None
+        if segment is not None:
+            prompt = segment.prompt_ids + segment.completion.token_ids + expanded
+            return _Plan(chat, keys, prompt, segment, expanded, images, unexpanded)
+        if len(expanded) > self.bounds.max_prompt_tokens:
+            raise self._refuse_limit("prompt_tokens", f"the messages are {len(expanded)} tokens; this endpoint "
+                                     f"takes at most {self.bounds.max_prompt_tokens}", "context_length_exceeded")
+        return _Plan(chat, keys, expanded, images=images, unexpanded=unexpanded)
 
     def _room(self, call: ChatCall, plan: _Plan) -> int:
         """Tokens the call may sample: the turn bound, the agent's own, what is left of the
@@ -218,10 +283,15 @@ class EpisodeRecorder:
         if segment is None:
             c = Completion([], [], "stop", sampled.policy_version, mask=[], versions=[])
             segment = Segment(plan.prompt, c, [], "", plan.chat)
+            segment.unexpanded = list(plan.unexpanded)
             self.segments.append(segment)
         else:
             self._append(segment, plan.observation, sampled=False, version=segment.turn_versions[-1])
+            segment.unexpanded += plan.unexpanded if plan.images is not None else plan.observation
             segment.observations += 1
+        if plan.images is not None:
+            segment.images = plan.images
+        segment.unexpanded += sampled.token_ids
         self._append(segment, sampled.token_ids, sampled=True, version=sampled.policy_version,
                      logprobs=sampled.logprobs, versions=sampled.versions)
         c = segment.completion
@@ -270,7 +340,8 @@ class EpisodeRecorder:
         if self.limit is not None:
             c.finish_reason = "length"
         return Trajectory(prompt_ids=list(s.prompt_ids), completion=c, limit=self.limit, turns=s.turns,
-                          observations=s.observations, last_text=s.last_text,
+                          observations=s.observations, last_text=s.last_text, images=s.images,
+                          unexpanded_ids=list(s.unexpanded),
                           messages=json.loads(json.dumps(s.messages)))  # a copy the agent's objects cannot change
 
     def dropped_tokens(self) -> int:

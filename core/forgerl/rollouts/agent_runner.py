@@ -33,6 +33,7 @@ from pydantic import Field
 
 from forgerl.configuration.limits import MAX_SECONDS, MAX_TOKENS
 from forgerl.environment import Environment, Message, Step
+from forgerl.images import ImageLimits
 from forgerl.options import OptionsModel
 from forgerl.rollouts.agent_chat import tools_key
 from forgerl.rollouts.agent_episode import EpisodeBounds, EpisodeRecorder
@@ -163,9 +164,14 @@ class AgentRunner:
         *,
         model: str,
         context_length: int | None = None,
+        processor: Any = None,
+        image_limits: ImageLimits | None = None,
     ):
         self.make_env = make_env
+        self.image_limits = image_limits
         self.tokenizer = tokenizer
+        #: A VLM's processor: agents may show the model images (docs/vision.md).
+        self.processor = processor
         self.limits = limits
         self.sampling = sampling
         self.options = options
@@ -230,7 +236,8 @@ class AgentRunner:
         recorder = EpisodeRecorder(
             chat_for=self.chat_for, generate=batcher.generate, bounds=self.bounds,
             sampling=sampling or self.sampling, request_id=request_id, seed=seed,
-            policy_version=batcher.generator.policy_version, model=self.model,
+            policy_version=batcher.generator.policy_version, model=self.model, processor=self.processor,
+            image_limits=self.image_limits,
         )
         loop = asyncio.get_running_loop()
         generator_failed: asyncio.Future[None] = loop.create_future()

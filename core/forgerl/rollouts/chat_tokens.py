@@ -132,19 +132,28 @@ class ChatTokens:
     def prompt_ids(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """The first prompt: the environment's first messages, tools offered, ready for the
         assistant's first turn."""
-        return self.ids(self._render(self.with_tools_in_system(messages), generation_prompt=True))
+        return self.ids(self.prompt_text(messages))
+
+    def prompt_text(self, messages: Sequence[dict[str, Any]]) -> str:
+        """:meth:`prompt_ids`'s text (images as the template's placeholders)."""
+        return self._render(self.with_tools_in_system(messages), generation_prompt=True)
 
     def observation_ids(self, sampled_ids: Sequence[int], messages: Sequence[dict[str, Any]]) -> list[int]:
         """The environment tokens after a sampled turn ``sampled_ids``: the rest of the
         template's close of that turn, then ``messages`` as the template renders them,
         then the header of the assistant's next turn."""
+        return self.ids(self.turn_close(sampled_ids) + self.observation_text(messages))
+
+    def observation_text(self, messages: Sequence[dict[str, Any]]) -> str:
+        """``messages`` as the template renders them after earlier turns, then the header
+        of the assistant's next turn (images as the template's placeholders)."""
         after = self._render([*_PROBE_CHAT, *messages], generation_prompt=True)
         if not after.startswith(self._probe_text):
             raise ValueError(
                 "the chat template renders earlier turns differently once messages follow them; "
                 "observations cannot be rendered on their own"
             )
-        return self.ids(self.turn_close(sampled_ids) + after[len(self._probe_text) :])
+        return after[len(self._probe_text) :]
 
     def turn_close(self, sampled_ids: Sequence[int]) -> str:
         """What the template writes after an assistant turn that the turn did not sample

@@ -76,7 +76,7 @@ class EnvironmentRollouts:
     @classmethod
     def from_config(
         cls, config: RunConfig, registry: Registry, tokenizer: Any, run_dir: Path | None, *,
-        context_length: int | None = None,
+        context_length: int | None = None, processor: Any = None,
     ) -> EnvironmentRollouts | None:
         """None when the config names no environment (single-turn rollouts).
         ``context_length``: the model's, where known (it bounds an agent's calls: beyond
@@ -108,7 +108,8 @@ class EnvironmentRollouts:
                                   "AgentEnvironment.Options")
             runner = AgentRunner(
                 lambda: backend.build(options), tokenizer, limits, turn_sampling, options,
-                model=config.model.name, context_length=context_length,
+                model=config.model.name, context_length=context_length, processor=processor,
+                image_limits=config.images.limits(),
             )
         else:
             runner = TrajectoryRunner(
@@ -117,6 +118,8 @@ class EnvironmentRollouts:
                 tokenizer,
                 limits,
                 turn_sampling,
+                processor=processor,
+                image_limits=config.images.limits(),
             )
         return cls(runner, failed_reward=config.loop.failed_reward, run_dir=run_dir, sources=env.sources)
 
@@ -181,6 +184,7 @@ class EnvironmentRollouts:
                 reward_failed=bool(s.result.failed),
                 error=s.result.error if s.result.failed else None,
                 messages=s.trajectory.messages or None,
+                images=s.trajectory.images,
             )
             for k, s in enumerate(scored)
         ]

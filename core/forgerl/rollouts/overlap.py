@@ -31,17 +31,29 @@ skips nor repeats a prompt, though it samples those groups again.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from forgerl.errors import ImageError
 from forgerl.interfaces import Generator
 from forgerl.rollouts.problem_source import ProblemSource, with_requeued
 from forgerl.rollouts.rollout import RolloutBatch, Tokenizing, sampling_seed
 from forgerl.rollouts.staleness import oldest_version
-from forgerl.types import Completion, Episode, GenerationRequest, Problem, RewardInput, SamplingParams
+from forgerl.types import (
+    Completion,
+    Episode,
+    GenerationRequest,
+    ImageInputs,
+    Problem,
+    RewardInput,
+    SamplingParams,
+)
+
+log = logging.getLogger(__name__)
 
 Score = Callable[[list[RewardInput]], Awaitable[Any]]
 
@@ -62,6 +74,8 @@ class FinishedGroup:
     completions: list[Completion]
     scores: list[Any]
     reward_seconds: float
+    #: The prompt's images (None: a text prompt).
+    images: ImageInputs | None = None
 
 
 class ContinuousBuffer:
@@ -171,6 +185,7 @@ class ContinuousBuffer:
                 reward_components=dict(s.components),
                 reward_failed=bool(s.failed),
                 error=s.error if s.failed else None,
+                images=g.images,
             )
             for position, g in enumerate(groups)
             for c, s in zip(g.completions, g.scores)
@@ -309,12 +324,20 @@ class ContinuousProducer(threading.Thread):
     async def _group(self, j: int, problem: Problem) -> None:
         P = self.buffer.prompts_per_step
         try:
-            ids = self.tokenizing.prompt_ids(problem)
+            try:
+                ids, images = self.tokenizing.render(problem)
+            except ImageError as exc:
+                # The problem fails alone (no samples from it); the run goes on (docs/vision.md).
+                log.warning("problem %r skipped: %s", problem.id, exc)
+                self.buffer.generated()  # its slot in flight is free again
+                self.buffer.finish(FinishedGroup(j, problem, [], [], [], 0.0))
+                return
             request = GenerationRequest(
                 request_id=f"b{j // P}-g{j % P}",
                 prompt_token_ids=ids,
                 n=self.group_size,
                 sampling=_with_seed(self.sampling, sampling_seed(self.seed, j // P, j % P)),
+                images=images,
             )
             completions = (await self.generator.generate([request]))[0]
             self.buffer.generated()
@@ -329,7 +352,7 @@ class ContinuousProducer(threading.Thread):
         except BaseException as exc:  # noqa: BLE001 - handed to the loop, which re-raises
             self.buffer.fail(exc)
             return
-        self.buffer.finish(FinishedGroup(j, problem, ids, completions, list(scores), reward_seconds))
+        self.buffer.finish(FinishedGroup(j, problem, ids, completions, list(scores), reward_seconds, images))
 
 
 def _with_seed(params: SamplingParams, seed: int) -> SamplingParams:

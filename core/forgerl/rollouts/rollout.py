@@ -15,15 +15,21 @@ counted (:mod:`forgerl.rollouts.staleness`).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from forgerl.errors import ImageError, NotSupported
+from forgerl.images import ImageLimits, has_images
+from forgerl.images.render import render_chat
 from forgerl.interfaces import Generator
 from forgerl.rollouts.chat_tokens import text_prompt_ids
-from forgerl.types import Episode, GenerationRequest, Problem, RewardInput, SamplingParams
+from forgerl.types import Episode, GenerationRequest, ImageInputs, Problem, RewardInput, SamplingParams
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.rollouts.env_rollouts import EnvironmentRollouts
@@ -49,12 +55,46 @@ def sampling_seed(seed: int, index: int, group: int) -> int:
 
 
 class Tokenizing:
-    """Prompt → token ids with the model's chat template (for chat prompts)."""
+    """Prompt → token ids with the model's chat template (for chat prompts); with a
+    vision-language model's ``processor``, a prompt with images → ids and its images
+    (:mod:`forgerl.images.render`)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(
+        self,
+        tokenizer: Any,
+        processor: Any = None,
+        limits: ImageLimits | None = None,
+        *,
+        images_refused: str | None = None,
+    ):
         self.tokenizer = tokenizer
+        self.processor = processor
+        self.limits = limits or ImageLimits()
+        #: Why prompts with images cannot run (a generator without ``accepts_images``).
+        self.images_refused = images_refused
+
+    def render(self, problem: Problem) -> tuple[list[int], ImageInputs | None]:
+        """The prompt's ids and images (None: no images). :class:`ImageError` for a bad
+        image; NotSupported for images and a model without a processor."""
+        if not has_images(problem.prompt):
+            return self.prompt_ids(problem), None
+        if self.images_refused is not None:
+            raise NotSupported(self.images_refused)
+        if self.processor is None:
+            raise NotSupported(
+                f"problem {problem.id!r} has images but the model is not a vision-language model (docs/vision.md)"
+            )
+        return render_chat(self.processor, list(problem.prompt), self.limits)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
+        """A text prompt's ids; NotSupported for one with images, which only the paths
+        that carry images (:meth:`render`) take: ids without their pixels would be a
+        silently different prompt."""
+        if has_images(problem.prompt):
+            raise NotSupported(
+                f"problem {problem.id!r} has images, which this part of the loop does not carry yet "
+                "(images work in single-turn runs with loop.overlap: versioned; docs/vision.md)"
+            )
         tok = self.tokenizer
         if isinstance(problem.prompt, str):
             return text_prompt_ids(tok, problem.prompt)
@@ -208,14 +248,17 @@ class RolloutProducer(threading.Thread):
         return batch
 
     async def _single_turn_part(self, index: int, problems: list[Problem], groups: list[int]) -> RolloutBatch:
-        """Completions of the ``groups`` (positions in ``problems``), scored."""
-        prompt_ids = {g: self.tokenizing.prompt_ids(problems[g]) for g in groups}
+        """Completions of the ``groups`` (positions in ``problems``), scored. A group whose
+        prompt has a bad image is left out; the others keep their numbers and seeds."""
+        rendered = self._render(problems, groups)
+        groups = [g for g in groups if g in rendered]
         requests = [
             GenerationRequest(
                 request_id=f"b{index}-g{g}",
-                prompt_token_ids=prompt_ids[g],
+                prompt_token_ids=rendered[g][0],
                 n=self.group_size,
                 sampling=_with_seed(self.sampling, sampling_seed(self.seed, index, g)),
+                images=rendered[g][1],
             )
             for g in groups
         ]
@@ -232,6 +275,7 @@ class RolloutProducer(threading.Thread):
         episodes = []
         k = 0
         for g, comps in zip(groups, results):
+            ids, images = rendered[g]
             for c in comps:
                 s = scores[k]
                 k += 1
@@ -239,12 +283,13 @@ class RolloutProducer(threading.Thread):
                     Episode(
                         problem=problems[g],
                         group_id=g,
-                        prompt_token_ids=prompt_ids[g],
+                        prompt_token_ids=ids,
                         completion=c,
                         reward=float(s.value),
                         reward_components=dict(s.components),
                         reward_failed=bool(s.failed),
                         error=s.error if s.failed else None,
+                        images=images,
                     )
                 )
         return RolloutBatch(
@@ -257,6 +302,17 @@ class RolloutProducer(threading.Thread):
             gen_tokens=sum(len(e.completion.token_ids) for e in episodes),
             rewards_failed=sum(e.reward_failed for e in episodes),
         )
+
+    def _render(self, problems: list[Problem], groups: list[int]) -> dict[int, tuple[list[int], ImageInputs | None]]:
+        """Each group's prompt ids and images. A problem with a bad image fails alone,
+        with one line in the log: the run goes on with the others (docs/vision.md)."""
+        rendered = {}
+        for g in groups:
+            try:
+                rendered[g] = self.tokenizing.render(problems[g])
+            except ImageError as exc:
+                log.warning("problem %r skipped: %s", problems[g].id, exc)
+        return rendered
 
     async def _trajectory_part(self, index: int, problems: list[Problem], groups: list[int]) -> RolloutBatch:
         """Trajectories of the ``groups`` through the environment, scored."""

@@ -23,10 +23,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from forgerl.environment import Environment, Step
+from forgerl.errors import ImageError
+from forgerl.images import ImageLimits, has_images
+from forgerl.images.parts import part_reference
 from forgerl.interfaces import Generator
 from forgerl.rollouts.bounded import CallTimeout, call_bounded
 from forgerl.rollouts.chat_tokens import ChatTokens
-from forgerl.types import Completion, GenerationRequest, Problem, SamplingParams, reserved_component_error
+from forgerl.types import (
+    Completion,
+    GenerationRequest,
+    ImageInputs,
+    Problem,
+    SamplingParams,
+    reserved_component_error,
+)
 
 log = logging.getLogger("forgerl.environment")
 
@@ -71,6 +81,10 @@ class Trajectory:
     dropped_tokens: int = 0
     #: The conversation as chat messages (reset's, then each turn and observation), for sample records.
     messages: list[dict[str, Any]] = field(default_factory=list)
+    #: Every image the environment showed so far, as the generator and trainer get them
+    #: (None: none); and the sequence's ids with one placeholder per image (for vLLM).
+    images: ImageInputs | None = None
+    unexpanded_ids: list[int] = field(default_factory=list)
 
 
 class GarbageError(Exception):
@@ -127,10 +141,22 @@ def check_messages(value: Any, what: str) -> list[dict[str, Any]]:
     for i, m in enumerate(value):
         if not isinstance(m, dict):
             raise GarbageError(f"{what}: message {i} is {type(m).__name__}, not a dict")
-        if m.get("role") not in _ROLES or not isinstance(m.get("content"), str):
-            raise GarbageError(f"{what}: message {i} needs a role in {sorted(_ROLES)} and a string content")
-        if len(m["content"]) > MAX_MESSAGE_CHARS:
-            raise GarbageError(f"{what}: message {i} has {len(m['content'])} characters (at most {MAX_MESSAGE_CHARS})")
+        content = m.get("content")
+        if m.get("role") not in _ROLES or not isinstance(content, (str, list)):
+            raise GarbageError(
+                f"{what}: message {i} needs a role in {sorted(_ROLES)} and a string content (or content parts)"
+            )
+        if isinstance(content, list):
+            # Content parts (images, docs/vision.md): each checked for its shape here, the
+            # images themselves when they are loaded.
+            try:
+                text = "".join(p["text"] for p in content if part_reference(p) is None)
+            except ImageError as exc:
+                raise GarbageError(f"{what}: message {i}: {exc}") from None
+        else:
+            text = content
+        if len(text) > MAX_MESSAGE_CHARS:
+            raise GarbageError(f"{what}: message {i} has {len(text)} characters (at most {MAX_MESSAGE_CHARS})")
         out.append(dict(m))
     return out
 
@@ -161,6 +187,8 @@ class TrajectoryRunner:
         tokenizer: Any,
         limits: Limits,
         sampling: SamplingParams,
+        processor: Any = None,
+        image_limits: ImageLimits | None = None,
     ):
         from forgerl.environment import tool_schemas
 
@@ -169,6 +197,9 @@ class TrajectoryRunner:
         self.chat = ChatTokens(tokenizer, tool_schemas(env_class))
         self.limits = limits
         self.sampling = sampling
+        #: A VLM's processor: environments may show images (None: an image fails the trajectory).
+        self.processor = processor
+        self.image_limits = image_limits or ImageLimits()
 
     async def run_many(
         self, generator: Generator, jobs: Sequence[tuple[Problem, str, int]], sampling: SamplingParams | None = None
@@ -193,7 +224,11 @@ class TrajectoryRunner:
             )
             if not messages:
                 raise GarbageError("reset returned no messages")
-            traj.prompt_ids = self.chat.prompt_ids(messages)
+            if has_images(messages):
+                self._first_images(traj, messages)
+            else:
+                traj.prompt_ids = self.chat.prompt_ids(messages)
+                traj.unexpanded_ids = list(traj.prompt_ids)
             traj.messages = list(messages)
             await self._turns(batcher, env, traj, request_id, seed, sampling or self.sampling)
         except _GeneratorFailed as exc:
@@ -201,7 +236,7 @@ class TrajectoryRunner:
             raise exc.__cause__ from None
         except CallTimeout as exc:
             self._fail(traj, "timeout", str(exc))
-        except GarbageError as exc:
+        except (GarbageError, ImageError) as exc:
             self._fail(traj, "garbage", str(exc))
         except Exception as exc:  # noqa: BLE001 - the environment's failure is its trajectory's, not the run's
             self._fail(traj, "error", f"{type(exc).__name__}: {exc}")
@@ -232,6 +267,7 @@ class TrajectoryRunner:
                 n=1,
                 sampling=replace(sampling, max_tokens=min(lim.max_turn_tokens, room),
                                  seed=(seed + 7919 * turn) % (2**31 - 1)),
+                images=traj.images,
             )
             try:
                 sampled = await batcher.generate(request)
@@ -246,6 +282,7 @@ class TrajectoryRunner:
             # A turn that ran across a weight update (update policy keep) has its own.
             c.versions += sampled.versions or [sampled.policy_version] * len(sampled.token_ids)
             c.text += sampled.text
+            traj.unexpanded_ids += sampled.token_ids
             traj.last_text = sampled.text
             traj.messages.append({"role": "assistant", "content": sampled.text})
             step = check_step(await call_bounded(env.step, sampled.text, timeout=lim.turn_timeout, what="step"))
@@ -258,13 +295,20 @@ class TrajectoryRunner:
                 traj.limit = "turns"
                 break
             observed = check_messages(list(step.messages), "step")
-            observation = self.chat.observation_ids(sampled.token_ids, observed)
+            images: ImageInputs | None
+            if has_images(observed):
+                observation, unexpanded, images = self._observed_images(traj, sampled.token_ids, observed)
+            else:
+                observation = self.chat.observation_ids(sampled.token_ids, observed)
+                unexpanded, images = observation, traj.images
             traj.observations += 1
             # An observation must leave room for at least one more sampled token.
             if len(c.token_ids) + len(observation) >= lim.max_total_tokens:
                 traj.limit = "total_tokens"
                 break
             traj.messages.extend(observed)
+            traj.images = images
+            traj.unexpanded_ids += unexpanded
             c.token_ids += observation
             c.logprobs += [0.0] * len(observation)
             c.mask += [0] * len(observation)
@@ -273,6 +317,57 @@ class TrajectoryRunner:
             c.finish_reason = "length"
             if self.scores:
                 traj.reward, traj.components = 0.0, {"limit": 1.0}
+
+    # ------------------------------------------------------------------ images
+
+    def _processor(self) -> Any:
+        if self.processor is None:
+            raise ImageError("the environment showed an image but the model is not a vision-language model")
+        return self.processor
+
+    def _first_images(self, traj: Trajectory, messages: list[dict[str, Any]]) -> None:
+        from forgerl.images.render import render_chat
+
+        processor = self._processor()
+        prompt = self.chat.with_tools_in_system(messages)
+        traj.prompt_ids, traj.images = render_chat(processor, prompt, self.image_limits, allow_paths=False)
+        assert traj.images is not None, "a chat with image parts renders images"
+        traj.unexpanded_ids = list(traj.images.unexpanded_ids)
+
+    def _observed_images(
+        self, traj: Trajectory, sampled_ids: Sequence[int], observed: list[dict[str, Any]]
+    ) -> tuple[list[int], list[int], ImageInputs]:
+        """An observation with images: its expanded and unexpanded ids, and the images of the
+        whole trajectory so far with its own (all of them through the image processor again,
+        so the features have the layout of one prompt with every image; each image's
+        pixels do not depend on the others')."""
+        from forgerl.images.loading import load_images
+        from forgerl.images.parts import for_template, image_references
+        from forgerl.images.render import encode
+
+        processor = self._processor()
+        earlier = list(traj.images.images) if traj.images is not None else []
+        new = load_images(image_references(observed), self._remaining(len(earlier)), allow_paths=False)
+        text = self.chat.turn_close(sampled_ids) + self.chat.observation_text(for_template(observed))
+        expanded, _ = encode(processor, text, new)
+        unexpanded = self.chat.ids(text)
+        everything = [*earlier, *new]
+        # Nested: one sample with every image (as the processor passes a prompt's images).
+        features = processor.image_processor([everything], return_tensors="pt")
+        images = ImageInputs(
+            images=tuple(everything),
+            features=dict(features),
+            unexpanded_ids=tuple(traj.unexpanded_ids + unexpanded),
+        )
+        return expanded, unexpanded, images
+
+    def _remaining(self, shown: int) -> ImageLimits:
+        """The image limits of one trajectory, less what it has shown (count only: each
+        image's own limits stay)."""
+        lim = self.image_limits
+        if shown >= lim.max_images:
+            raise ImageError(f"the environment showed over {lim.max_images} images in one trajectory")
+        return replace(lim, max_images=lim.max_images - shown)
 
     @staticmethod
     def _fail(traj: Trajectory, kind: FailureKind, reason: str) -> None:

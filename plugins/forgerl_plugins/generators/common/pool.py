@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from forgerl.errors import GeneratorError, GeneratorUnreachable
+from forgerl.errors import GeneratorError, GeneratorUnreachable, NotSupported
 from forgerl.interfaces import Generator, RunContext
 from forgerl.loop_thread import LoopThread
 from forgerl.types import Completion, GenerationRequest, GeneratorHealth
@@ -143,6 +143,14 @@ class ReplicaPool(Generator):
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Completion]]:
         if self._closed:
             raise GeneratorError(f"the {self.engine.role} generator is closed")
+        if not self.accepts_images:
+            # Said, never dropped: a server sent the ids alone would sample without the image.
+            for request in requests:
+                if request.images is not None:
+                    raise NotSupported(
+                        f"the {self.engine.role} generator does not take images yet (request "
+                        f"{request.request_id!r}); use generator hf (docs/vision.md)"
+                    )
         return await self._io.map(self._one, requests)
 
     async def _one(self, request: GenerationRequest) -> list[Completion]:

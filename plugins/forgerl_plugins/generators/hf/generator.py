@@ -11,6 +11,11 @@ The reference backend: small, exact, and easy to read. It runs its own decoding 
   from a generator seeded with ``seed + i``, one per token, so its tokens do not depend on
   the batch it happens to be in (exact resume relies on it).
 
+A vision-language model (a folder with a ``vision_config``) takes requests with images:
+the processor's features travel with the request (:class:`forgerl.types.ImageInputs`) and
+are fed at the prefill; the sequences of one image prompt are decoded together (they share
+its features and its length), apart from other prompts.
+
 With a LoRA trainer (``context.adapter``) each version holds only the adapter, which is
 loaded onto the model's PEFT layers in place (:mod:`.adapter`): no merge, the base weights
 untouched; version 0 is the base model.
@@ -37,8 +42,16 @@ from forgerl.types import (
     FinishReason,
     GenerationRequest,
     GeneratorHealth,
+    ImageInputs,
     SamplingParams,
     tie_key,
+)
+from forgerl_plugins.models.vision import (
+    image_kwargs,
+    is_vision_folder,
+    load_model,
+    placeholder_ids,
+    text_config,
 )
 
 from .adapter import ServedAdapter, few
@@ -129,6 +142,7 @@ class _Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish: FinishReason | None = None
     text: str | None = None
+    images: ImageInputs | None = None
 
 
 def _seeded(seed: int) -> torch.Generator:
@@ -148,6 +162,8 @@ class HFGenerator(Generator):
     #: With a LoRA trainer, the model gets the same PEFT layers as the trainer's and each
     #: version's adapter is copied into them (:mod:`.adapter`).
     serves_adapters: ClassVar[bool] = True
+    #: Requests may carry images (served when the model is a vision-language model).
+    accepts_images: ClassVar[bool] = True
 
     class Options(OptionsModel):
         batch_size: int = Field(16, ge=1, le=65_536, description="Sequences generated together in one forward pass.")
@@ -162,7 +178,7 @@ class HFGenerator(Generator):
 
     def __init__(self, options: HFGenerator.Options, *, context: RunContext, transport: Transport) -> None:
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if context.model_path is None:
             raise ConfigError("the hf generator needs a local model folder (RunContext.model_path is unset)")
@@ -177,15 +193,18 @@ class HFGenerator(Generator):
         path = Path(context.model_path)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype)
+            model = load_model(path, self.dtype)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"hf generator cannot load the model in {path}: {exc}") from exc
-        self.model = model.to(self.device).eval().requires_grad_(False)  # type: ignore[arg-type]  # transformers' wrapped .to() takes self
+        self.model = model.to(self.device).eval().requires_grad_(False)
         # The trainer's adapter, off until its first version arrives: version 0 is the base model.
         self.adapter = ServedAdapter(self.model, context.adapter) if context.adapter is not None else None
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
-        self.max_positions = getattr(self.model.config, "max_position_embeddings", None)
+        self.max_positions = getattr(text_config(self.model), "max_position_embeddings", None)
+        self.vision = is_vision_folder(path)
         self.eos_ids = self._eos_ids()
+        #: A VLM's image placeholder tokens end a sequence when sampled (see placeholder_ids).
+        self.placeholder_ids = placeholder_ids(self.model)
         if not self.eos_ids:
             log.warning("hf generator: %s defines no eos token; completions end at max_tokens", path)
         pad = self.model.generation_config.pad_token_id
@@ -222,8 +241,13 @@ class HFGenerator(Generator):
             version = self._version
             sequences = list(self._expand(requests))
             size = self.options.batch_size
-            for start in range(0, len(sequences), size):
-                self._decode(sequences[start : start + size])
+            plain = [s for s in sequences if s.images is None]
+            for start in range(0, len(plain), size):
+                self._decode(plain[start : start + size])
+            for r in sorted({s.request for s in sequences if s.images is not None}):
+                same = [s for s in sequences if s.request == r]
+                for start in range(0, len(same), size):
+                    self._decode(same[start : start + size])
         out: list[list[Completion]] = [[] for _ in requests]
         for s in sequences:
             text = s.text if s.text is not None else self._text(s.tokens)
@@ -242,6 +266,11 @@ class HFGenerator(Generator):
                     f"request {request.request_id!r}: token ids {bad[:5]} are outside the "
                     f"model's vocabulary of {self.vocab_size}"
                 )
+            if request.images is not None and not self.vision:
+                raise GeneratorError(
+                    f"request {request.request_id!r} has {len(request.images)} images but the model "
+                    "is not a vision-language model (its config has no vision_config)"
+                )
             sampling = request.sampling
             max_new = sampling.max_tokens
             if self.max_positions is not None:
@@ -254,7 +283,7 @@ class HFGenerator(Generator):
                 max_new = min(max_new, room)
             seed = sampling.seed if sampling.seed is not None else random.SystemRandom().getrandbits(63)
             for i in range(request.n):
-                yield _Sequence(r, i, prompt, sampling, _seeded(seed + i), max(0, max_new))
+                yield _Sequence(r, i, prompt, sampling, _seeded(seed + i), max(0, max_new), images=request.images)
 
     def _decode(self, batch: list[_Sequence]) -> None:
         """Generate ``batch`` to completion: one prefill, then one token per step."""
@@ -270,7 +299,7 @@ class HFGenerator(Generator):
             mask[row, width - len(s.prompt) :] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         # Left padding: positions count real tokens only, as in an unpadded forward.
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        positions: torch.Tensor | None = (mask.cumsum(-1) - 1).clamp(min=0)
         temperature = torch.tensor([s.sampling.temperature for s in batch], dtype=torch.float32, device=dev)
         top_k = torch.tensor([s.sampling.top_k for s in batch], dtype=torch.long, device=dev)
         top_p = torch.tensor([s.sampling.top_p for s in batch], dtype=torch.float32, device=dev)
@@ -278,7 +307,14 @@ class HFGenerator(Generator):
             if s.max_new == 0:
                 s.finish = "length"
 
-        cache = DynamicCache(config=self.model.config)
+        images = batch[0].images
+        extra: dict[str, Any] = {}
+        if images is not None:
+            # One prompt's sequences (see _generate_locked): no padding, and the model
+            # computes its own positions (Qwen2-VL's are 3-D, from the image grid).
+            extra = image_kwargs(images, dev, self.dtype, repeat=len(batch))
+            positions = None
+        cache = DynamicCache(config=text_config(self.model))
         with torch.inference_mode():
             out = self.model(
                 input_ids=ids,
@@ -287,8 +323,9 @@ class HFGenerator(Generator):
                 past_key_values=cache,
                 use_cache=True,
                 logits_to_keep=1,
+                **extra,
             )
-            next_position = positions[:, -1:] + 1
+            next_position = None if positions is None else positions[:, -1:] + 1
             while True:
                 active = [s.finish is None for s in batch]
                 if not any(active):
@@ -322,12 +359,13 @@ class HFGenerator(Generator):
                     past_key_values=cache,
                     use_cache=True,
                 )
-                next_position = next_position + 1
+                if next_position is not None:
+                    next_position = next_position + 1
 
     def _append(self, s: _Sequence, token: int, logprob: float) -> None:
         s.tokens.append(token)
         s.logprobs.append(logprob)
-        if token in self.eos_ids:
+        if token in self.eos_ids or token in self.placeholder_ids:
             s.finish = "stop"  # the eos token stays, with its logprob: the policy chose it
         elif s.sampling.stop and self._hit_stop_string(s):
             s.finish = "stop"

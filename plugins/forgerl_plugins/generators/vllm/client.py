@@ -24,9 +24,10 @@ LOAD_MARGIN = 60.0
 class ReplicaClient(HealthClient):
     """``ReplicaClient(connections, request_timeout)``; create it on the loop that uses it."""
 
-    async def complete(self, r: Replica, body: dict[str, Any]) -> httpx.Response:
-        """One ``/v1/completions`` request (timed out by the client's request timeout)."""
-        return await self.http.post(r.url + "/v1/completions", json=body, headers=r.headers)
+    async def complete(self, r: Replica, body: dict[str, Any], path: str = "/v1/completions") -> httpx.Response:
+        """One ``/v1/completions`` request, or one to ``path`` (timed out by the client's
+        request timeout)."""
+        return await self.http.post(r.url + path, json=body, headers=r.headers)
 
     async def fetch_model_info(self, r: Replica) -> None:
         resp = await self.http.get(r.url + "/v1/models", headers=r.headers, timeout=HEALTH_TIMEOUT)

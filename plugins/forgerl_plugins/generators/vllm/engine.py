@@ -51,9 +51,11 @@ from forgerl.interfaces import RunContext, Transport
 from forgerl.types import Completion, GenerationRequest
 from forgerl_plugins.generators.common.crossings import Flight, label
 from forgerl_plugins.generators.common.replica import Replica
+from forgerl_plugins.models.vision import placeholder_ids_in
 
 from .client import LOAD_MARGIN, ReplicaClient, error_message
 from .completions import parse_completions, request_body
+from .images import GENERATE_PATH, image_request_body, parse_image_completions
 from .server import ROLE
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -98,6 +100,8 @@ class VLLMEngine:
             context.adapter.peft_config(context.adapter.target_modules) if context.adapter is not None else None
         )
         self._named: set[tuple[int, str | None]] = set()  # (replica, instance): servers told the adapter's name
+        #: A VLM's image placeholder ids, which end a sequence when sampled (docs/vision.md).
+        self.placeholders = placeholder_ids_in(context.model_path) if context.model_path is not None else frozenset()
 
     def connect(self, connections: int) -> None:
         self.client = ReplicaClient(connections, self.request_timeout)
@@ -112,7 +116,11 @@ class VLLMEngine:
             await self._name_adapter(r)
 
     async def send(self, r: Replica, request: GenerationRequest, version: int) -> list[Completion]:
-        body = request_body(request, r, send_seed=self.send_seed)
+        images = request.images is not None
+        if images:
+            body = image_request_body(request, r, send_seed=self.send_seed, placeholders=self.placeholders)
+        else:
+            body = request_body(request, r, send_seed=self.send_seed)
         if self.adapter is not None and (self.fleet is None or version > 0):
             # The base model with the adapter of ``version`` (alone on the server: 0 is the
             # all-zero adapter; on a fleet, version 0 is the base model itself).
@@ -120,10 +128,13 @@ class VLLMEngine:
         key = body["request_id"] = f"{request.request_id}-{os.urandom(4).hex()}"
         flight = r.flights[key] = Flight(key, version)
         try:
-            resp = await self.client.complete(r, body)
+            resp = await self.client.complete(r, body, GENERATE_PATH) if images else await self.client.complete(r, body)
         finally:
             r.flights.pop(key, None)
-        completions = parse_completions(request, resp, version)
+        if images:
+            completions = parse_image_completions(request, resp, version)
+        else:
+            completions = parse_completions(request, resp, version)
         greedy = request.sampling.temperature <= 0  # every completion a copy of choice 0
         label(completions, flight, choices=[0] * len(completions) if greedy else None)
         return completions

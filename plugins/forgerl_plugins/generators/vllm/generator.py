@@ -41,6 +41,8 @@ class VLLMGenerator(ReplicaPool):
     #: loaded in place under one name (:mod:`.adapter`); version 0 is an all-zero adapter,
     #: so every update policy works with it (``keep`` included).
     serves_adapters: ClassVar[bool] = True
+    #: Requests with images go to vLLM's tokens-in endpoint with the images (:mod:`.images`).
+    accepts_images: ClassVar[bool] = True
 
     #: The options model, in a module of its own that the parts import (not this class).
     Options: TypeAlias = _Options

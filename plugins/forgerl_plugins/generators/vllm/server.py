@@ -26,11 +26,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl import events
+from forgerl.images import ImageLimits
+from forgerl.images.render import is_vision_folder
 from forgerl_plugins.generators.common.update_notice import NoticeReader
 from forgerl_plugins.serving import launcher, vllm_server
 from forgerl_plugins.serving.vllm_server import engine_arg_flags, is_cpu_build
 
 from . import cpu_cores
+from .images import SERVER_FLAG as IMAGE_SERVER_FLAG
 
 if TYPE_CHECKING:  # pragma: no cover
     from forgerl.adapters import LoraOptions
@@ -97,6 +100,9 @@ def server_command(
         args.append("--enforce-eager")
     if adapter is not None:
         args += adapter_flags(adapter, options.max_adapters)
+    if is_vision_folder(model_dir):
+        # Our token ids with their images go through the tokens-in endpoint (.images).
+        args += [IMAGE_SERVER_FLAG, "--limit-mm-per-prompt", json.dumps({"image": ImageLimits().max_images})]
     # vLLM's CPU default reserves most of the machine's memory; one GiB holds ~100k tokens
     # of a 135M model.
     args += vllm_server.kv_cache_flags(options.kv_cache_gb, DEFAULT_CPU_KV_CACHE_GB)

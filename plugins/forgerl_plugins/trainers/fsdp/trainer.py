@@ -14,13 +14,27 @@ With ``lora`` set, the model trains a LoRA adapter (:mod:`..shared.lora`, PEFT) 
 the base weights, which stay frozen: only the adapter gets gradients, optimizer state,
 checkpoints and weight exports, and the KL reference is the same model with the
 adapter off.
+
+A vision-language model (docs/vision.md) trains with its vision encoder frozen unless
+``train_vision_tower`` is set (LoRA never targets it); rows with prompt images run one
+forward each, with the image features the generator saw.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from forgerl.types import WeightSet
+from pydantic import Field
+
+from forgerl.errors import NotSupported
+from forgerl.types import ImageInputs, WeightSet
+from forgerl_plugins.models.vision import (
+    freeze_vision_tower,
+    image_kwargs,
+    load_model,
+    placeholder_ids,
+    text_config,
+)
 from forgerl_plugins.trainers.shared.base import ShardedTrainer
 from forgerl_plugins.trainers.shared.distributed import sum_gradients
 from forgerl_plugins.trainers.shared.head import head_selection_works
@@ -34,9 +48,16 @@ class FSDPTrainer(ShardedTrainer):
     name = "fsdp"
     description = "torch FSDP2 fully_shard, AdamW, DCP checkpoints"
     requires = ("torch", "transformers")
+    #: Batches may carry prompt images (a vision-language model's).
+    accepts_images: ClassVar[bool] = True
 
     class Options(ShardedTrainerOptions):
         """The shared trainer options (LoRA included); FSDP2 itself needs none (one unit per decoder layer)."""
+
+        train_vision_tower: bool = Field(
+            False,
+            description="Train a vision-language model's vision encoder too (frozen by default; LoRA never targets it).",
+        )
 
     options: FSDPTrainer.Options
 
@@ -57,21 +78,22 @@ class FSDPTrainer(ShardedTrainer):
         self._select_head = head_selection_works(
             lambda ids: self._logits(self.model, ids, ids.new_ones(ids.shape)),
             self.model.get_output_embeddings(),
-            self.model.config.vocab_size,
+            text_config(self.model).vocab_size,
             self.device,
         )
 
     def _load_model(self, trainable: bool) -> Any:
         from torch.distributed.fsdp import fully_shard
-        from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self._model_path, dtype=self.dtype)
+        model = load_model(self._model_path, self.dtype)
         # Dropout off: the trainer's logprobs must be those of the policy the generator
         # samples from (most causal LMs have none, but some configs set it).
         model.eval()
         model.config.use_cache = False
         if not trainable:
             model.requires_grad_(False)
+        elif not self.options.train_vision_tower:
+            freeze_vision_tower(model)
         # The decoder block classes, read before PEFT wraps the model.
         block_names = set(getattr(model, "_no_split_modules", None) or ())
         if trainable and self.options.lora is not None:
@@ -84,7 +106,7 @@ class FSDPTrainer(ShardedTrainer):
             # each forward and backward and every gradient out after it, and makes the
             # optimizer step DTensors. The update is the same (divide factor 1 on one rank).
             # from_pretrained loads on the CPU; fully_shard would move it, so here we do.
-            return model.to(self.device)  # type: ignore[arg-type]  # transformers types .to oddly
+            return model.to(self.device)
         # One FSDP unit per decoder layer (parameters gathered layer by layer), then the
         # root for embeddings, final norm and head (tied embeddings stay in one unit).
         # Bottom-up (reversed pre-order), as fully_shard requires for nested units.
@@ -97,6 +119,49 @@ class FSDPTrainer(ShardedTrainer):
 
     def _logits(self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+    def _image_logits(
+        self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: list[ImageInputs | None]
+    ) -> torch.Tensor:
+        import torch
+
+        if self.world_size > 1:
+            # Ranks would run different numbers of forwards (one per prompt), and FSDP2's
+            # gathers must match across ranks: one rank only, for now.
+            raise NotSupported(
+                f"the fsdp trainer trains on images on one rank only for now ({self.world_size} ranks); "
+                "see docs/vision.md"
+            )
+        # One forward per prompt: the samples of one prompt share its ImageInputs (the same
+        # object) and run together, its features repeated; rows of different prompts may
+        # have different numbers of images, which the model's image inputs cannot batch
+        # without model-specific padding. Text rows run together.
+        groups: dict[int, list[int]] = {}
+        for b, row_images in enumerate(images):
+            groups.setdefault(id(row_images), []).append(b)
+        placeholders = placeholder_ids(model)
+        out: torch.Tensor | None = None
+        for rows in groups.values():
+            shared = images[rows[0]]
+            idx = torch.tensor(rows, device=input_ids.device)
+            ids, mask = input_ids[idx], attention_mask[idx]
+            extra: dict[str, Any] = {}
+            if shared is not None:
+                extra = image_kwargs(shared, self.device, self.dtype, repeat=len(rows))
+                ids = ids.clone()
+                for r in range(len(rows)):
+                    last = int(mask[r].nonzero().max())
+                    if int(ids[r, last]) in placeholders:
+                        # A sampled placeholder ends its completion (the generator stops
+                        # there): fed as padding, as its logits score nothing, so the model
+                        # seeks no pixels for it.
+                        ids[r, last] = 0
+            logits = model(input_ids=ids, attention_mask=mask, use_cache=False, **extra).logits
+            if out is None:
+                out = logits.new_empty((len(images), *logits.shape[1:]))
+            out[idx] = logits
+        assert out is not None, "a micro-batch has rows"
+        return out
 
     def export_weights(self, version: int) -> WeightSet | None:
         # A collective: every rank takes part, rank 0 receives the full CPU tensors

@@ -28,9 +28,9 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from forgerl.errors import ConfigError
+from forgerl.errors import ConfigError, NotSupported
 from forgerl.interfaces import RunContext, Trainer
-from forgerl.types import TrainBatch
+from forgerl.types import ImageInputs, TrainBatch
 
 from .batching import MicroBatch, check_batch, global_count, loss_ages, micro_batches, rank_rows, row_lengths
 from .distributed import init_distributed, native_bf16, pick_device
@@ -134,6 +134,19 @@ class ShardedTrainer(Trainer, abc.ABC):
         """The model's logits for right-padded rows: ``[b, L, V]``, or ``[1, N, V]`` while
         :meth:`_head` restricts the output projection to N positions."""
 
+    def _image_logits(
+        self, model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, images: list[ImageInputs | None]
+    ) -> torch.Tensor:
+        """:meth:`_logits` for rows with prompt images (``images[b]`` for row ``b``, None for
+        a text row). A trainer that trains on images overrides it and sets ``accepts_images``."""
+        raise NotSupported(f"the {self.name} trainer does not train on images; use trainer fsdp (docs/vision.md)")
+
+    def _micro_images(self, batch: TrainBatch, mb: MicroBatch) -> list[ImageInputs | None] | None:
+        """The prompt images of a micro-batch's rows (None when the batch has none)."""
+        if batch.images is None:
+            return None
+        return [batch.images[r] for r in mb.rows]
+
     def _reference(self) -> tuple[Any, contextlib.AbstractContextManager[Any]] | None:
         """The model the KL term compares against and the context to run it in (None:
         no KL term). Default: ``self.reference_model`` as it is; a LoRA trainer gives its
@@ -193,21 +206,30 @@ class ShardedTrainer(Trainer, abc.ABC):
         entropy: bool = False,
         positions: torch.Tensor | None = None,
         temperature: float | None = None,
+        images: list[ImageInputs | None] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logprobs ``[b, L-1]`` of tokens 1..L-1 (position t-1's logits predict token t),
         of the logits divided by ``temperature`` (default: the sampling temperature's).
 
         With ``positions`` (``[b, L-1]`` bool), only those are computed (the LM head runs
-        on those hidden states alone, see :mod:`.head`); the others are 0.
+        on those hidden states alone, see :mod:`.head`); the others are 0. ``images``
+        (one entry per row) are the rows' prompt images (:meth:`_image_logits`).
         """
         import torch
 
         from forgerl.algorithms.logprobs import selective_logprobs, token_entropy
 
         targets = input_ids[:, 1:]
-        select = positions if self._select_head else None
+        if images is not None and not any(i is not None for i in images):
+            images = None
+        # Image rows run one by one (:meth:`_image_logits`): the head hook's row order
+        # assumes one forward, so the head runs everywhere then.
+        select = positions if self._select_head and images is None else None
         with self._autocast(), head_at(self._head(model), select) if select is not None else contextlib.nullcontext():
-            logits = self._logits(model, input_ids, attention_mask)
+            if images is None:
+                logits = self._logits(model, input_ids, attention_mask)
+            else:
+                logits = self._image_logits(model, input_ids, attention_mask, images)
         if select is not None:
             targets = targets[select].unsqueeze(0)  # [1, N], the order of the hook's rows
         else:
@@ -298,10 +320,14 @@ class ShardedTrainer(Trainer, abc.ABC):
             if reference is not None:
                 ref_model, ref_mode = reference
                 with torch.no_grad(), ref_mode, record_function("forge.reference_forward"):
-                    ref, _ = self._forward_logprobs(ref_model, t["input_ids"], t["attention_mask"], positions=positions)
+                    ref, _ = self._forward_logprobs(
+                        ref_model, t["input_ids"], t["attention_mask"], positions=positions,
+                        images=self._micro_images(batch, mb),
+                    )
             with self._update_mode(), record_function("forge.forward"):
                 logprobs, entropy = self._forward_logprobs(
-                    self.model, t["input_ids"], t["attention_mask"], self.options.log_entropy, positions
+                    self.model, t["input_ids"], t["attention_mask"], self.options.log_entropy, positions,
+                    images=self._micro_images(batch, mb),
                 )
             # Parameters change only at optimizer.step(), after the last micro-batch: the
             # "old" policy is the current one, and its logprobs are this forward's own.
@@ -350,7 +376,7 @@ class ShardedTrainer(Trainer, abc.ABC):
             with self._update_mode(), record_function("forge.forward"):
                 logprobs, entropy = self._forward_logprobs(
                     self.model, t["input_ids"], t["attention_mask"], self.options.log_entropy, positions,
-                    temperature=1.0,
+                    temperature=1.0, images=self._micro_images(batch, mb),
                 )
             with record_function("forge.loss"):
                 loss, metrics = sft_loss(logprobs, t["loss_mask"], global_count=count, entropy=entropy)
@@ -408,7 +434,9 @@ class ShardedTrainer(Trainer, abc.ABC):
         with torch.no_grad():
             for mb in self._micro_batches(batch):
                 t = self._micro_tensors(batch, mb)
-                lp, _ = self._forward_logprobs(self.model, t["input_ids"], t["attention_mask"])
+                lp, _ = self._forward_logprobs(
+                    self.model, t["input_ids"], t["attention_mask"], images=self._micro_images(batch, mb)
+                )
                 if mb.padding:
                     continue
                 lp = torch.where(t["attention_mask"][:, 1:] != 0, lp.float(), 0.0)

@@ -153,3 +153,5 @@ def check_batch(batch: TrainBatch) -> None:
     adv = tuple(batch.advantages.shape)
     if adv not in (shape[:1], shape):
         raise ValueError(f"advantages must be [B] or [B, T] for input_ids {shape}, got {adv}")
+    if batch.images is not None and len(batch.images) != shape[0]:
+        raise ValueError(f"images must have one entry per row: {len(batch.images)} for {shape[0]} rows")

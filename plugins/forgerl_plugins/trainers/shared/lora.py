@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import BackendUnavailable, ConfigError
+from forgerl_plugins.models.vision import in_vision_tower
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -42,7 +43,9 @@ def target_names(model: Any, lora: LoraOptions) -> list[str]:
     head = model.get_output_embeddings()
     found, refused = [], []
     for name, module in model.named_modules():
-        if not name or not lora.targets(name):
+        # A vision-language model's vision encoder stays frozen: the adapter is the
+        # language model's (docs/vision.md).
+        if not name or not lora.targets(name) or in_vision_tower(name):
             continue
         if module is head or not isinstance(module, torch.nn.Linear):
             refused.append(name)
