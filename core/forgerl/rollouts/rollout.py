@@ -252,6 +252,8 @@ class RolloutProducer(threading.Thread):
         prompt has a bad image is left out; the others keep their numbers and seeds."""
         rendered = self._render(problems, groups)
         groups = [g for g in groups if g in rendered]
+        if not groups:  # every prompt's image failed: nothing to sample
+            return RolloutBatch(index=index, episodes=[], policy_version=-1, task_state={})
         requests = [
             GenerationRequest(
                 request_id=f"b{index}-g{g}",
