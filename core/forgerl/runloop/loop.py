@@ -98,7 +98,8 @@ class Loop:
             tokenizer,
             processor,
             config.images.limits(),
-            images_refused=None if type(generator).accepts_images else (
+            # No generator (a supervised run without evaluation) samples nothing: no image reaches it.
+            images_refused=None if getattr(type(generator), "accepts_images", False) else (
                 f"generator {config.generator.name!r} does not take images yet; use generator hf (docs/vision.md)"
             ),
         )
