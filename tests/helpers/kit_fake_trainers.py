@@ -88,8 +88,10 @@ class SftAtSamplingTemperature(FSDPTrainer):
 
     name = "kit_sft_at_sampling_temperature"
 
-    def _forward_logprobs(self, model, input_ids, attention_mask, entropy=False, positions=None, temperature=None):
-        return super()._forward_logprobs(model, input_ids, attention_mask, entropy, positions)
+    def _forward_logprobs(
+        self, model, input_ids, attention_mask, entropy=False, positions=None, temperature=None, images=None
+    ):
+        return super()._forward_logprobs(model, input_ids, attention_mask, entropy, positions, images=images)
 class AdvantagePerRow(FSDPTrainer):
     """Reads per-token advantages as one per row (their mean over the row's loss tokens)."""
 

@@ -9,8 +9,8 @@ MODE ``chat``: two calls (the second extends the first), then the reward:
 :func:`reward_of` its last reply (a function of the text, so that rewards differ within a
 group and a test can recompute them). Each call's ``usage`` and text go to the file named
 by $AGENT_LOG, one JSON line per episode.
-Faulty modes for the fault tests: ``hang`` (after one call, sleeps; its pid in
-$AGENT_PIDS), ``crash`` (exit status 3, a message on stderr), ``garbage`` (a last line
+Faulty modes for the fault tests: ``hang`` (its pid in $AGENT_PIDS at once, then one
+call, then sleeps), ``crash`` (exit status 3, a message on stderr), ``garbage`` (a last line
 that is not JSON), ``silent`` (one call, prints nothing: the run's Reward plugins score).
 """
 
@@ -31,14 +31,17 @@ def main() -> int:
     from openai import OpenAI
 
     mode = sys.argv[1]
+    if mode == "hang":
+        # First thing: on a loaded machine the deadline may pass before the imports and the
+        # call below, and the test must still find the process it expects killed.
+        with open(os.environ["AGENT_PIDS"], "a") as f:
+            f.write(f"{os.getpid()}\n")
     problem = json.loads(sys.stdin.readline())
     client = OpenAI(max_retries=0)
     prompt = problem["prompt"]  # a text, or a chat (a list of messages)
     messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     first = client.chat.completions.create(model="any", messages=messages)
     if mode == "hang":
-        with open(os.environ["AGENT_PIDS"], "a") as f:
-            f.write(f"{os.getpid()}\n")
         time.sleep(3600)
     if mode == "crash":
         print("agent: the tool server is down", file=sys.stderr)

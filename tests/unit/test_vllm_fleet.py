@@ -162,7 +162,7 @@ def test_forge_fleet_refuses_a_mistyped_model_before_it_starts_anything(tmp_path
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "forge: error: no named model 'smollm-135'; did you mean 'smollm2-135m-instruct'? "
-        "(named models: smollm2-135m-instruct, tiny)"
+        "(named models: smollm2-135m-instruct, tiny, tiny-vl)"
     ]
     assert not (tmp_path / "f").exists()  # nothing started
 
