@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -88,16 +89,20 @@ class TinyModel(ModelFolder):
 
 def build_tiny_model(options: Any, *, cache_dir: Path) -> Path:
     """Return the folder of the tiny model for ``options``, building it on first use."""
-    cache_dir = Path(cache_dir)
-    target = cache_dir / f"tiny-{options.architecture}-{_options_key(options)}"
+    target = Path(cache_dir) / f"tiny-{options.architecture}-{_options_key(options)}"
+    return build_once(target, lambda folder: write_tiny_model(options, folder))
+
+
+def build_once(target: Path, write: Callable[[Path], None]) -> Path:
+    """``target``, a model folder ``write(folder)`` fills, built on first use. Built beside
+    the target and renamed: a crash or a concurrent builder never leaves a half-written
+    folder under the final name (a concurrent one's finished folder wins)."""
     if (target / "config.json").exists():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename: a crash or a concurrent builder never leaves a
-    # half-written folder under the final name.
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=cache_dir))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-build-", dir=target.parent))
     try:
-        write_tiny_model(options, tmp)
+        write(tmp)
         try:
             os.rename(tmp, target)
         except OSError:

@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -30,7 +27,7 @@ from pydantic import Field, model_validator
 
 from forgerl.options import OptionsModel
 from forgerl_plugins.models.folder import ModelFolder
-from forgerl_plugins.models.tiny import _corpus
+from forgerl_plugins.models.tiny import _corpus, build_once
 
 BUILDER_VERSION = 1
 
@@ -94,20 +91,7 @@ def build_tiny_vl_model(options: Any, *, cache_dir: Path) -> Path:
     the target, then renamed, so no half-written folder ever has the final name)."""
     payload = json.dumps({"v": BUILDER_VERSION, **options.model_dump()}, sort_keys=True)
     target = Path(cache_dir) / f"tiny-vl-{hashlib.sha256(payload.encode()).hexdigest()[:12]}"
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-vl-build-", dir=target.parent))
-    try:
-        write_tiny_vl_model(options, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return build_once(target, lambda folder: write_tiny_vl_model(options, folder))
 
 
 def write_tiny_vl_model(options: Any, folder: Path) -> None:
