@@ -10,15 +10,12 @@ import threading
 from typing import Any
 
 from forgerl.errors import TransportError
-from forgerl_plugins.transports.common import auth
 from forgerl_plugins.transports.common.auth import PROOF_KEY, PROOF_VALUE, Signer
 from forgerl_plugins.transports.common.control import Control, bind_address, client_address, start_server
-
-#: Seconds a send or receive may take when neither the options nor the run say.
-DEFAULT_TIMEOUT = 120.0
+from forgerl_plugins.transports.common.settings import RunSettings
 
 
-class StoreHostedTransport:
+class StoreHostedTransport(RunSettings):
     """What the ``nccl`` and ``rdma`` transport objects share: the trainer side hosts the
     control store (started on the first ``sender()`` or ``receiver_spec()``), and a
     receiver in another process finds it through :meth:`receiver_spec`, or through
@@ -62,27 +59,6 @@ class StoreHostedTransport:
         self._port: int | None = None
         self._secret: str | None = None
         self._lock = threading.Lock()
-
-    def default_timeout(self) -> float:
-        """The transport's own ``timeout`` option, else the run's ``transport.timeout``."""
-        if self.options.timeout is not None:
-            return float(self.options.timeout)
-        if self.ctx is not None:
-            return float(self.ctx.transport_timeout)
-        return DEFAULT_TIMEOUT
-
-    def secret(self) -> str:
-        """``options.secret_file``'s, else the run's (from the run directory), else this
-        object's own (no run: it reaches receivers through :meth:`receiver_spec`)."""
-        with self._lock:
-            if self._secret is None:
-                if self.options.secret_file:
-                    self._secret = auth.secret_from_file(self.options.secret_file)
-                elif self.ctx is not None:
-                    self._secret = auth.run_secret(self.ctx.run_dir)
-                else:
-                    self._secret = auth.new_secret()
-            return self._secret
 
     @property
     def store_host(self) -> str:

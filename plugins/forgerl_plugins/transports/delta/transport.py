@@ -21,8 +21,8 @@ from typing import Any, TypeAlias
 
 from forgerl.errors import TransportError
 from forgerl.interfaces import Transport
-from forgerl_plugins.transports.common import auth
 from forgerl_plugins.transports.common.control import bind_address, client_address
+from forgerl_plugins.transports.common.settings import RunSettings
 from forgerl_plugins.transports.delta import wire
 from forgerl_plugins.transports.delta.options import Options as _Options
 from forgerl_plugins.transports.delta.receiver import DeltaReceiver
@@ -30,11 +30,7 @@ from forgerl_plugins.transports.delta.sender import DeltaSender
 
 __all__ = ["DeltaReceiver", "DeltaSender", "DeltaTransport"]
 
-#: Seconds a send or receive may take when neither the options nor the run say.
-DEFAULT_TIMEOUT = 120.0
-
-
-class DeltaTransport(Transport):
+class DeltaTransport(RunSettings, Transport):
     """Factory ``DeltaTransport(options, *, context)``. On the trainer, ``sender()`` (or
     ``receiver_spec()``) opens the port; receivers elsewhere are built with
     ``context=None`` from that spec (host, port, the run's secret)."""
@@ -54,26 +50,6 @@ class DeltaTransport(Transport):
         self._sender: DeltaSender | None = None
         self._secret: str | None = None
         self._lock = threading.Lock()
-
-    def default_timeout(self) -> float:
-        if self.options.timeout is not None:
-            return float(self.options.timeout)
-        if self.ctx is not None:
-            return float(self.ctx.transport_timeout)
-        return DEFAULT_TIMEOUT
-
-    def secret(self) -> str:
-        """``options.secret_file``'s, else the run's, else this object's own (it reaches
-        receivers through :meth:`receiver_spec`)."""
-        with self._lock:
-            if self._secret is None:
-                if self.options.secret_file:
-                    self._secret = auth.secret_from_file(self.options.secret_file)
-                elif self.ctx is not None:
-                    self._secret = auth.run_secret(self.ctx.run_dir)
-                else:
-                    self._secret = auth.new_secret()
-            return self._secret
 
     def sender(self) -> DeltaSender:
         key = wire.run_key(self.secret())
