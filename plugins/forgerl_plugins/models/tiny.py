@@ -113,21 +113,29 @@ def build_once(target: Path, write: Callable[[Path], None]) -> Path:
     return target
 
 
-def write_tiny_model(options: Any, folder: Path) -> None:
-    import torch
+def byte_level_bpe(vocab_size: int, special_tokens: list[str], corpus: list[str]) -> Any:
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained on ``corpus`` (deterministic: the
+    same inputs give the same vocabulary)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=options.vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        vocab_size=vocab_size,
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus, trainer=trainer)
+    return tok
+
+
+def write_tiny_model(options: Any, folder: Path) -> None:
+    import torch
+    from transformers import PreTrainedTokenizerFast
+
+    tok = byte_level_bpe(options.vocab_size, SPECIAL_TOKENS, _corpus())
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,

@@ -27,7 +27,7 @@ from pydantic import Field, model_validator
 
 from forgerl.options import OptionsModel
 from forgerl_plugins.models.folder import ModelFolder
-from forgerl_plugins.models.tiny import _corpus, build_once
+from forgerl_plugins.models.tiny import _corpus, build_once, byte_level_bpe
 
 BUILDER_VERSION = 1
 
@@ -96,7 +96,6 @@ def build_tiny_vl_model(options: Any, *, cache_dir: Path) -> Path:
 
 def write_tiny_vl_model(options: Any, folder: Path) -> None:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import (
         Idefics3Config,
         Idefics3ForConditionalGeneration,
@@ -105,16 +104,7 @@ def write_tiny_vl_model(options: Any, folder: Path) -> None:
     )
     from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=options.vocab_size,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator([*_corpus(), _VISION_WORDS], trainer=trainer)
+    tok = byte_level_bpe(options.vocab_size, SPECIAL_TOKENS, [*_corpus(), _VISION_WORDS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
