@@ -225,7 +225,7 @@ class RolloutProducer(threading.Thread):
         # whose environment takes some sources only (environment.sources) samples the
         # others single-turn, both halves at once.
         through_env = [g for g, p in enumerate(problems) if env is not None and env.takes(p)]
-        single = [g for g in range(len(problems)) if g not in set(through_env)]
+        single = sorted(set(range(len(problems))) - set(through_env))
         t0 = time.perf_counter()
         parts = await asyncio.gather(
             *([self._trajectory_part(index, problems, through_env)] if through_env else []),
