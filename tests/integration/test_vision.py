@@ -111,35 +111,6 @@ def test_trainer_logprobs_equal_the_generators_on_image_prompts(tiny_vl_dir: Pat
         trainer.close()
 
 
-def _shows_images():
-    from forgerl.environment import Environment, Step
-
-    class ShowsImages(Environment):
-        """An environment that opens with an image and answers each turn with another (a
-        truncated one when the problem says so)."""
-
-        name = "shows-images"
-        scores = True
-
-        def __init__(self, options=None) -> None:
-            self.turn = 0
-            self.bad = False
-
-        def reset(self, problem):
-            self.bad = problem.metadata.get("bad", False)
-            return im.chat(im.image_part(im.data_url(im.png(40, 24, (255, 0, 0)))), text="look")
-
-        def step(self, text):
-            self.turn += 1
-            if self.turn >= 3:
-                return Step(done=True, reward=1.0)
-            raw = im.truncated_png() if self.bad else im.png(20 + 9 * self.turn, 30, (0, 0, 255 - 40 * self.turn))
-            part = im.image_part(im.data_url(raw))
-            return Step(messages=[{"role": "user", "content": [part, {"type": "text", "text": "and now?"}]}])
-
-    return ShowsImages
-
-
 def test_an_environment_that_answers_with_images_is_token_exact(tiny_vl_dir: Path, tmp_path: Path) -> None:
     """Three turns, an image at reset and in each observation: the trainer's logprobs of
     every sampled token equal the generator's; a truncated image fails its trajectory in one
@@ -150,7 +121,7 @@ def test_an_environment_that_answers_with_images_is_token_exact(tiny_vl_dir: Pat
     from forgerl.runloop.batching import collate
 
     processor = AutoProcessor.from_pretrained(tiny_vl_dir)
-    env = _shows_images()
+    from tests.helpers.image_env import ShowsImages as env
     runner = TrajectoryRunner(
         env, env, AutoTokenizer.from_pretrained(tiny_vl_dir),
         Limits(max_turns=4, max_total_tokens=400, max_turn_tokens=5),
@@ -223,32 +194,52 @@ def test_a_run_on_an_image_dataset_skips_a_bad_image_and_trains(tmp_path: Path) 
 
 @pytest.mark.vllm
 @pytest.mark.skipif(__import__("importlib").util.find_spec("vllm") is None, reason="vllm is not installed")
-def test_two_steps_on_vllm_with_an_image_task(tmp_path: Path) -> None:
-    """``forge run --generator vllm`` on the image dataset: vLLM expands the images itself
-    and every request checks its prompt ids against the processor's; the trainer's logprobs
-    match vLLM's after a weight update. About 3 minutes (one vLLM start)."""
+def test_two_steps_on_vllm_with_an_image_task_and_an_environment_showing_images(tmp_path: Path) -> None:
+    """``forge run --generator vllm`` on a mixture: ``pictures`` rows carry an image each
+    (a file, a data URL), single completions scored by ``format``; ``scenes`` rows are played
+    by an environment that shows an image at the start and after each of the first two turns
+    (3 turns, 3 images, its own reward). vLLM expands the images itself, every request's
+    prompt ids are checked against the processor's, and the trainer's logprobs match vLLM's
+    after a weight update. About 3 minutes (one vLLM start)."""
     import json
+    import os
+
+    import yaml
 
     from .test_run_e2e import BASE, forge, metrics
 
     (tmp_path / "red.png").write_bytes(im.png(40, 24, (255, 0, 0)))
-    with (tmp_path / "data.jsonl").open("w") as f:
+    with (tmp_path / "pictures.jsonl").open("w") as f:
         for i in range(4):
-            image = "red.png" if i % 2 == 0 else im.data_url(im.png(30, 30, (0, 0, 255)))
+            image = str(tmp_path / "red.png") if i % 2 == 0 else im.data_url(im.png(30, 30, (0, 0, 255)))
             f.write(json.dumps({"q": f"What colour is it? ({i})", "image": image}) + "\n")
+    (tmp_path / "scenes.jsonl").write_text("".join(json.dumps({"q": f"scene {i}"}) + "\n" for i in range(4)))
+    config = {
+        "task": {"name": "mixture", "options": {"sources": [
+            {"name": "pictures", "dataset": {"path": str(tmp_path / "pictures.jsonl"),
+                                             "columns": {"prompt": "q", "images": "image", "answer": None}}},
+            {"name": "scenes", "dataset": {"path": str(tmp_path / "scenes.jsonl"), "columns": {"prompt": "q", "answer": None}}},
+        ]}},
+        "rewards": [{"name": "format", "options": {"pattern": "\\d"}, "sources": ["pictures"]}],
+        "environment": {"name": "shows-images", "sources": ["scenes"], "max_turns": 4, "max_total_tokens": 400},
+    }  # fmt: skip
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "out"
     args = [a if a != "tiny" else "tiny-vl" for a in BASE if a != "hf"]
     args = [*args[: args.index("--generator") + 1], "vllm", *args[args.index("--generator") + 1 :]]
+    repo = str(Path(__file__).resolve().parents[2])
+    env = {"FORGE_PLUGINS": "tests.helpers.image_env",
+           "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH", "")) if p)}  # fmt: skip
     proc = forge(
-        "run", *args, "--set", "generator.options.kv_cache_gb=0.25", "--task", "dataset",
-        "--set", f"task.options.path={tmp_path / 'data.jsonl'}", "--set", "task.options.columns.prompt=q",
-        "--set", "task.options.columns.images=image", "--set", "task.options.columns.answer=null",
-        "--reward", "format", "--set", "rewards.0.options.pattern=\\d", "--steps", "2", "--output", str(out),
-        timeout=900,
+        "run", str(tmp_path / "run.yaml"), *args, "--set", "generator.options.kv_cache_gb=0.25",
+        "--steps", "2", "--output", str(out), env=env, timeout=900,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = metrics(out)
     assert [r["policy_version"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["source_samples/pictures"] == 4 and row["source_samples/scenes"] == 4, row
+        assert row["env/failed"] == 0 and row["env/turns_mean"] == 3 and row["env/observations_mean"] == 2, row
     assert all(r["logprob_gap/max"] <= GAP for r in rows), [r["logprob_gap/max"] for r in rows]
 
 

@@ -149,3 +149,35 @@ def test_environment_sources_are_checked_against_the_task(tmp_path):
         check("environment.name=calculator", "environment.sources=[mat]")
     with pytest.raises(ConfigError, match=r"^environment.sources names sources \(math\), but task 'arithmetic' mixes none"):
         check("environment.name=calculator", "environment.sources=[math]", base_task={"name": "arithmetic"})
+
+
+def test_a_source_the_environment_scores_needs_no_reward(tmp_path):
+    """A scoring environment (``scores = True``) gives its sources their reward: only the
+    other sources need one. An environment whose trajectories the rewards score (the
+    ``agent`` program) does not, and ``forge config show`` calls the rewards used."""
+    from forgerl.configuration.config import build_config
+    from forgerl.errors import ConfigError
+    from forgerl.registry.plugins import build_registry
+    from forgerl.registry.resolve import resolve, rewards_unused
+    from forgerl.runloop.preflight import check_reward_sources
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"q": "1+1", "a": "2"}\n' * 8)
+    task = {"name": "mixture", "options": {"sources": [
+        {"name": "math", "dataset": {"path": str(rows), "columns": {"prompt": "q", "answer": "a"}}},
+        {"name": "more", "dataset": {"path": str(rows), "columns": {"prompt": "q", "answer": "a"}}},
+    ]}}  # fmt: skip
+    registry = build_registry()
+    only_more = ["rewards.0.name=math_answer", "rewards.0.sources=[more]", "rewards.1.name=format", "rewards.1.sources=[more]"]
+
+    def config(*sets: str):
+        return resolve(build_config(base={"task": task}, sets=[*only_more, *sets]), registry)
+
+    scored = config("environment.name=calculator", "environment.sources=[math]")
+    check_reward_sources(scored, registry)
+    assert rewards_unused(scored, registry) is None, "the 'more' rows are scored by the rewards"
+    with pytest.raises(ConfigError, match=r"^no reward scores source 'math' of task 'mixture'"):
+        check_reward_sources(config("environment.name=agent", "environment.sources=[math]",
+                                    "environment.options.entry=tests.helpers.agents:shows_images"), registry)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"^no reward scores source 'math' of task 'mixture'"):
+        check_reward_sources(config(), registry)

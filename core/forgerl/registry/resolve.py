@@ -104,8 +104,8 @@ def rewards_unused(config: RunConfig, registry: Registry) -> str | None:
     from forgerl.environment import Environment
 
     name = config.environment.name
-    if name is None:
-        return None
+    if name is None or config.environment.sources is not None:
+        return None  # no environment, or one that plays some sources: the others' rewards score
     cls = registry.get("environment", name).load_factory()
     if isinstance(cls, type) and issubclass(cls, Environment) and cls.scores is True:
         return f"environment {name!r} scores its trajectories itself (scores = True)"

@@ -240,12 +240,25 @@ def check_reward_sources(config: RunConfig, registry: Registry) -> None:
         _check_named_sources(f"rewards.{i}.sources", choice.sources, sources, config.task.name)
     if sources is None:
         return
+    # A source played by an environment that scores its trajectories needs no reward.
+    env_scored = set(env_sources or sources) if _environment_scores(config, registry) else set()
     for source in sources:
+        if source in env_scored:
+            continue
         if not any(c.sources is None or source in c.sources for c in config.rewards):
             raise ConfigError(
                 f"no reward scores source {source!r} of task {config.task.name!r}: add one with "
                 f"sources: [{source}], or one without sources"
             )
+
+
+def _environment_scores(config: RunConfig, registry: Registry) -> bool:
+    from forgerl.environment import Environment
+
+    if config.environment.name is None:
+        return False
+    cls = registry.require("environment", config.environment.name).load_factory()
+    return isinstance(cls, type) and issubclass(cls, Environment) and cls.scores is True
 
 
 def _check_named_sources(where: str, named: list[str], sources: list[str] | None, task: str) -> None:
