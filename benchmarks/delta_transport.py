@@ -15,17 +15,19 @@ completions and rewards; what an update changes depends on AdamW's step size, no
 the tokens say). After each step its exported weights are cast to bf16 *at the sender* (the
 trainer keeps fp32 masters, as the demo does; a generator serves bf16) and sent through the
 ``delta`` transport to one receiver in another process, behind a veth pair in a network
-namespace shaped to ``--rate`` and ``--delay`` each way. Version 0 is the weights
-before training: the receiver starts with nothing, so it goes whole.
+namespace shaped to ``--rate`` and ``--delay`` each way. Version 0 is the model's files,
+which the receiver reads as a generator does (``seed_from``), so update 1 goes as a delta
+against them; ``--no-seed`` sends version 0 whole first instead.
 
 Reported per update: bytes on the wire (the sender's count, frames and tags included)
 against the full version's; the sender's CPU seconds to snapshot, checksum and encode, the
 receiver's to decode, apply and check; the send's wall time over the link; whether the
 receiver's bytes equal the trainer's bit for bit (xxh3-128 of every tensor, compared in
 the benchmark, beside the transport's own check). Then the full version's time over the
-same link (a second receiver that joins late and holds nothing), and what the encoding
-gives for the fp32 weights themselves (xor + zstd against the previous fp32 version,
-computed in the benchmark's process: fp32 changes in almost every element).
+same link (a receiver that joins late and holds nothing; and one that joins late with the
+model's files, which gets the last version against them), and what the encoding gives for
+the fp32 weights themselves (against the previous fp32 version, computed in the
+benchmark's process: fp32 changes in almost every element).
 
 The link is removed in a ``finally`` (namespace, veth pair, qdiscs).
 """
@@ -57,9 +59,11 @@ import torch  # before "ready": a generator has it loaded, and it takes seconds 
 from forgerl_plugins.transports.delta import encoding
 from forgerl_plugins.transports.delta.transport import DeltaTransport
 spec = json.loads(sys.stdin.readline())
-first, last, worker = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+first, last, worker, folder = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 t = DeltaTransport(DeltaTransport.Options(**spec.pop("options")), context=None)
 r = t.receiver(worker, spec)
+if folder:
+    r.seed_from(folder)  # as a generator does with the folder it loaded
 print(json.dumps({"event": "ready"}), flush=True)
 for v in range(first, last + 1):
     start, cpu = time.monotonic(), time.process_time()
@@ -115,12 +119,12 @@ def remove_link() -> None:
 
 
 def start_receiver(
-    spec: dict[str, Any], first: int, last: int, worker: str, shaped: bool
+    spec: dict[str, Any], first: int, last: int, worker: str, shaped: bool, folder: Path | None = None
 ) -> subprocess.Popen:
     prefix = ["ip", "netns", "exec", NS] if shaped else []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "core"), str(ROOT / "plugins")])}
     proc = subprocess.Popen(
-        [*prefix, sys.executable, "-c", RECEIVER, str(first), str(last), worker],
+        [*prefix, sys.executable, "-c", RECEIVER, str(first), str(last), worker, str(folder or "")],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     assert proc.stdin is not None and proc.stdout is not None
@@ -167,9 +171,14 @@ def main() -> None:
     parser.add_argument("--rate", default="100mbit")
     parser.add_argument("--delay", default="20ms")
     parser.add_argument("--no-link", action="store_true", help="loopback, unshaped")
+    parser.add_argument(
+        "--no-seed", action="store_true",
+        help="the receiver does not start from the model's files: version 0 goes whole first",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
+    from forgerl.interfaces import RunContext
     from forgerl.types import WeightSet
     from forgerl_plugins.transports.delta import encoding
     from forgerl_plugins.transports.delta.transport import DeltaTransport
@@ -181,7 +190,11 @@ def main() -> None:
     options = {"host": HOST_IP if shaped else "127.0.0.1", "timeout": 600, "stall_timeout": 120}
     rows: list[dict[str, Any]] = []
     late: dict[str, Any] = {}
-    transport = DeltaTransport(DeltaTransport.Options(**options), context=None)
+    # The sender reads the folder the trainer started from (the run's model), as in a run.
+    context = RunContext(run_dir=tmp / "run", model_path=model_dir)
+    transport = DeltaTransport(DeltaTransport.Options(**options, seed=not args.no_seed), context=context)
+    seed = None if args.no_seed else model_dir
+    first = 0 if args.no_seed else 1
     procs: list[subprocess.Popen] = []
     try:
         if shaped:
@@ -196,7 +209,7 @@ def main() -> None:
             procs.append(relay)
             assert relay.stdout is not None
             spec.update(host="127.0.0.1", port=int(relay.stdout.readline()))
-        proc = start_receiver(spec, 0, args.steps, "gen.0", shaped)
+        proc = start_receiver(spec, first, args.steps, "gen.0", shaped, seed)
         procs.append(proc)
         got = events(proc)
         prev32 = None
@@ -207,6 +220,8 @@ def main() -> None:
             weights = bf16_weights(exported)
             prev32, fp32_bytes, fp32_cpu = fp32_delta(prev32, {n: t.float() if t.is_floating_point() else t
                                                               for n, t in exported.tensors.items()})  # fmt: skip
+            if step < first:
+                continue  # a run never sends version 0: the generator loaded it from the files
             full = sum(t.numel() * t.element_size() for t in weights.values())
             cpu = time.process_time()
             sender.send(WeightSet(step, weights), timeout=600)
@@ -228,12 +243,17 @@ def main() -> None:
             if not args.json:
                 print(json.dumps(rows[-1]), flush=True)
         proc.wait(timeout=60)
-        # A receiver that joins late holds nothing: the current version goes whole, over the same link.
-        joiner = start_receiver(spec, args.steps, args.steps, "gen.late", shaped)
-        procs.append(joiner)
-        late = next(events(joiner))
-        late = {"seconds": round(late["seconds"], 3), "wire_bytes": late["wire_bytes"], "base": late["base"]}
-        joiner.wait(timeout=60)
+        # Receivers that join late: one without the model's files gets the current version
+        # whole, one with them gets it against the files; over the same link.
+        for name, folder in (("whole", None), ("seeded", seed)):
+            if name == "seeded" and folder is None:
+                continue
+            joiner = start_receiver(spec, args.steps, args.steps, f"gen.late-{name}", shaped, folder)
+            procs.append(joiner)
+            got_late = next(events(joiner))
+            late[name] = {"seconds": round(got_late["seconds"], 3), "wire_bytes": got_late["wire_bytes"],
+                          "base": got_late["base"]}  # fmt: skip
+            joiner.wait(timeout=60)
     finally:
         for p in procs:
             if p.poll() is None:
@@ -243,7 +263,7 @@ def main() -> None:
         if shaped:
             remove_link()
         shutil.rmtree(tmp, ignore_errors=True)
-    deltas = rows[1:]
+    deltas = rows[1:] if args.no_seed else rows
     total_full = sum(r["full_bytes"] for r in rows)
     total_wire = sum(r["wire_bytes"] for r in rows)
     summary = {
@@ -253,10 +273,11 @@ def main() -> None:
         "delta_bytes_median": sorted(r["wire_bytes"] for r in deltas)[len(deltas) // 2] if deltas else None,
         "per_step_ratio_min": min((r["ratio"] for r in deltas), default=None),
         "total_bytes_full": total_full, "total_bytes_delta": total_wire,
-        "total_ratio_with_first_full": round(total_full / max(1, total_wire), 1),
+        "seeded_from_files": not args.no_seed,
+        "total_ratio": round(total_full / max(1, total_wire), 1),
         "total_ratio_updates_only": round(sum(r["full_bytes"] for r in deltas) / max(1, sum(r["wire_bytes"] for r in deltas)), 1),
         "bit_exact": all(r["bit_exact"] for r in rows),
-        "full_sync_seconds_first": rows[0]["send_seconds"], "full_sync_seconds_late_joiner": late.get("seconds"),
+        "first_sync_seconds": rows[0]["send_seconds"], "late_joiners": late,
         "delta_sync_seconds_median": sorted(r["send_seconds"] for r in deltas)[len(deltas) // 2] if deltas else None,
         "fp32_ratio_median": (sorted(r["fp32_full_bytes"] / r["fp32_delta_bytes"] for r in deltas)[len(deltas) // 2]
                               if deltas else None),

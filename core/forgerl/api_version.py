@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 #: The plugin API this forgerl provides.
-PLUGIN_API_VERSION = "1.2"
+PLUGIN_API_VERSION = "1.3"
 
 #: The module attribute in which a plugin states the plugin API versions it works with.
 REQUIREMENT_ATTRIBUTE = "FORGERL_PLUGIN_API"

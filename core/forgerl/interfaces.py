@@ -375,6 +375,12 @@ class TransportReceiver(Closeable, abc.ABC):
         A worker that starts late (a restarted generator) asks for this version instead
         of waiting for one that has already gone by. Does not block for long."""
 
+    def seed_from(self, model_path: Path) -> None:
+        """The generator loaded the Hugging Face folder ``model_path`` at start (version 0
+        of the run). A transport that sends what changed against a base the receiver holds
+        may read its first base there; the default ignores it. Generators call it once,
+        before the first ``receive``. Since plugin API 1.3."""
+
 
 @dataclass(frozen=True)
 class TensorSpec:

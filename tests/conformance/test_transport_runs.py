@@ -77,3 +77,11 @@ def test_forge_run_over_transport(tmp_path: Path, generator: str, transport: str
         assert r["logprob_gap/mean"] < 1e-3, r
         assert r["logprob_gap/max"] < 1e-3, r
     assert json.loads((out / "summary.json").read_text())["status"] == "completed"
+    if transport == "delta":
+        # The generator loaded the same folder: version 1 went as a delta against its files
+        # (whole, it would be at least the fp32 file's size: the same tensors, in fp32).
+        log = (out / "logs" / "trainer-0.log").read_text()
+        assert "new receivers start from the model's files" in log, log[-2000:]
+        folder = Path(log.split("model ", 1)[1].split(";", 1)[0])
+        whole = (folder / "model.safetensors").stat().st_size
+        assert rows[0]["sync/bytes"] < whole, (rows[0]["sync/bytes"], whole)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from forgerl_plugins.transports.delta import encoding
-from forgerl_plugins.transports.delta.encoding import RAW, XZ
+from forgerl_plugins.transports.delta.encoding import RAW, SPARSE, XZ
 
 BLOCK = 4096
 
@@ -19,10 +19,11 @@ def _bytes(t: torch.Tensor) -> np.ndarray:
 def _roundtrip(new: torch.Tensor, base: torch.Tensor) -> tuple[np.ndarray, list[encoding.Block]]:
     """Encode ``new`` against ``base`` and apply it to a copy of the base's bytes."""
     n, b = _bytes(new), _bytes(base)
-    blocks = encoding.delta_blocks(n, b, BLOCK, encoding.compressor(1))
+    width = encoding.SPARSE_WIDTHS.get(encoding.dtype_name(new.dtype))
+    blocks = encoding.delta_blocks(n, b, BLOCK, encoding.compressor(1), width)
     target, dec, off = b.copy(), encoding.decompressor(), 0
     for blk in blocks:
-        encoding.apply_block(target, off, blk.kind, blk.raw_len, bytes(blk.payload), dec)
+        encoding.apply_block(target, off, blk.kind, blk.raw_len, bytes(blk.payload), dec, width)
         off += blk.raw_len
     assert off == n.size, f"blocks cover {off} of {n.size} bytes"
     return target, blocks
@@ -68,7 +69,7 @@ def test_random_sparse_changes_round_trip_exactly(dtype: torch.dtype, fraction: 
 def test_no_change_costs_almost_nothing_and_all_change_falls_back_to_raw() -> None:
     base = torch.randn(1000, 1000).to(torch.bfloat16)
     _, same = _roundtrip(base.clone(), base)
-    assert all(b.kind == XZ for b in same)
+    assert all(b.kind == SPARSE for b in same)
     assert sum(b.wire_len for b in same) < 0.01 * base.numel() * 2, (
         "an unchanged tensor should cost ~nothing (a few bytes per block)"
     )
@@ -127,3 +128,58 @@ def test_digest_names_the_exact_contents() -> None:
     assert encoding.snapshot(3, iter(flipped.items())).digest != one.digest
     renamed = {"A": weights["a"], "b": weights["b"]}
     assert encoding.snapshot(4, iter(renamed.items())).digest != one.digest
+
+
+def _adam_first_step(base: torch.Tensor, lr: float = 1e-5) -> torch.Tensor:
+    """What AdamW's first step does to bf16 weights kept as fp32 masters: every element
+    moves by ``lr``; those small enough to notice change by a unit or two in the last place."""
+    g = torch.Generator().manual_seed(3)
+    master = base.float()
+    return (master - lr * torch.sign(torch.randn(master.shape, generator=g))).to(base.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_floats_go_sparse_and_cost_less_than_their_xor(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    base = (0.02 * torch.randn(256, 512, generator=g)).to(dtype)
+    new = _adam_first_step(base)
+    share = (new != base).float().mean().item()
+    assert 0.001 < share and (share < 0.9 or dtype == torch.float32), "bf16/fp16: a few change; fp32: all"
+    got, blocks = _roundtrip(new, base)
+    assert np.array_equal(got, _bytes(new))
+    assert {b.kind for b in blocks} == {SPARSE}
+    n, b = _bytes(new), _bytes(base)
+    xz = sum(x.wire_len for x in encoding.delta_blocks(n, b, BLOCK, encoding.compressor(1)))
+    sparse = sum(x.wire_len for x in blocks)
+    assert sparse < 0.8 * xz, f"{dtype}: sparse {sparse} bytes against xor {xz}"
+
+
+def _sparse_payload(count: int, bitmap: bytes, values: bytes) -> bytes:
+    import struct
+
+    c = encoding.compressor(1)
+    packed = c.compress(bitmap)
+    return struct.pack("<QI", count, len(packed)) + packed + c.compress(values)
+
+
+def test_a_hostile_sparse_block_is_refused_before_it_writes() -> None:
+    elements = BLOCK // 2  # bf16
+    one_change = bytes([0x80]) + bytes(elements // 8 - 1)  # element 0 changed
+    target = np.zeros(BLOCK, dtype=np.uint8)
+    dec = encoding.decompressor()
+    good = _sparse_payload(1, one_change, b"\x02\x00")
+    encoding.apply_block(target.copy(), 0, SPARSE, BLOCK, good, dec, 2)  # the well-formed one applies
+    cases = {
+        "claims": _sparse_payload(elements + 1, one_change, b""),
+        "marks 1 changes, 2 promised": _sparse_payload(2, one_change, b"\x02\x00\x02\x00"),
+        "declares 4 bytes, 2 promised": _sparse_payload(1, one_change, b"\x02\x00\x00\x00"),
+        "declares 4352 bytes, 256 promised": _sparse_payload(1, one_change + bytes(4096), b"\x02\x00"),
+        "shorter than its header": b"\x01",
+        "does not decompress": b"\x01" + bytes(7) + b"\x04" + bytes(3) + b"garbage!",
+    }
+    for match, payload in cases.items():
+        with pytest.raises(encoding.BlockError, match=match):
+            encoding.apply_block(target, 0, SPARSE, BLOCK, payload, dec, 2)
+    with pytest.raises(encoding.BlockError, match="elements of None bytes"):
+        encoding.apply_block(target, 0, SPARSE, BLOCK, good, dec, None)  # an int64 tensor's block
+    assert not target.any(), "a refused block must not write"

@@ -201,11 +201,11 @@ def test_a_corrupted_delta_is_refused_by_the_checksum(
     refuses it, never yields it, and gets the version whole."""
     real = encoding.delta_blocks
 
-    def corrupt(new: Any, base: Any, block: int, comp: Any) -> list[encoding.Block]:
+    def corrupt(new: Any, base: Any, block: int, comp: Any, width: Any = None) -> list[encoding.Block]:
         flipped = new.copy()
         if flipped.size:
             flipped[flipped.size // 2] ^= 0x40
-        return real(flipped, base, block, comp)
+        return real(flipped, base, block, comp, width)
 
     transport = _transport()
     made.append(transport)
@@ -494,3 +494,133 @@ def test_options_are_json_round_trippable() -> None:
     assert DeltaTransport.Options(**json.loads(options.model_dump_json())) == options
     with pytest.raises(ValueError):
         DeltaTransport.Options(block_mb=0)
+
+
+# ------------------------------------------------------------ seeded from the model's files
+
+
+def _model_folder(path: Path, weights: dict[str, torch.Tensor], tied: bool = False) -> Path:
+    """A Hugging Face-style folder holding ``weights`` (as a checkpoint would, in fp32: the
+    receiver casts to what the sender sends); ``tied`` leaves ``lm_head.weight`` out."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    stored = {n: (t.float() if t.is_floating_point() else t).contiguous() for n, t in weights.items()}
+    if tied:
+        stored.pop("lm_head.weight")
+    save_file(stored, str(path / "model.safetensors"))
+    return path
+
+
+def _seeded_transport(tmp_path: Path, folder: Path, **options: Any) -> DeltaTransport:
+    from forgerl.interfaces import RunContext
+
+    options.setdefault("block_mb", 1)
+    options.setdefault("connect_timeout", scaled(10))
+    context = RunContext(run_dir=tmp_path / "run", model_path=folder)
+    return DeltaTransport(DeltaTransport.Options(**options), context=context)
+
+
+def test_a_new_receiver_gets_its_first_version_against_the_model_files(made: list[Any], tmp_path: Path) -> None:
+    """The trainer and the generator started from the same folder: version 1 goes as a delta
+    against the files on both sides (the output layer tied to the embedding, as Hugging Face
+    saves it), bit-exact, far smaller than whole; a second receiver that restarts later
+    starts from the files too."""
+    start = {**_weights(), "lm_head.weight": torch.zeros(1)}
+    start["lm_head.weight"] = start["model.embed_tokens.weight"]
+    folder = _model_folder(tmp_path / "model", start, tied=True)
+    transport = _seeded_transport(tmp_path, folder)
+    made.append(transport)
+    sender = transport.sender()
+    r = transport.receiver("gen.0", transport.receiver_spec())
+    made.append(r)
+    r.seed_from(folder)
+    one = _nudge(start, 0.01, seed=1)
+    _sync(sender, [r], 1, one)
+    (served,) = _served(sender, 1, "gen.0")
+    full = sum(t.numel() * t.element_size() for t in one.values())
+    assert not served.full and served.base == -1, served
+    assert served.wire_bytes < full / 10, (served.wire_bytes, full)
+    assert sender.seed_why == ""
+    two = _nudge(one, 0.01, seed=2)
+    late = transport.receiver("gen.1", transport.receiver_spec())
+    made.append(late)
+    late.seed_from(folder)
+    _sync(sender, [r, late], 2, two)
+    by_worker = {s.worker_id: s for s in sender.served[2]}
+    assert by_worker["gen.0"].base == 1 and by_worker["gen.1"].base == -1, by_worker
+
+
+def test_a_receiver_with_other_files_gets_the_version_whole(made: list[Any], tmp_path: Path) -> None:
+    """Files that differ from the trainer's start by one element (another revision): the
+    receiver refuses the delta in one line and the version comes whole, exact. Without a
+    folder, or with ``seed: false``, it goes whole from the start."""
+    start = _weights()
+    ours = _model_folder(tmp_path / "trainer-model", start)
+    other = dict(start)
+    other["model.norm.weight"] = start["model.norm.weight"].clone()
+    other["model.norm.weight"][7] += 1
+    theirs = _model_folder(tmp_path / "generator-model", other)
+    transport = _seeded_transport(tmp_path, ours)
+    made.append(transport)
+    sender = transport.sender()
+    r = transport.receiver("gen.0", transport.receiver_spec())
+    made.append(r)
+    r.seed_from(theirs)
+    one = _nudge(start, 0.01, seed=1)
+    _sync(sender, [r], 1, one)
+    first, second = _served(sender, 1, "gen.0")
+    assert first.base == -1 and second.full and "not the trainer's starting weights" in second.why_full, second
+    assert "\n" not in second.why_full
+
+    unseeded = transport.receiver("gen.1", transport.receiver_spec())  # never told its folder
+    made.append(unseeded)
+    off = _seeded_transport(tmp_path / "off", ours, seed=False)
+    made.append(off)
+    r_off = off.receiver("gen.2", off.receiver_spec())
+    made.append(r_off)
+    r_off.seed_from(ours)
+    two = _nudge(one, 0.01, seed=2)
+    _sync(sender, [r, unseeded], 2, two)
+    assert {s.worker_id: s.full for s in sender.served[2]} == {"gen.0": False, "gen.1": True}
+    _sync(off.sender(), [r_off], 1, one)
+    (served,) = _served(off.sender(), 1, "gen.2")
+    assert served.full, served
+
+
+def test_receivers_connect_where_the_sender_is_advertised(made: list[Any]) -> None:
+    """``advertise``: receivers are told a port forward's address, not the sender's own, and
+    reach the sender through it."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        forward = probe.getsockname()[1]
+    transport = _transport(advertise=f"127.0.0.1:{forward}")
+    made.append(transport)
+    sender = transport.sender()
+    spec = transport.receiver_spec()
+    assert (spec["host"], spec["port"]) == ("127.0.0.1", forward) and forward != sender.port
+    relay = socket.create_server(("127.0.0.1", forward))
+    made.append(relay)
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            dst.close()
+
+    def accept() -> None:
+        down, _ = relay.accept()
+        up = socket.create_connection(("127.0.0.1", sender.port))
+        for a, b in ((down, up), (up, down)):
+            threading.Thread(target=pump, args=(a, b), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    r = transport.receiver("gen.0", spec)
+    made.append(r)
+    _sync(sender, [r], 1, _weights())
+    assert [s.worker_id for s in sender.served[1]] == ["gen.0"]
+    with pytest.raises(Exception, match="advertise"):
+        DeltaTransport.Options(advertise="no-port-here")

@@ -427,6 +427,8 @@ class HFGenerator(Generator):
     def _get_receiver(self) -> TransportReceiver:
         if self._receiver is None:
             self._receiver = self.transport.receiver(WORKER_ID)
+            if self.ctx.model_path is not None:
+                self._receiver.seed_from(self.ctx.model_path)
         return self._receiver
 
     @staticmethod

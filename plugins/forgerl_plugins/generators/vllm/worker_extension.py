@@ -43,6 +43,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 log = logging.getLogger(__name__)
@@ -444,7 +445,13 @@ class ForgeWorkerExtension:
 
             worker_id = f"{req.get('worker_prefix', 'vllm')}-rank{int(getattr(self, 'rank', 0))}"
             built = build_registry().transport_from(transport["described"])
-            receivers[key] = built.receiver(worker_id, transport.get("spec") or {})
+            receiver = built.receiver(worker_id, transport.get("spec") or {})
+            # The folder this server loaded: the receiver's first base, where its transport
+            # sends changes (the server's own copy, wherever it runs).
+            model = getattr(getattr(self, "model_config", None), "model", None)
+            if model and Path(model).is_dir():
+                receiver.seed_from(Path(model))
+            receivers[key] = receiver
         return receivers[key]
 
     @staticmethod

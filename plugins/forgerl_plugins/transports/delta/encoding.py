@@ -7,8 +7,16 @@ tensor is cut in blocks of ``block`` bytes; a block travels as
   not change are zero after the xor, and a run of zeros costs zstandard almost nothing, so
   the block's size follows the number of changed bytes. Exact for every dtype (bytes are
   xored, not values), no positions to encode, and one pass over memory each way.
-* ``RAW``: the new bytes as they are: in a full version, and for a block whose xor does not
-  compress below its raw size (an fp32 tensor that changed everywhere).
+* ``SPARSE``: for 2- and 4-byte floats (bf16, fp16, fp32), which change element by
+  element: a bitmap of the elements that changed and, for those only, the difference of
+  their bit patterns as integers (``new - base`` modulo 2^16 or 2^32, zigzagged, its bytes
+  split into planes), each compressed. An element that moved by one unit in the last place
+  costs a small difference whatever its bits, where its xor spells out the carry; the
+  bitmap costs about the entropy of where changes fall. Measured on SmolLM2-135M's first
+  AdamW step in bf16: 0.55 of ``XZ``'s bytes; on fp32 weights that change everywhere, 0.67.
+  Exact: integers added with wraparound give back the new bits, whatever they encode.
+* ``RAW``: the new bytes as they are: in a full version, and for a block whose encoding is
+  no smaller than its raw size.
 
 Each tensor's new bytes have an xxh3-128 checksum, which the receiver compares after
 applying (:func:`checksum`); the version's :func:`digest` over names, dtypes, shapes and
@@ -31,7 +39,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 RAW = 0
 XZ = 1
-KINDS = (RAW, XZ)
+SPARSE = 2
+KINDS = (RAW, XZ, SPARSE)
+#: Element widths SPARSE encodes, by the dtype names :func:`dtype_name` gives.
+SPARSE_WIDTHS = {"bfloat16": 2, "float16": 2, "float32": 4}
+_SPARSE_HEADER = "<QI"  # changed elements, compressed bitmap bytes
 
 
 @dataclass(frozen=True)
@@ -138,24 +150,60 @@ def full_blocks(data: np.ndarray, block: int) -> list[Block]:
     ]
 
 
-def delta_blocks(new: np.ndarray, base: np.ndarray, block: int, compressor: Any) -> list[Block]:
-    """A tensor against its base: each block xored and compressed, or raw where that is no
-    smaller. ``compressor`` is a ``zstandard.ZstdCompressor`` (one per thread)."""
+def delta_blocks(
+    new: np.ndarray, base: np.ndarray, block: int, compressor: Any, width: int | None = None
+) -> list[Block]:
+    """A tensor against its base, block by block: ``SPARSE`` for elements of ``width``
+    bytes (2 or 4; :data:`SPARSE_WIDTHS`), else ``XZ``; raw where that is no smaller.
+    ``compressor`` is a ``zstandard.ZstdCompressor`` (one per thread)."""
     assert new.size == base.size, f"delta of {new.size} bytes against a base of {base.size}"
+    sparse = width in (2, 4) and block % width == 0 and new.size % width == 0
     blocks: list[Block] = []
     scratch = None
     for off in range(0, new.size, block):
         end = min(new.size, off + block)
-        if scratch is None or scratch.size != end - off:
-            import numpy as np
+        if sparse:
+            assert width is not None
+            kind, packed = SPARSE, _sparse(new[off:end], base[off:end], width, compressor)
+        else:
+            if scratch is None or scratch.size != end - off:
+                import numpy as np
 
-            scratch = np.empty(end - off, dtype=np.uint8)
-        packed = compressor.compress(_xor(new[off:end], base[off:end], scratch).data)
+                scratch = np.empty(end - off, dtype=np.uint8)
+            kind, packed = XZ, compressor.compress(_xor(new[off:end], base[off:end], scratch).data)
         if len(packed) < end - off:
-            blocks.append(Block(XZ, end - off, packed))
+            blocks.append(Block(kind, end - off, packed))
         else:
             blocks.append(Block(RAW, end - off, new.data[off:end]))
     return blocks
+
+
+def _uint(width: int) -> Any:
+    import numpy as np
+
+    return np.uint16 if width == 2 else np.uint32
+
+
+def _planes(values: np.ndarray, width: int) -> np.ndarray:
+    """The bytes of ``values`` plane by plane (every element's low byte, then the next...):
+    the high planes of small differences are zeros, which compress to nothing."""
+    return values.view("u1").reshape(-1, width).T.copy()
+
+
+def _sparse(new: np.ndarray, base: np.ndarray, width: int, compressor: Any) -> bytes:
+    import struct
+
+    import numpy as np
+
+    kind = _uint(width)
+    n, b = new.view(kind), base.view(kind)
+    changed = n != b
+    diff = (n[changed] - b[changed]).view(np.int16 if width == 2 else np.int32)  # wraps: exact
+    bits = 8 * width - 1
+    zigzag = ((diff << 1) ^ (diff >> bits)).view(kind)  # small of either sign -> small unsigned
+    bitmap = compressor.compress(np.packbits(changed).data)
+    values = compressor.compress(_planes(zigzag, width).data)
+    return struct.pack(_SPARSE_HEADER, int(diff.size), len(bitmap)) + bitmap + values
 
 
 def compressor(level: int) -> Any:
@@ -177,10 +225,13 @@ class BlockError(ValueError):
     """A block that does not decode to what its header promised."""
 
 
-def apply_block(target: np.ndarray, off: int, kind: int, raw_len: int, payload: Any, dec: Any) -> None:
+def apply_block(
+    target: np.ndarray, off: int, kind: int, raw_len: int, payload: Any, dec: Any, width: int | None = None
+) -> None:
     """Write one block into ``target[off:off + raw_len]``: RAW bytes as they are, XZ bytes
-    xored into what is there (the base). Never writes outside that range, never
-    decompresses more than ``raw_len`` bytes."""
+    xored into what is there (the base), SPARSE differences added to its elements of
+    ``width`` bytes. Never writes outside that range, never decompresses more than the
+    block's size allows."""
     import numpy as np
 
     if off + raw_len > target.size:
@@ -191,18 +242,56 @@ def apply_block(target: np.ndarray, off: int, kind: int, raw_len: int, payload: 
             raise BlockError(f"raw block of {len(payload)} bytes, {raw_len} promised")
         dst[:] = np.frombuffer(payload, dtype=np.uint8)
         return
+    if kind == SPARSE:
+        _apply_sparse(dst, payload, dec, width)
+        return
     if kind != XZ:
         raise BlockError(f"unknown block kind {kind}")
+    diff = _decompress(payload, raw_len, dec)
+    _xor(dst, np.frombuffer(diff, dtype=np.uint8), out=dst)
+
+
+def _decompress(payload: Any, size: int, dec: Any) -> bytes:
+    """One zstandard frame that must give exactly ``size`` bytes (never more are made)."""
     import zstandard
 
     try:
         # decompress() trusts a frame's declared size over max_output_size: check it first.
         declared = zstandard.frame_content_size(payload)
-        if declared > raw_len:
-            raise BlockError(f"block declares {declared} bytes, {raw_len} promised")
-        diff = dec.decompress(payload, max_output_size=raw_len)
+        if declared > size:
+            raise BlockError(f"block declares {declared} bytes, {size} promised")
+        out = dec.decompress(payload, max_output_size=max(size, 1))
     except zstandard.ZstdError as exc:
         raise BlockError(f"block does not decompress: {exc}") from exc
-    if len(diff) != raw_len:
-        raise BlockError(f"block decompressed to {len(diff)} bytes, {raw_len} promised")
-    _xor(dst, np.frombuffer(diff, dtype=np.uint8), out=dst)
+    if len(out) != size:
+        raise BlockError(f"block decompressed to {len(out)} bytes, {size} promised")
+    return bytes(out)
+
+
+def _apply_sparse(dst: np.ndarray, payload: Any, dec: Any, width: int | None) -> None:
+    """Add a SPARSE block's differences into ``dst`` (the base's bytes), each checked
+    against what the raw length allows before it is decompressed."""
+    import struct
+
+    import numpy as np
+
+    if width not in (2, 4) or dst.size % width:
+        raise BlockError(f"a sparse block for elements of {width} bytes over {dst.size} bytes")
+    head = struct.calcsize(_SPARSE_HEADER)
+    if len(payload) < head:
+        raise BlockError("sparse block shorter than its header")
+    count, bitmap_len = struct.unpack_from(_SPARSE_HEADER, payload)
+    elements = dst.size // width
+    if count > elements or head + bitmap_len > len(payload):
+        raise BlockError(f"sparse block claims {count} changes in {elements} elements")
+    view = memoryview(payload)
+    packed = _decompress(view[head : head + bitmap_len], (elements + 7) // 8, dec)
+    changed = np.unpackbits(np.frombuffer(packed, dtype=np.uint8), count=elements).view(bool)
+    if int(changed.sum()) != count:
+        raise BlockError(f"sparse block's bitmap marks {int(changed.sum())} changes, {count} promised")
+    planes = np.frombuffer(_decompress(view[head + bitmap_len :], count * width, dec), dtype=np.uint8)
+    kind = _uint(width)
+    zigzag = planes.reshape(width, count).T.copy().view(kind).reshape(-1)
+    diff = (zigzag >> kind(1)) ^ (kind(0) - (zigzag & kind(1)))  # back to the wrapped difference
+    target = dst.view(kind)
+    target[changed] += diff

@@ -15,6 +15,12 @@ class Options(OptionsModel):
         "there; 0.0.0.0 for every interface, e.g. generators in another cluster).",
     )
     port: int = Field(0, ge=0, le=65535, description="The sender's TCP port (0: any free port).")
+    advertise: str | None = Field(
+        None,
+        pattern=r"^[^\s:]+:\d{1,5}$|^\[[0-9a-fA-F:]+\]:\d{1,5}$",
+        description="HOST:PORT receivers connect to, when something stands between them and the sender "
+        "(a NAT, a port forward, a proxy, a Kubernetes service); default: host and the sender's port.",
+    )
     secret_file: str | None = Field(
         None,
         description="File (mode 0600) holding the secret both sides authenticate with, for a sender and "
@@ -39,4 +45,10 @@ class Options(OptionsModel):
         ge=-7,
         le=19,
         description="zstandard level of the xor-encoded blocks (1: fast; higher: smaller, slower).",
+    )
+    seed: bool = Field(
+        True,
+        description="A receiver that holds nothing (a new or restarted generator) gets its first version as "
+        "a delta against the model folder it loaded, when its files give the trainer's starting weights "
+        "exactly (digests compared; else the version goes whole).",
     )

@@ -17,12 +17,13 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import TransportReceiver
 from forgerl_plugins.transports.common.control import Deadline, short
-from forgerl_plugins.transports.delta import encoding, wire
+from forgerl_plugins.transports.delta import encoding, seed, wire
 from forgerl_plugins.transports.delta.encoding import TensorInfo
 from forgerl_plugins.transports.delta.options import Options
 
@@ -77,6 +78,9 @@ class DeltaReceiver(TransportReceiver):
         self._key = key
         self._conn: wire.Conn | None = None
         self._held: Held | None = None
+        # The model folder this receiver's generator loaded (seed_from): its first version
+        # may come as a delta against those files.
+        self._seed_path: Path | None = None
         self._rid = 0
         self._drain_rid: int | None = None
         self._closed = False
@@ -131,6 +135,12 @@ class DeltaReceiver(TransportReceiver):
         conn.close()
         return latest
 
+    def seed_from(self, model_path: Path | str) -> None:
+        """The generator loaded ``model_path`` at start: a receiver holding nothing asks for
+        its first version against those files (``transport.options.seed``)."""
+        if self.options.seed:
+            self._seed_path = Path(model_path)
+
     # --------------------------------------------------------------- receive
 
     def receive(self, version: int, timeout: float | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -161,7 +171,8 @@ class DeltaReceiver(TransportReceiver):
                 self._rid += 1
                 rid, held = self._rid, self._held
                 want = {"rid": rid, "version": version, "base": held.version if held else None,
-                        "digest": held.digest if held else None}  # fmt: skip
+                        "digest": held.digest if held else None,
+                        "seed": held is None and self._seed_path is not None}  # fmt: skip
                 self._conn.send_json(wire.WANT, want, deadline)
                 while True:
                     kind, msg = self._conn.recv_json(deadline, wire.CONTROL_LIMIT)
@@ -224,9 +235,11 @@ class DeltaReceiver(TransportReceiver):
         start = time.monotonic()
         infos, blocks, block = _parse_offer(offer, version)
         base = offer.get("base")
-        held = self._held
+        kept = held = self._held
         refusal = ""
-        if base is not None and (
+        if base == seed.SEED and held is None:
+            held, refusal = self._seeded(infos, offer.get("base_digest"), version)
+        if not refusal and base is not None and (
             held is None or held.version != base or held.digest != offer.get("base_digest")
             or [(i.name, i.nbytes) for i in held.infos] != [(i.name, i.nbytes) for i in infos]
         ):  # fmt: skip
@@ -238,8 +251,8 @@ class DeltaReceiver(TransportReceiver):
             log.warning(refusal)
         total = sum(i.nbytes for i in infos)
         limit = wire.block_limit(block)
-        targets = self._targets(infos, base is not None) if not refusal else []
-        self._held = None if not refusal else held  # the held bytes are being rewritten
+        targets = self._targets(held, infos, base is not None) if not refusal else []
+        self._held = None if not refusal else kept  # the held bytes are being rewritten
         self.progress = (version, 0, total)
         dec = encoding.decompressor()
         wire_bytes, done, broken = 0, 0, ""
@@ -252,7 +265,8 @@ class DeltaReceiver(TransportReceiver):
                 wire_bytes += wire_len
                 if targets and not broken:
                     try:
-                        encoding.apply_block(targets[i], off, kind, raw_len, payload, dec)
+                        width = encoding.SPARSE_WIDTHS.get(infos[i].dtype)
+                        encoding.apply_block(targets[i], off, kind, raw_len, payload, dec, width)
                     except encoding.BlockError as exc:
                         broken = f"{infos[i].name!r}: {exc}"
                 off += raw_len
@@ -279,12 +293,28 @@ class DeltaReceiver(TransportReceiver):
                                   "why": refusal}, deadline)  # fmt: skip
         return not refusal
 
-    def _targets(self, infos: list[TensorInfo], delta: bool) -> list[np.ndarray]:
+    def _seeded(self, infos: list[TensorInfo], base_digest: Any, version: int) -> tuple[Held | None, str]:
+        """The base the model's files give for ``infos``, when its digest is the sender's;
+        else a refusal (the version then comes whole)."""
+        why = "this receiver was given no model folder"
+        if self._seed_path is not None:
+            built, why = seed.seed_version(self._seed_path, infos)
+            if built is not None and built.digest == base_digest:
+                return Held(seed.SEED, built.infos, built.data, built.digest), ""
+            if built is not None:
+                why = f"the files in {self._seed_path} are not the trainer's starting weights (digest differs)"
+        refusal = (
+            f"delta receiver {self.worker_id}: version {version} is a delta against the model's files, "
+            f"but {why}; asking for the full version"
+        )
+        log.warning(refusal)
+        return None, refusal
+
+    def _targets(self, held: Held | None, infos: list[TensorInfo], delta: bool) -> list[np.ndarray]:
         """Where the blocks land: the held bytes (a delta xors into them; a full version
         reuses them when the sizes match: fresh memory costs page faults), else new arrays."""
         import numpy as np
 
-        held = self._held
         if held is not None and [i.nbytes for i in held.infos] == [i.nbytes for i in infos]:
             return held.data
         assert not delta, "a delta is only applied to the base it names"

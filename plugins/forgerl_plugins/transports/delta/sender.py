@@ -11,7 +11,8 @@ What the sender keeps (memory stays bounded): the current version's bytes, and t
 of each older version some connected receiver has *confirmed* (acknowledged after its
 checksums matched) — its base. A base no live receiver holds is dropped; a receiver asking
 against it gets a full version. Deltas are encoded once per (version, base) and shared by
-every receiver on that base.
+every receiver on that base. A receiver that holds nothing but reads the run's model
+folder gets its first version against the files (seed.py), when the sender was given one.
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from forgerl.errors import TransportError, TransportTimeout
 from forgerl.interfaces import TransportSender
 from forgerl.types import WeightSet
 from forgerl_plugins.transports.common.control import Deadline, short
-from forgerl_plugins.transports.delta import encoding, wire
+from forgerl_plugins.transports.delta import encoding, seed, wire
 from forgerl_plugins.transports.delta.encoding import Block, Version
 from forgerl_plugins.transports.delta.options import Options
 
@@ -87,9 +89,20 @@ class DeltaSender(TransportSender):
     name = "delta"
 
     def __init__(
-        self, options: Options, listener: socket.socket, timeout: float, key: bytes, release: Any
+        self,
+        options: Options,
+        listener: socket.socket,
+        timeout: float,
+        key: bytes,
+        release: Any,
+        seed_path: Path | None = None,
     ) -> None:
         self.options = options
+        # Version 0 from the model's files (seed.py), built at the first send from its tensors.
+        self._seed_path = seed_path
+        self._seed: Version | None = None
+        #: Why a new receiver cannot start from the model's files ("" when it can).
+        self.seed_why = "not built yet" if seed_path is not None else "no model folder to seed from"
         self.default_timeout = timeout
         self.block = options.block_mb * 2**20
         self._key = key
@@ -130,6 +143,12 @@ class DeltaSender(TransportSender):
             )
         start = time.monotonic()
         snap = encoding.snapshot(version, iter(weights.items()))
+        if self._seed_path is not None and self.seed_why == "not built yet":
+            self._seed, self.seed_why = seed.seed_version(self._seed_path, snap.infos)
+            if self._seed is None:
+                log.info("delta sender: new receivers get their first version whole (%s)", self.seed_why)
+            else:
+                log.info("delta sender: new receivers start from the model's files (%s)", self._seed_path)
         self.encode_seconds[version] = time.monotonic() - start
         with self._cond:
             self._current = snap
@@ -168,6 +187,8 @@ class DeltaSender(TransportSender):
         keep = {m.confirmed for m in self._members.values() if m.gone is None and m.confirmed is not None}
         if self._current is not None:
             keep.add(self._current.version)
+        if self._seed is not None:
+            keep.add(seed.SEED)  # a receiver that restarts reads the files again
         for v in [v for v in self._versions if v not in keep]:
             del self._versions[v]
         current = self._current.version if self._current is not None else None
@@ -296,7 +317,7 @@ class DeltaSender(TransportSender):
         then wait for its acknowledgement; a refused delta is followed by the full version."""
         rid = want["rid"]
         base_version, base_digest, blocks, why_full = self._encoded(
-            current, want.get("base"), want.get("digest")
+            current, want.get("base"), want.get("digest"), bool(want.get("seed"))
         )
         for attempt in range(2):
             sent = self._stream(m, rid, current, base_version, base_digest, blocks)
@@ -359,29 +380,32 @@ class DeltaSender(TransportSender):
         return [encoding.full_blocks(data, self.block) for data in current.data]
 
     def _encoded(
-        self, current: Version, base: Any, digest: Any
+        self, current: Version, base: Any, digest: Any, seeded: bool = False
     ) -> tuple[int | None, str | None, list[list[Block]], str]:
         """(base used or None, its digest, blocks per tensor, why whole): a delta against ``base`` when
-        this sender holds exactly the bytes the receiver claims (same digest), else whole."""
-        if base is None:
-            return None, None, self._full(current), "the receiver holds no version"
+        this sender holds exactly the bytes the receiver claims (same digest); against the
+        model's files when the receiver holds nothing but can read them (``seeded``: it
+        checks the digest itself); else whole."""
+        if base is None and not (seeded and self._seed is not None):
+            why = "the receiver holds no version" + (f" (no seed: {self.seed_why})" if seeded else "")
+            return None, None, self._full(current), why
         with self._cond:
-            held = self._versions.get(int(base))
-            key = (current.version, int(base))
+            held = self._seed if base is None else self._versions.get(int(base))
+            key = (current.version, seed.SEED if base is None else int(base))
             lock = self._encode_locks.setdefault(key, threading.Lock()) if held is not None else None
         if held is None or lock is None:
             return None, None, self._full(current), f"base {base} is not held by the sender"
-        if held.digest != digest:
+        if base is not None and held.digest != digest:
             return (
                 None,
                 None,
                 self._full(current),
                 f"the receiver's base {base} is not the sender's (digest differs)",
             )
-        if held.version >= current.version or [(i.name, i.dtype, i.nbytes) for i in held.infos] != [
-            (i.name, i.dtype, i.nbytes) for i in current.infos
-        ]:
-            return None, None, self._full(current), f"base {base} has another layout"
+        if (held is not self._seed and held.version >= current.version) or [
+            (i.name, i.dtype, i.nbytes) for i in held.infos
+        ] != [(i.name, i.dtype, i.nbytes) for i in current.infos]:
+            return None, None, self._full(current), f"base {held.version} has another layout"
         with lock:  # one encoding per (version, base), shared by the receivers on that base
             with self._cond:
                 found = key in self._deltas
@@ -390,7 +414,8 @@ class DeltaSender(TransportSender):
                 start = time.monotonic()
                 comp = encoding.compressor(self.options.level)
                 blocks = [
-                    encoding.delta_blocks(n, b, self.block, comp) for n, b in zip(current.data, held.data)
+                    encoding.delta_blocks(n, b, self.block, comp, encoding.SPARSE_WIDTHS.get(info.dtype))
+                    for info, n, b in zip(current.infos, current.data, held.data)
                 ]
                 size = sum(b.wire_len for tb in blocks for b in tb)
                 cached = blocks if size < current.nbytes else None
@@ -402,7 +427,7 @@ class DeltaSender(TransportSender):
                         self._deltas[key] = cached
         if cached is None:
             return None, None, self._full(current), "the delta is not smaller than the full version"
-        return int(base), held.digest, cached, ""
+        return held.version, held.digest, cached, ""
 
     # ----------------------------------------------------------------- close
 
@@ -459,7 +484,7 @@ def _why(exc: BaseException) -> str:
 def _want(msg: Any) -> dict[str, Any]:
     try:
         want = {"rid": int(msg["rid"]), "version": int(msg["version"]), "base": msg.get("base"),
-                "digest": msg.get("digest")}  # fmt: skip
+                "digest": msg.get("digest"), "seed": msg.get("seed") is True}  # fmt: skip
         if want["base"] is not None:
             want["base"] = int(want["base"])
         return want

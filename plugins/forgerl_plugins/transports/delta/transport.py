@@ -2,9 +2,11 @@
 each receiver holds, over one TCP port authenticated with the run's secret.
 
 Between two RL steps most bf16 weights do not change (an update below half a bf16 ulp
-rounds away), so a version is sent as ``zstd(new XOR base)`` per block against the
-receiver's base (:mod:`.encoding`), and whole whenever in doubt: to a new or restarted
-receiver, after the trainer resumes (it holds no bases), when the receiver's base is not
+rounds away), so a version is sent as the elements that changed against the receiver's
+base, per block (:mod:`.encoding`). A new or restarted receiver's base is the model folder
+its generator loaded, when its files give the trainer's starting weights (:mod:`.seed`).
+A version goes whole whenever in doubt: to a receiver with no base, after the trainer
+resumes (it holds no bases), when the receiver's base is not
 the sender's (digest), when a delta is refused (checksum mismatch), and when the delta
 would not be smaller. The sender is :mod:`.sender`, the receiver :mod:`.receiver`, the
 frames and the handshake :mod:`.wire` (docs/transports.md, "delta").
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from pathlib import Path
 from typing import Any, TypeAlias
 
 from forgerl.errors import TransportError
@@ -56,9 +59,14 @@ class DeltaTransport(RunSettings, Transport):
         with self._lock:
             if self._sender is None:
                 self._sender = DeltaSender(
-                    self.options, self._listen(), self.default_timeout(), key, self._release
+                    self.options, self._listen(), self.default_timeout(), key, self._release, self._seed_path()
                 )
             return self._sender
+
+    def _seed_path(self) -> Path | None:
+        """The folder the trainer started from (the run's model), when seeding is on."""
+        path = getattr(self.ctx, "model_path", None)
+        return Path(path) if self.options.seed and path is not None else None
 
     def _listen(self) -> socket.socket:
         address = bind_address(self.options.host)
@@ -82,7 +90,11 @@ class DeltaTransport(RunSettings, Transport):
     def receiver_spec(self) -> dict[str, Any]:
         """Where the sender listens and the secret: hand it to receivers in their request or
         configuration, never on a command line."""
-        return {"host": self.options.host, "port": self.sender().port, "secret": self.secret()}
+        port = self.sender().port
+        if self.options.advertise:
+            host, _, told = self.options.advertise.rpartition(":")
+            return {"host": host.strip("[]"), "port": int(told), "secret": self.secret()}
+        return {"host": self.options.host, "port": port, "secret": self.secret()}
 
     def receiver(self, worker_id: str, spec: Any = None) -> DeltaReceiver:
         host, port, secret = self._sender_address(spec)
@@ -99,6 +111,9 @@ class DeltaTransport(RunSettings, Transport):
                     "receiver_spec(), which carries the run's secret"
                 )
             return str(spec.get("host") or self.options.host), int(spec["port"]), str(secret)
+        if self.options.advertise and (self._sender is not None or self.options.port):
+            host, _, port = self.options.advertise.rpartition(":")
+            return host.strip("[]"), int(port), self.secret()
         if self._sender is not None:
             return client_address(bind_address(self.options.host)), self._sender.port, self.secret()
         if self.options.port:

@@ -1,0 +1,54 @@
+"""Version 0 from the model's files: a run's trainer and generators all start from the same
+Hugging Face folder (each cluster its own copy), so the first update need not go whole.
+
+Both sides build the same base from their folder for the tensors the trainer sends (its
+names, dtypes and shapes, from the first version): each tensor read from the safetensors
+files and cast to the sent dtype, as the trainer's export casts its masters. The sender
+offers a delta against it with its digest; a receiver whose files give another digest
+(another revision, another dtype, files changed on disk) refuses it and gets the version
+whole, as for any wrong base. So a seed can only save bytes, never change them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .encoding import TensorInfo, Version, checksum, digest, tensor_bytes
+
+#: The base number of a delta against the model's files (real versions are >= 0).
+SEED = -1
+
+# What Hugging Face leaves out of the files when the output layer shares the embedding (a
+# wrong guess gives another digest: the version then goes whole).
+TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def seed_version(folder: Path | str, infos: list[TensorInfo]) -> tuple[Version | None, str]:
+    """(the base the files give for ``infos``, "") or (None, why not)."""
+    import torch
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None, f"no *.safetensors files in {folder}"
+    where: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            where.update((key, path) for key in f.keys())  # noqa: SIM118 (safe_open is no mapping)
+    out_infos: list[TensorInfo] = []
+    data: list[Any] = []
+    for info in infos:
+        key = info.name if info.name in where else TIED.get(info.name)
+        if key is None or key not in where:
+            return None, f"{info.name!r} is not in the model's files"
+        with safe_open(str(where[key]), framework="pt") as f:
+            tensor = f.get_tensor(key)
+        if tuple(tensor.shape) != info.shape:
+            return None, f"{info.name!r} is {tuple(tensor.shape)} in the files, {info.shape} in the version"
+        raw = tensor_bytes(tensor.to(getattr(torch, info.dtype)), copy=True)
+        out_infos.append(TensorInfo(info.name, info.dtype, info.shape, int(raw.size), checksum(raw)))
+        data.append(raw)
+    return Version(SEED, out_infos, data, digest(out_infos)), ""
+
