@@ -286,6 +286,9 @@ class DeltaReceiver(TransportReceiver):
                 log.warning(refusal)
             else:
                 self._held = Held(version, infos, targets, encoding.digest(infos))
+                if base == seed.SEED:
+                    log.info("delta receiver %s: version %d came as %d bytes against the model's files",
+                             self.worker_id, version, wire_bytes)  # fmt: skip
         self.last_received = Received(
             version, base, wire_bytes, time.monotonic() - start, [refusal] if refusal else []
         )
