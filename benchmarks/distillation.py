@@ -53,6 +53,8 @@ def main() -> None:
     parser.add_argument("--reward-weight", type=float, default=0.0, help="distill.reward_weight of the distill runs")
     parser.add_argument("--output", default=None, help="folder of every run (default runs/distillation-<time>)")
     parser.add_argument("--set", dest="sets", action="append", default=[], help="more --set for both runs")
+    parser.add_argument("--distill-set", dest="distill_sets", action="append", default=[],
+                        help="more --set for the distill runs only (their own learning rate, say)")
     parser.add_argument("--smoke", action="store_true", help="the tiny model, end to end, in minutes")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -73,7 +75,8 @@ def main() -> None:
 
     distill = [*common, "--set", "objective=distill", "--set", f"distill.teacher.options.model={folder}",
                "--set", f"distill.teacher.options.server={args.teacher_server}",
-               "--set", f"distill.reward_weight={args.reward_weight}"]  # fmt: skip
+               "--set", f"distill.reward_weight={args.reward_weight}",
+               *(x for s in args.distill_sets for x in ("--set", s))]  # fmt: skip
     if args.smoke and args.teacher_server == "vllm":
         distill += ["--set", "distill.teacher.options.dtype=float32"]
     runs: list[dict[str, Any]] = []
