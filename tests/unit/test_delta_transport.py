@@ -521,6 +521,20 @@ def _seeded_transport(tmp_path: Path, folder: Path, **options: Any) -> DeltaTran
     return DeltaTransport(DeltaTransport.Options(**options), context=context)
 
 
+def _seeded_receiver(
+    made: list[Any], tmp_path: Path, trainer_folder: Path, receiver_folder: Path
+) -> tuple[DeltaTransport, DeltaSender, DeltaReceiver]:
+    """A sender that started from ``trainer_folder`` and one receiver told it loaded
+    ``receiver_folder``."""
+    transport = _seeded_transport(tmp_path, trainer_folder)
+    made.append(transport)
+    sender = transport.sender()
+    r = transport.receiver("gen.0", transport.receiver_spec())
+    made.append(r)
+    r.seed_from(receiver_folder)
+    return transport, sender, r
+
+
 def test_a_new_receiver_gets_its_first_version_against_the_model_files(made: list[Any], tmp_path: Path) -> None:
     """The trainer and the generator started from the same folder: version 1 goes as a delta
     against the files on both sides (the output layer tied to the embedding, as Hugging Face
@@ -529,12 +543,7 @@ def test_a_new_receiver_gets_its_first_version_against_the_model_files(made: lis
     start = {**_weights(), "lm_head.weight": torch.zeros(1)}
     start["lm_head.weight"] = start["model.embed_tokens.weight"]
     folder = _model_folder(tmp_path / "model", start, tied=True)
-    transport = _seeded_transport(tmp_path, folder)
-    made.append(transport)
-    sender = transport.sender()
-    r = transport.receiver("gen.0", transport.receiver_spec())
-    made.append(r)
-    r.seed_from(folder)
+    transport, sender, r = _seeded_receiver(made, tmp_path, folder, folder)
     one = _nudge(start, 0.01, seed=1)
     _sync(sender, [r], 1, one)
     (served,) = _served(sender, 1, "gen.0")
@@ -561,12 +570,7 @@ def test_a_receiver_with_other_files_gets_the_version_whole(made: list[Any], tmp
     other["model.norm.weight"] = start["model.norm.weight"].clone()
     other["model.norm.weight"][7] += 1
     theirs = _model_folder(tmp_path / "generator-model", other)
-    transport = _seeded_transport(tmp_path, ours)
-    made.append(transport)
-    sender = transport.sender()
-    r = transport.receiver("gen.0", transport.receiver_spec())
-    made.append(r)
-    r.seed_from(theirs)
+    transport, sender, r = _seeded_receiver(made, tmp_path, ours, theirs)
     one = _nudge(start, 0.01, seed=1)
     _sync(sender, [r], 1, one)
     first, second = _served(sender, 1, "gen.0")
