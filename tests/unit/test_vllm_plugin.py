@@ -148,7 +148,11 @@ def test_files_left_by_an_earlier_job_are_not_taken_for_this_ones(tmp_path):
     report and an endpoint of a server that is gone must not count."""
     pytest.importorskip("httpx")
 
-    old = time.time() - 3600
+    from forgerl_plugins.generators.common.replica import process_start_time
+
+    # An hour before this process began (not before now: a test process of a long suite
+    # may be older than an hour, and the job's start is what counts).
+    old = process_start_time() - 3600
     launcher.write_endpoint(server.endpoint_file(tmp_path, 0), {"error": "old failure", "time": old})
     port = launcher.free_port("127.0.0.1")  # nothing listens there
     launcher.write_endpoint(
