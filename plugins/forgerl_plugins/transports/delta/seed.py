@@ -27,8 +27,11 @@ TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 def seed_version(folder: Path | str, infos: list[TensorInfo]) -> tuple[Version | None, str]:
     """(the base the files give for ``infos``, "") or (None, why not)."""
     import torch
-    from safetensors import safe_open
 
+    try:
+        from safetensors import safe_open
+    except ImportError:  # a receiver's machine without it: the first version goes whole
+        return None, "safetensors is not installed (pip install safetensors)"
     folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
