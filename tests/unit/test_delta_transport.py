@@ -628,3 +628,21 @@ def test_receivers_connect_where_the_sender_is_advertised(made: list[Any]) -> No
     assert [s.worker_id for s in sender.served[1]] == ["gen.0"]
     with pytest.raises(Exception, match="advertise"):
         DeltaTransport.Options(advertise="no-port-here")
+
+
+def test_torn_model_files_cost_only_the_saving(tmp_path: Path) -> None:
+    """A receiver whose model file is cut short (a partial download) cannot build the
+    base: one reason, no exception; its version then comes whole."""
+    from forgerl_plugins.transports.delta import seed
+
+    start = _weights()
+    folder = _model_folder(tmp_path / "model", start)
+    snap = encoding.snapshot(1, iter(start.items()))
+    built, why = seed.seed_version(folder, snap.infos)
+    assert built is not None and why == ""
+    data = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").write_bytes(data[: len(data) // 2])
+    built, why = seed.seed_version(folder, snap.infos)
+    assert built is None and "do not read" in why and "\n" not in why, why
+    built, why = seed.seed_version(tmp_path / "nowhere", snap.infos)
+    assert built is None and "no *.safetensors" in why, why

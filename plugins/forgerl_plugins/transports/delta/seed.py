@@ -26,13 +26,19 @@ TIED = {"lm_head.weight": "model.embed_tokens.weight"}
 
 def seed_version(folder: Path | str, infos: list[TensorInfo]) -> tuple[Version | None, str]:
     """(the base the files give for ``infos``, "") or (None, why not)."""
+    try:
+        return _read(Path(folder), infos)
+    except Exception as exc:  # noqa: BLE001 - unreadable or torn files only cost the saving
+        return None, f"the model's files in {folder} do not read ({type(exc).__name__}: {exc})"[:300]
+
+
+def _read(folder: Path, infos: list[TensorInfo]) -> tuple[Version | None, str]:
     import torch
 
     try:
         from safetensors import safe_open
     except ImportError:  # a receiver's machine without it: the first version goes whole
         return None, "safetensors is not installed (pip install safetensors)"
-    folder = Path(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None, f"no *.safetensors files in {folder}"
