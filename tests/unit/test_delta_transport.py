@@ -538,8 +538,8 @@ def _seeded_receiver(
 def test_a_new_receiver_gets_its_first_version_against_the_model_files(made: list[Any], tmp_path: Path) -> None:
     """The trainer and the generator started from the same folder: version 1 goes as a delta
     against the files on both sides (the output layer tied to the embedding, as Hugging Face
-    saves it), bit-exact, far smaller than whole; a second receiver that restarts later
-    starts from the files too."""
+    saves it), bit-exact, far smaller than whole. The sender frees its copy of the files once
+    every receiver holds a version, and reads them again for a receiver that joins later."""
     start = {**_weights(), "lm_head.weight": torch.zeros(1)}
     start["lm_head.weight"] = start["model.embed_tokens.weight"]
     folder = _model_folder(tmp_path / "model", start, tied=True)
@@ -551,6 +551,7 @@ def test_a_new_receiver_gets_its_first_version_against_the_model_files(made: lis
     assert not served.full and served.base == -1, served
     assert served.wire_bytes < full / 10, (served.wire_bytes, full)
     assert sender.seed_why == ""
+    assert sender._seed is None, "every receiver holds a version: the files' copy is freed"
     two = _nudge(one, 0.01, seed=2)
     late = transport.receiver("gen.1", transport.receiver_spec())
     made.append(late)

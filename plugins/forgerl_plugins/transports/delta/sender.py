@@ -101,6 +101,9 @@ class DeltaSender(TransportSender):
         # Version 0 from the model's files (seed.py), built at the first send from its tensors.
         self._seed_path = seed_path
         self._seed: Version | None = None
+        # The seed is a whole copy of the weights: dropped once every receiver holds a version
+        # of its own, read from the files again for one that restarts (one at a time).
+        self._seed_lock = threading.Lock()
         #: Why a new receiver cannot start from the model's files ("" when it can).
         self.seed_why = "not built yet" if seed_path is not None else "no model folder to seed from"
         self.default_timeout = timeout
@@ -187,8 +190,11 @@ class DeltaSender(TransportSender):
         keep = {m.confirmed for m in self._members.values() if m.gone is None and m.confirmed is not None}
         if self._current is not None:
             keep.add(self._current.version)
+        live = [m for m in self._members.values() if m.gone is None]
+        if self._seed is not None and live and all(m.confirmed is not None for m in live):
+            self._seed = None  # every receiver has a base of its own: free the copy
         if self._seed is not None:
-            keep.add(seed.SEED)  # a receiver that restarts reads the files again
+            keep.add(seed.SEED)
         for v in [v for v in self._versions if v not in keep]:
             del self._versions[v]
         current = self._current.version if self._current is not None else None
@@ -379,6 +385,17 @@ class DeltaSender(TransportSender):
     def _full(self, current: Version) -> list[list[Block]]:
         return [encoding.full_blocks(data, self.block) for data in current.data]
 
+    def _reseed(self, current: Version) -> None:
+        """Read the model's files again for a receiver that holds nothing (the copy was freed)."""
+        assert self._seed_path is not None
+        with self._seed_lock:
+            if self._seed is None:
+                built, why = seed.seed_version(self._seed_path, current.infos)
+                if built is None:
+                    log.info("delta sender: the model's files no longer give a base (%s)", why)
+                with self._cond:
+                    self._seed, self.seed_why = built, why
+
     def _encoded(
         self, current: Version, base: Any, digest: Any, seeded: bool = False
     ) -> tuple[int | None, str | None, list[list[Block]], str]:
@@ -386,11 +403,14 @@ class DeltaSender(TransportSender):
         this sender holds exactly the bytes the receiver claims (same digest); against the
         model's files when the receiver holds nothing but can read them (``seeded``: it
         checks the digest itself); else whole."""
-        if base is None and not (seeded and self._seed is not None):
+        if base is None and seeded and self._seed is None and self.seed_why == "":
+            self._reseed(current)
+        files = self._seed
+        if base is None and not (seeded and files is not None):
             why = "the receiver holds no version" + (f" (no seed: {self.seed_why})" if seeded else "")
             return None, None, self._full(current), why
         with self._cond:
-            held = self._seed if base is None else self._versions.get(int(base))
+            held = files if base is None else self._versions.get(int(base))
             key = (current.version, seed.SEED if base is None else int(base))
             lock = self._encode_locks.setdefault(key, threading.Lock()) if held is not None else None
         if held is None or lock is None:
@@ -402,7 +422,7 @@ class DeltaSender(TransportSender):
                 self._full(current),
                 f"the receiver's base {base} is not the sender's (digest differs)",
             )
-        if (held is not self._seed and held.version >= current.version) or [
+        if (held is not files and held.version >= current.version) or [
             (i.name, i.dtype, i.nbytes) for i in held.infos
         ] != [(i.name, i.dtype, i.nbytes) for i in current.infos]:
             return None, None, self._full(current), f"base {held.version} has another layout"
