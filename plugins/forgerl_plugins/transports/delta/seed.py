@@ -11,6 +11,7 @@ whole, as for any wrong base. So a seed can only save bytes, never change them.
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -42,22 +43,22 @@ def _read(folder: Path, infos: list[TensorInfo]) -> tuple[Version | None, str]:
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         return None, f"no *.safetensors files in {folder}"
-    where: dict[str, Path] = {}
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            where.update((key, path) for key in f.keys())  # noqa: SIM118 (safe_open is no mapping)
     out_infos: list[TensorInfo] = []
     data: list[Any] = []
-    for info in infos:
-        key = info.name if info.name in where else TIED.get(info.name)
-        if key is None or key not in where:
-            return None, f"{info.name!r} is not in the model's files"
-        with safe_open(str(where[key]), framework="pt") as f:
-            tensor = f.get_tensor(key)
-        if tuple(tensor.shape) != info.shape:
-            return None, f"{info.name!r} is {tuple(tensor.shape)} in the files, {info.shape} in the version"
-        raw = tensor_bytes(tensor.to(getattr(torch, info.dtype)), copy=True)
-        out_infos.append(TensorInfo(info.name, info.dtype, info.shape, int(raw.size), checksum(raw)))
-        data.append(raw)
+    with ExitStack() as stack:  # each file opened once (a sharded checkpoint has several)
+        where: dict[str, Any] = {}
+        for path in files:
+            handle = stack.enter_context(safe_open(str(path), framework="pt"))
+            where.update((key, handle) for key in handle.keys())  # noqa: SIM118 (safe_open is no mapping)
+        for info in infos:
+            key = info.name if info.name in where else TIED.get(info.name)
+            if key is None or key not in where:
+                return None, f"{info.name!r} is not in the model's files"
+            tensor = where[key].get_tensor(key)
+            if tuple(tensor.shape) != info.shape:
+                return None, f"{info.name!r} is {tuple(tensor.shape)} in the files, {info.shape} in the version"
+            raw = tensor_bytes(tensor.to(getattr(torch, info.dtype)), copy=True)
+            out_infos.append(TensorInfo(info.name, info.dtype, info.shape, int(raw.size), checksum(raw)))
+            data.append(raw)
     return Version(SEED, out_infos, data, digest(out_infos)), ""
 
