@@ -551,7 +551,7 @@ def test_a_new_receiver_gets_its_first_version_against_the_model_files(made: lis
     assert not served.full and served.base == -1, served
     assert served.wire_bytes < full / 10, (served.wire_bytes, full)
     assert sender.seed_why == ""
-    assert sender._seed is None, "every receiver holds a version: the files' copy is freed"
+    assert sender._files.version is None, "every receiver holds a version: the files' copy is freed"
     two = _nudge(one, 0.01, seed=2)
     late = transport.receiver("gen.1", transport.receiver_spec())
     made.append(late)

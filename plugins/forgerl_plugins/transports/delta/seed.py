@@ -11,11 +11,15 @@ whole, as for any wrong base. So a seed can only save bytes, never change them.
 
 from __future__ import annotations
 
+import logging
+import threading
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
 from .encoding import TensorInfo, Version, checksum, digest, tensor_bytes
+
+log = logging.getLogger(__name__)
 
 #: The base number of a delta against the model's files (real versions are >= 0).
 SEED = -1
@@ -62,3 +66,38 @@ def _read(folder: Path, infos: list[TensorInfo]) -> tuple[Version | None, str]:
             data.append(raw)
     return Version(SEED, out_infos, data, digest(out_infos)), ""
 
+
+
+class FilesBase:
+    """The sender's base from the model's files: built from the first version's layout,
+    freed once every receiver holds a version of its own (it is a whole copy of the
+    weights), read again for a receiver that joins or restarts later."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = folder
+        self.version: Version | None = None
+        #: Why a new receiver cannot start from the files ("" when it can).
+        self.why = "not built yet" if folder is not None else "no model folder to seed from"
+        self._lock = threading.Lock()
+
+    def first(self, infos: list[TensorInfo]) -> None:
+        """Build it from the first version's layout (once)."""
+        if self.folder is not None and self.why == "not built yet":
+            self.version, self.why = seed_version(self.folder, infos)
+            if self.version is None:
+                log.info("delta sender: new receivers get their first version whole (%s)", self.why)
+            else:
+                log.info("delta sender: new receivers start from the model's files (%s)", self.folder)
+
+    def get(self, infos: list[TensorInfo]) -> Version | None:
+        """The base, read again if it was freed (one reader at a time); None: there is none."""
+        if self.version is None and self.why == "" and self.folder is not None:
+            with self._lock:
+                if self.version is None:
+                    self.version, self.why = seed_version(self.folder, infos)
+                    if self.version is None:
+                        log.info("delta sender: the model's files no longer give a base (%s)", self.why)
+        return self.version
+
+    def free(self) -> None:
+        self.version = None

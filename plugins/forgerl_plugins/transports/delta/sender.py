@@ -99,13 +99,7 @@ class DeltaSender(TransportSender):
     ) -> None:
         self.options = options
         # Version 0 from the model's files (seed.py), built at the first send from its tensors.
-        self._seed_path = seed_path
-        self._seed: Version | None = None
-        # The seed is a whole copy of the weights: dropped once every receiver holds a version
-        # of its own, read from the files again for one that restarts (one at a time).
-        self._seed_lock = threading.Lock()
-        #: Why a new receiver cannot start from the model's files ("" when it can).
-        self.seed_why = "not built yet" if seed_path is not None else "no model folder to seed from"
+        self._files = seed.FilesBase(seed_path)
         self.default_timeout = timeout
         self.block = options.block_mb * 2**20
         self._key = key
@@ -146,12 +140,7 @@ class DeltaSender(TransportSender):
             )
         start = time.monotonic()
         snap = encoding.snapshot(version, iter(weights.items()))
-        if self._seed_path is not None and self.seed_why == "not built yet":
-            self._seed, self.seed_why = seed.seed_version(self._seed_path, snap.infos)
-            if self._seed is None:
-                log.info("delta sender: new receivers get their first version whole (%s)", self.seed_why)
-            else:
-                log.info("delta sender: new receivers start from the model's files (%s)", self._seed_path)
+        self._files.first(snap.infos)
         self.encode_seconds[version] = time.monotonic() - start
         with self._cond:
             self._current = snap
@@ -191,9 +180,9 @@ class DeltaSender(TransportSender):
         if self._current is not None:
             keep.add(self._current.version)
         live = [m for m in self._members.values() if m.gone is None]
-        if self._seed is not None and live and all(m.confirmed is not None for m in live):
-            self._seed = None  # every receiver has a base of its own: free the copy
-        if self._seed is not None:
+        if live and all(m.confirmed is not None for m in live):
+            self._files.free()  # every receiver has a base of its own
+        if self._files.version is not None:
             keep.add(seed.SEED)
         for v in [v for v in self._versions if v not in keep]:
             del self._versions[v]
@@ -201,6 +190,11 @@ class DeltaSender(TransportSender):
         for k in [k for k in self._deltas if k[0] != current or k[1] not in keep]:
             del self._deltas[k]
             self._encode_locks.pop(k, None)
+
+    @property
+    def seed_why(self) -> str:
+        """Why a new receiver cannot start from the model's files ("" when it can)."""
+        return self._files.why
 
     # --------------------------------------------------------------- serving
 
@@ -385,17 +379,6 @@ class DeltaSender(TransportSender):
     def _full(self, current: Version) -> list[list[Block]]:
         return [encoding.full_blocks(data, self.block) for data in current.data]
 
-    def _reseed(self, current: Version) -> None:
-        """Read the model's files again for a receiver that holds nothing (the copy was freed)."""
-        assert self._seed_path is not None
-        with self._seed_lock:
-            if self._seed is None:
-                built, why = seed.seed_version(self._seed_path, current.infos)
-                if built is None:
-                    log.info("delta sender: the model's files no longer give a base (%s)", why)
-                with self._cond:
-                    self._seed, self.seed_why = built, why
-
     def _encoded(
         self, current: Version, base: Any, digest: Any, seeded: bool = False
     ) -> tuple[int | None, str | None, list[list[Block]], str]:
@@ -403,11 +386,9 @@ class DeltaSender(TransportSender):
         this sender holds exactly the bytes the receiver claims (same digest); against the
         model's files when the receiver holds nothing but can read them (``seeded``: it
         checks the digest itself); else whole."""
-        if base is None and seeded and self._seed is None and self.seed_why == "":
-            self._reseed(current)
-        files = self._seed
-        if base is None and not (seeded and files is not None):
-            why = "the receiver holds no version" + (f" (no seed: {self.seed_why})" if seeded else "")
+        files = self._files.get(current.infos) if base is None and seeded else None
+        if base is None and files is None:
+            why = "the receiver holds no version" + (f" (no seed: {self._files.why})" if seeded else "")
             return None, None, self._full(current), why
         with self._cond:
             held = files if base is None else self._versions.get(int(base))
