@@ -101,12 +101,17 @@ def rewards_unused(config: RunConfig, registry: Registry) -> str | None:
     """Why the config's ``rewards`` score nothing in this run (None: they are used): its
     environment scores every trajectory itself (``scores = True``), so the rewards, the
     defaults included, are never called."""
-    from forgerl.environment import Environment
-
     name = config.environment.name
     if name is None or config.environment.sources is not None:
         return None  # no environment, or one that plays some sources: the others' rewards score
-    cls = registry.get("environment", name).load_factory()
-    if isinstance(cls, type) and issubclass(cls, Environment) and cls.scores is True:
+    if scores_itself(registry.get("environment", name).load_factory()):
         return f"environment {name!r} scores its trajectories itself (scores = True)"
     return None
+
+
+def scores_itself(factory: object) -> bool:
+    """Whether an environment backend's factory is a class that gives the reward itself
+    (``scores = True``), so the run's Reward plugins never see its trajectories."""
+    from forgerl.environment import Environment
+
+    return isinstance(factory, type) and issubclass(factory, Environment) and factory.scores is True

@@ -253,12 +253,11 @@ def check_reward_sources(config: RunConfig, registry: Registry) -> None:
 
 
 def _environment_scores(config: RunConfig, registry: Registry) -> bool:
-    from forgerl.environment import Environment
+    from forgerl.registry.resolve import scores_itself
 
     if config.environment.name is None:
         return False
-    cls = registry.require("environment", config.environment.name).load_factory()
-    return isinstance(cls, type) and issubclass(cls, Environment) and cls.scores is True
+    return scores_itself(registry.require("environment", config.environment.name).load_factory())
 
 
 def _check_named_sources(where: str, named: list[str], sources: list[str] | None, task: str) -> None:
