@@ -18,6 +18,11 @@ import socket
 import sys
 
 
+def delay_seconds(delay: str) -> float:
+    """``20ms`` or ``0.02s`` (as ``tc`` writes them) in seconds."""
+    return float(delay.removesuffix("ms")) / 1000 if delay.endswith("ms") else float(delay.removesuffix("s"))
+
+
 async def pump(
     reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float, rate: float | None = None
 ) -> None:

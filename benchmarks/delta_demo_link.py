@@ -36,6 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _delay_relay import delay_seconds
+
 ROOT = Path(__file__).resolve().parent.parent
 FORGE = [sys.executable, "-m", "forgerl.cli"]
 
@@ -46,10 +50,6 @@ def _bits_per_s(rate: str) -> float:
         if rate.lower().endswith(suffix):
             return float(rate[: -len(suffix)]) * scale
     return float(rate)
-
-
-def _seconds(delay: str) -> float:
-    return float(delay.removesuffix("ms")) / 1000 if delay.endswith("ms") else float(delay.removesuffix("s"))
 
 
 def _free_port() -> int:
@@ -68,7 +68,7 @@ def run(kind: str, out: Path, args: argparse.Namespace) -> dict[str, Any]:
         port = _free_port()
         relay = subprocess.Popen(
             [sys.executable, str(ROOT / "benchmarks" / "_delay_relay.py"), "127.0.0.1", str(port),
-             str(_seconds(args.delay)), str(_bits_per_s(args.rate))],
+             str(delay_seconds(args.delay)), str(_bits_per_s(args.rate))],
             stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert relay.stdout is not None

@@ -47,6 +47,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _delay_relay import delay_seconds
 from trainer_floor import grpo_batch, make_trainer, model_folder
 
 NS = f"fdl{os.getpid() % 100000}"
@@ -204,7 +205,7 @@ def main() -> None:
         if shaped:  # receivers reach the sender through the delay relay, in the namespace
             relay = subprocess.Popen(
                 ["ip", "netns", "exec", NS, sys.executable, str(ROOT / "benchmarks" / "_delay_relay.py"), HOST_IP,
-                 str(sender.port), str(_seconds(args.delay))], stdout=subprocess.PIPE, text=True,
+                 str(sender.port), str(delay_seconds(args.delay))], stdout=subprocess.PIPE, text=True,
             )  # fmt: skip
             procs.append(relay)
             assert relay.stdout is not None
@@ -287,10 +288,6 @@ def main() -> None:
             {"summary": summary, "rows": rows} if args.json else summary, indent=None if args.json else 1
         )
     )
-
-
-def _seconds(delay: str) -> float:
-    return float(delay.removesuffix("ms")) / 1000 if delay.endswith("ms") else float(delay.removesuffix("s"))
 
 
 def _cpu() -> str:
